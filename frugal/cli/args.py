@@ -1,0 +1,57 @@
+"""Command-line flags shared by every subcommand (vLLM names where vLLM has one)."""
+
+from __future__ import annotations
+
+import argparse
+
+from frugal.config import CacheConfig, EngineConfig, SchedulerConfig
+from frugal.request import SamplingParams
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", default=None,
+                        help="a .gguf file, a HF model directory, or a dummy preset "
+                             "(default: the bundled SmolLM2-135M-Instruct GGUF)")
+    g = parser.add_argument_group("engine")
+    g.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+    g.add_argument("--load-format", default="auto", choices=["auto", "gguf", "safetensors",
+                                                             "dummy"])
+    g.add_argument("--dtype", default="auto", help="auto (fp32 on CPU), float32, bfloat16, float16")
+    g.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
+    g.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    g.add_argument("--kv-cache-memory", default="2GiB",
+                   help="KV pool budget: bytes (4GiB, 512MiB) or a fraction of free memory")
+    g.add_argument("--kv-cache-dtype", default="auto")
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="token budget of one step (prefill chunks + decodes)")
+    g.add_argument("--max-model-len", type=int, default=None)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
+        seed=args.seed,
+        cache=CacheConfig(page_size=args.page_size, kv_cache_memory=args.kv_cache_memory,
+                          kv_cache_dtype=args.kv_cache_dtype),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
+                                  max_num_batched_tokens=args.max_num_batched_tokens,
+                                  max_model_len=args.max_model_len))
+
+
+def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int = 256) -> None:
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=max_tokens)
+    g.add_argument("--temperature", type=float, default=1.0, help="0 means greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                          top_p=args.top_p, top_k=args.top_k, seed=args.sampling_seed,
+                          stop=args.stop, ignore_eos=args.ignore_eos)

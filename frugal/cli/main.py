@@ -1,0 +1,39 @@
+"""`frugal` command line: generate, chat, bench."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from frugal import __version__
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from frugal.bench.offline import add_bench_parser
+    from frugal.cli.generate import add_chat_parser, add_generate_parser
+
+    parser = argparse.ArgumentParser(prog="frugal", description="frugal: LLM inference engine")
+    parser.add_argument("--version", action="version", version=f"frugal {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    add_generate_parser(sub)
+    add_chat_parser(sub)
+    add_bench_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    try:
+        return args.func(args)
+    except ValueError as e:  # bad input: say what is wrong, no traceback
+        print(f"frugal: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,219 @@
+"""Engine configuration: frozen dataclasses composed into one EngineConfig.
+
+Validation raises ValueError naming the offending field; nothing here touches tensors.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a Llama-family decoder (Llama, SmolLM2, Qwen2, Qwen3 dense).
+
+    Flags instead of forks: qkv_bias (Qwen2), o_bias (Llama attention_bias), qk_norm (Qwen3),
+    tie_word_embeddings, rope_scaling (Llama 3.1 'llama3' or 'linear').
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
+    hidden_act: str = "silu"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_kv_heads: {self.num_kv_heads} does not divide num_heads "
+                             f"{self.num_heads}")
+        if self.hidden_act != "silu":
+            raise ValueError(f"hidden_act: only 'silu' is supported, got {self.hidden_act!r}")
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any], eos_token_ids: tuple[int, ...] = ()) -> ModelConfig:
+        """Build from a HF `config.json` dict (Llama / Qwen2 / Qwen3 / Mistral conventions)."""
+        archs = hf.get("architectures") or []
+        if not archs:
+            raise ValueError("architectures: missing from config.json")
+        arch = archs[0]
+        num_heads = hf["num_attention_heads"]
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
+        # transformers 5 folds rope_theta/rope_scaling into rope_parameters.
+        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+        theta = rope.pop("rope_theta", None) or hf.get("rope_theta", 10000.0)
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        is_qwen2 = arch.startswith("Qwen2")
+        attention_bias = bool(hf.get("attention_bias", False))
+        if hf.get("use_sliding_window"):
+            raise ValueError("use_sliding_window: sliding-window attention is not supported")
+        if hf.get("mlp_bias"):
+            raise ValueError("mlp_bias: MLP biases are not supported")
+        eos = hf.get("eos_token_id")
+        if not eos_token_ids and eos is not None:
+            eos_token_ids = tuple(eos) if isinstance(eos, list) else (eos,)
+        return cls(
+            architecture=arch,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=None if rope_type == "default" else rope,
+            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=is_qwen2 or attention_bias,
+            o_bias=attention_bias and not is_qwen2,
+            qk_norm=arch.startswith("Qwen3"),
+            hidden_act=hf.get("hidden_act", "silu"),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=eos_token_ids,
+            dtype=str(hf.get("dtype") or hf.get("torch_dtype") or "float32"),
+        )
+
+
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "KIB": 2**10, "M": 10**6, "MB": 10**6,
+          "MIB": 2**20, "G": 10**9, "GB": 10**9, "GIB": 2**30, "T": 10**12, "TB": 10**12,
+          "TIB": 2**40}
+
+
+def parse_memory(value: str | int | float, field_name: str = "kv_cache_memory") -> int | float:
+    """'4GiB' / '512MB' / 1073741824 -> bytes (int); a number in (0, 1] -> a fraction (float)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        number, unit = float(value), ""
+    else:
+        m = _SIZE.match(str(value))
+        if not m:
+            raise ValueError(f"{field_name}: cannot parse {value!r} "
+                             "(use e.g. 2GiB, 512MiB, or 0.3)")
+        number, unit = float(m.group(1)), (m.group(2) or "").upper()
+    if number <= 0:
+        raise ValueError(f"{field_name}: must be positive, got {value!r}")
+    if not unit and number <= 1.0:
+        return number
+    if unit not in _UNITS:
+        raise ValueError(f"{field_name}: unknown unit in {value!r}")
+    return int(number * _UNITS[unit])
+
+
+def available_memory_bytes(device: str) -> int:
+    """Memory a KV budget fraction refers to: free device memory (CUDA) or available RAM (CPU)."""
+    if device.startswith("cuda"):
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache: pages of page_size tokens, the pool sized from kv_cache_memory."""
+
+    page_size: int = 16
+    kv_cache_memory: int | float = 2 * 2**30  # bytes, or a fraction of available memory
+    kv_cache_dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size: must be a power of two, got {self.page_size}")
+        object.__setattr__(self, "kv_cache_memory", parse_memory(self.kv_cache_memory))
+        if self.kv_cache_dtype not in ("auto", *DTYPES):
+            raise ValueError(f"kv_cache_dtype: unsupported {self.kv_cache_dtype!r}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits. max_model_len None means the model's context length."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs: must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens: must be >= 1, got "
+                             f"{self.max_num_batched_tokens}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len: must be >= 2, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs. model None means the bundled default model."""
+
+    model: str | None = None
+    load_format: str = "auto"  # auto | gguf | safetensors | dummy
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if self.load_format not in ("auto", "gguf", "safetensors", "dummy"):
+            raise ValueError(f"load_format: unsupported {self.load_format!r} "
+                             "(auto, gguf, safetensors, dummy)")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype: unsupported {self.dtype!r} ({', '.join(DTYPES)})")
+        if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
+            raise ValueError(f"device: unsupported {self.device!r} (auto, cpu, cuda)")
+
+    def resolved_device(self) -> str:
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return self.device
+
+    def resolved_dtype(self, model: ModelConfig) -> torch.dtype:
+        """'auto': fp32 on CPU (fast and exact there); the checkpoint's half dtype on GPU."""
+        if self.dtype != "auto":
+            return DTYPES[self.dtype]
+        if self.resolved_device() == "cpu":
+            return torch.float32
+        half = DTYPES.get(model.dtype)
+        return half if half in (torch.float16, torch.bfloat16) else torch.bfloat16

@@ -1,0 +1,173 @@
+"""The engine: add_request / step / abort_request over scheduler, model runner, detokenizer."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+from frugal.config import EngineConfig
+from frugal.engine.detokenizer import IncrementalDetokenizer, find_stop
+from frugal.engine.model_runner import ModelRunner
+from frugal.engine.scheduler import Scheduler
+from frugal.kv_cache.page_allocator import PageAllocator
+from frugal.loader import open_checkpoint
+from frugal.request import (
+    CompletionOutput,
+    FinishReason,
+    Request,
+    RequestOutput,
+    SamplingParams,
+)
+
+logger = logging.getLogger("frugal")
+
+
+class LLMEngine:
+    """Continuous-batching engine. Not thread-safe: one caller drives add/step/abort."""
+
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        checkpoint = open_checkpoint(config.model, config.load_format, config.seed)
+        self.tokenizer = checkpoint.tokenizer
+        self.model_config = mc = checkpoint.config
+        self.runner = ModelRunner(config, checkpoint)
+        pool = self.runner.pool
+        wanted = config.scheduler.max_model_len or mc.max_position_embeddings
+        if wanted > mc.max_position_embeddings:
+            raise ValueError(f"max_model_len: {wanted} exceeds the model's context length "
+                             f"{mc.max_position_embeddings}")
+        self.max_model_len = min(wanted, pool.capacity_tokens)
+        if self.max_model_len < wanted:
+            logger.warning("max_model_len lowered from %d to %d: the KV cache holds no more",
+                           wanted, self.max_model_len)
+        self.scheduler = Scheduler(PageAllocator(pool.num_pages), pool.page_size,
+                                   config.scheduler.max_num_seqs,
+                                   config.scheduler.max_num_batched_tokens)
+        eos = self.tokenizer.eos_token_ids if self.tokenizer else mc.eos_token_ids
+        self.eos_token_ids = set(eos)
+        self._requests: dict[str, Request] = {}
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._ids = itertools.count()
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Queue a prompt (text or token ids). Raises ValueError naming the bad field; on error
+        nothing is queued and running requests are untouched."""
+        params = params or SamplingParams()
+        token_ids = self.tokenize(prompt)
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt: {len(token_ids)} tokens leave no room to generate within "
+                             f"max_model_len {self.max_model_len}")
+        request_id = str(next(self._ids)) if request_id is None else request_id
+        if request_id in self._requests:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        max_total = self.max_model_len
+        if params.max_tokens is not None:
+            max_total = min(max_total, len(token_ids) + params.max_tokens)
+        request = Request(request_id, prompt if isinstance(prompt, str) else None, token_ids,
+                          params, max_total)
+        if params.seed is not None:
+            request.generator = self.runner.sampler.make_generator(params.seed)
+        self._requests[request_id] = request
+        if self.tokenizer is not None:
+            self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer,
+                                                                     params.skip_special_tokens)
+        self.scheduler.add(request)
+        return request_id
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        """Validated prompt token ids."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt: must not be empty")
+            if self.tokenizer is None:
+                raise ValueError("prompt: this model has no tokenizer; pass token ids")
+            return self.tokenizer.encode(prompt)
+        if not isinstance(prompt, (list, tuple)):
+            raise ValueError(f"prompt: expected text or a list of token ids, got "
+                             f"{type(prompt).__name__}")
+        if not prompt:
+            raise ValueError("prompt: must not be empty")
+        vocab = self.model_config.vocab_size
+        for t in prompt:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise ValueError(f"prompt: token id {t!r} is not in [0, {vocab})")
+        return list(prompt)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Finish a request with reason 'abort' and free its pages now."""
+        request = self._requests.get(request_id)
+        if request is None:
+            return None
+        self.scheduler.finish(request, FinishReason.ABORT)
+        return self._release(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # -- stepping ---------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule and run one step; outputs for the requests that produced a token."""
+        out = self.scheduler.schedule()
+        if not out.requests:
+            return []
+        sampled, tokens = self.runner.execute(out)
+        for request, n in zip(out.requests, out.num_new_tokens):
+            request.num_computed_tokens += n
+        outputs = []
+        for i, token in zip(sampled, tokens):
+            request = out.requests[i]
+            request.output_token_ids.append(token)
+            reason = self._check_stop(request, token)
+            if reason is None:
+                outputs.append(self._output(request))
+            else:
+                self.scheduler.finish(request, reason)
+                outputs.append(self._release(request))
+        return outputs
+
+    def _check_stop(self, request: Request, token: int) -> FinishReason | None:
+        params = request.params
+        detok = self._detokenizers.get(request.request_id)
+        if detok is not None:
+            delta = detok.update(request.output_token_ids)
+            if params.stop and delta:
+                hit = find_stop(detok.text, len(delta), params.stop)
+                if hit is not None:
+                    detok.text = detok.text[:hit[0]]
+                    request.stop_reason = hit[1]
+                    return FinishReason.STOP
+        if not params.ignore_eos and token in self.eos_token_ids:
+            return FinishReason.STOP
+        if token in params.stop_token_ids:
+            request.stop_reason = token
+            return FinishReason.STOP
+        if request.num_tokens >= request.max_total_tokens:
+            return FinishReason.LENGTH
+        return None
+
+    def _release(self, request: Request) -> RequestOutput:
+        """Final output of a finished request; forget it."""
+        detok = self._detokenizers.get(request.request_id)
+        if detok is not None and not isinstance(request.stop_reason, str):
+            detok.update(request.output_token_ids, final=True)  # flush a trailing partial char
+        output = self._output(request)
+        self._requests.pop(request.request_id, None)
+        self._detokenizers.pop(request.request_id, None)
+        return output
+
+    def _output(self, request: Request) -> RequestOutput:
+        detok = self._detokenizers.get(request.request_id)
+        text = detok.text if detok is not None else ""
+        if not request.finished and request.params.stop:
+            # hold back what could still become a stop string, so no part of one is ever shown
+            hold = max(len(s) for s in request.params.stop) - 1
+            text = text[:max(0, len(text) - hold)]
+        completion = CompletionOutput(0, text, list(request.output_token_ids),
+                                      str(request.finish_reason) if request.finished else None,
+                                      request.stop_reason)
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
+                             [completion], request.finished)

@@ -1,0 +1,133 @@
+"""Builds the model and its KV pool, turns a scheduled step into tensors, runs it, samples."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from frugal import ops
+from frugal.config import DTYPES, EngineConfig, available_memory_bytes
+from frugal.engine.sampler import Sampler
+from frugal.engine.scheduler import SchedulerOutput
+from frugal.kv_cache.pool import KVPool
+from frugal.layers.attention import AttentionMetadata
+from frugal.loader import Checkpoint
+from frugal.models.registry import model_class
+
+logger = logging.getLogger("frugal")
+
+
+@dataclass
+class StepInputs:
+    """One step's model inputs. logits_indices: rows of the hidden states to sample from
+    (the last new token of each request whose computed tokens reach its num_tokens)."""
+
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # [num_sampled] int64
+    sampled: list[int]  # indices into SchedulerOutput.requests that sample this step
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+class ModelRunner:
+    """Owns the model, the KV pool and the sampler on one device."""
+
+    def __init__(self, config: EngineConfig, checkpoint: Checkpoint) -> None:
+        self.device = config.resolved_device()
+        self.model_config = mc = checkpoint.config
+        self.dtype = config.resolved_dtype(mc)
+        ops.select("torch_ref")
+        start = time.perf_counter()
+        with _default_dtype(self.dtype), torch.device(self.device):
+            self.model = model_class(mc)(mc)
+        checkpoint.load_into(self.model)
+        logger.info("loaded %s (%s, %d layers) in %.1f s as %s on %s", mc.architecture,
+                    type(checkpoint).__name__, mc.num_layers, time.perf_counter() - start,
+                    str(self.dtype).removeprefix("torch."), self.device)
+        cache = config.cache
+        kv_dtype = self.dtype if cache.kv_cache_dtype == "auto" else DTYPES[cache.kv_cache_dtype]
+        page_bytes = KVPool.page_bytes(mc.num_layers, cache.page_size, mc.num_kv_heads,
+                                       mc.head_dim, kv_dtype)
+        budget = cache.kv_cache_memory
+        if isinstance(budget, float):
+            budget = int(budget * available_memory_bytes(self.device))
+        num_pages = budget // page_bytes
+        if num_pages < 1:
+            raise ValueError(f"kv_cache_memory: {budget} bytes is less than one page "
+                             f"({page_bytes} bytes)")
+        self.pool = KVPool(mc.num_layers, num_pages, cache.page_size, mc.num_kv_heads,
+                           mc.head_dim, kv_dtype, self.device)
+        for i, attn in enumerate(self.model.attention_layers()):
+            attn.k_cache, attn.v_cache = self.pool.k[i], self.pool.v[i]
+        logger.info("KV cache: %d pages x %d tokens = %d tokens (%.2f GiB, %s)", num_pages,
+                    cache.page_size, self.pool.capacity_tokens, self.pool.num_bytes / 2**30,
+                    str(kv_dtype).removeprefix("torch."))
+        self.sampler = Sampler(self.device, config.seed)
+
+    def prepare(self, out: SchedulerOutput) -> StepInputs:
+        """Flatten the scheduled requests' new tokens into one batch."""
+        page_size = self.pool.page_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        cu_seqlens, seq_lens, logits_indices, sampled = [0], [], [], []
+        for i, (request, n) in enumerate(zip(out.requests, out.num_new_tokens)):
+            start = request.num_computed_tokens
+            end = start + n
+            input_ids += request.token_ids(start, end)
+            positions += range(start, end)
+            table = request.page_table
+            slots += [table[p // page_size].page_id * page_size + p % page_size
+                      for p in range(start, end)]
+            cu_seqlens.append(cu_seqlens[-1] + n)
+            seq_lens.append(end)
+            if end == request.num_tokens:
+                logits_indices.append(cu_seqlens[-1] - 1)
+                sampled.append(i)
+        max_pages = max(len(r.page_table) for r in out.requests)
+        page_table = [[ref.page_id for ref in r.page_table] + [0] * (max_pages - len(r.page_table))
+                      for r in out.requests]
+
+        def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=self.device)
+
+        meta = AttentionMetadata(
+            slot_mapping=tensor(slots, torch.int64),
+            page_table=tensor(page_table, torch.int32),
+            cu_seqlens_q=tensor(cu_seqlens, torch.int32),
+            seq_lens=tensor(seq_lens, torch.int32),
+        )
+        return StepInputs(tensor(input_ids, torch.int64), tensor(positions, torch.int64), meta,
+                          tensor(logits_indices, torch.int64), sampled)
+
+    @torch.inference_mode()
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
+        """Final hidden states of every new token: [num_tokens, hidden]."""
+        return self.model(inputs.input_ids, inputs.positions, inputs.meta)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> tuple[list[int], list[int]]:
+        """Run one step. Returns (indices into out.requests that sampled, their new token ids)."""
+        inputs = self.prepare(out)
+        hidden = self.forward(inputs)
+        if not inputs.sampled:
+            return [], []
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        requests = [out.requests[i] for i in inputs.sampled]
+        tokens = self.sampler(logits, [r.params for r in requests],
+                              [r.generator for r in requests])
+        return inputs.sampled, tokens.tolist()

@@ -1,0 +1,69 @@
+"""Token sampling on the logits' device: greedy, temperature, top-k, top-p, per-request seeds."""
+
+from __future__ import annotations
+
+import torch
+
+from frugal.request import SamplingParams
+
+
+class Sampler:
+    """Picks one token per row of logits.
+
+    Random rows use the exponential race (argmax of p / E with E ~ Exp(1)), which draws from p;
+    a seeded request draws its noise from its own generator, so its tokens depend only on its seed
+    and logits, never on what else is in the batch.
+    """
+
+    def __init__(self, device: str, seed: int) -> None:
+        self.device = device
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+
+    def make_generator(self, seed: int) -> torch.Generator:
+        return torch.Generator(device=self.device).manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
+                 generators: list[torch.Generator | None]) -> torch.Tensor:
+        """logits: [n, vocab] fp32 -> [n] int64 token ids."""
+        greedy = logits.argmax(dim=-1)
+        if all(p.greedy for p in params):
+            return greedy
+        n, vocab = logits.shape
+        temperature = torch.tensor([1.0 if p.greedy else p.temperature for p in params],
+                                   device=logits.device)
+        logits = logits / temperature[:, None]
+        top_k = [vocab if p.top_k in (-1, 0) else min(p.top_k, vocab) for p in params]
+        top_p = [p.top_p for p in params]
+        if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
+            logits = apply_top_k_top_p(logits, torch.tensor(top_k, device=logits.device),
+                                       torch.tensor(top_p, device=logits.device))
+        probs = logits.softmax(dim=-1)
+        noise = torch.empty_like(probs)
+        shared = [i for i, g in enumerate(generators) if g is None]
+        if shared:
+            noise[shared] = torch.empty(len(shared), vocab, device=logits.device).exponential_(
+                generator=self.generator)
+        for i, g in enumerate(generators):
+            if g is not None:
+                noise[i].exponential_(generator=g)
+        sampled = (probs / noise).argmax(dim=-1)
+        is_greedy = torch.tensor([p.greedy for p in params], device=logits.device)
+        return torch.where(is_greedy, greedy, sampled)
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor,
+                      top_p: torch.Tensor) -> torch.Tensor:
+    """Mask to -inf what falls outside each row's top-k and its top-p nucleus.
+
+    logits: [n, vocab]; top_k: [n] int64 in [1, vocab] (vocab = off); top_p: [n] in (0, 1].
+    The most likely token always survives.
+    """
+    vocab = logits.shape[-1]
+    ascending, order = logits.sort(dim=-1)
+    kth_largest = ascending.gather(1, (vocab - top_k).unsqueeze(1))
+    ascending = ascending.masked_fill(ascending < kth_largest, float("-inf"))
+    cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
+    outside = cumulative <= (1.0 - top_p).unsqueeze(1)
+    outside[:, -1] = False
+    ascending = ascending.masked_fill(outside, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, ascending)

@@ -1,0 +1,131 @@
+"""Continuous batching with one code path: every step schedules a number of tokens per request.
+
+A request has num_tokens (prompt + output so far) and num_computed_tokens (those whose KV is in the
+cache). A step gives each chosen request min(num_tokens - num_computed_tokens, budget left) tokens,
+so a prompt prefill, a chunk of one, a single decode token and a recompute after preemption are all
+the same thing. Running requests go first, oldest first; when pages run out the newest running
+request is preempted (its pages freed, its progress reset to 0) and recomputed later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from frugal.kv_cache.page_allocator import IntegrityError, PageAllocator
+from frugal.request import FinishReason, Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    """requests[i] computes num_new_tokens[i] tokens this step, from its num_computed_tokens."""
+
+    requests: list[Request] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+
+class Scheduler:
+    """Owns the waiting queue, the running list and the page tables of running requests.
+
+    Invariants (checked by check_integrity): only running requests hold pages; a running request
+    holds exactly ceil(num_computed_tokens / page_size) pages between steps.
+    """
+
+    def __init__(self, allocator: PageAllocator, page_size: int, max_num_seqs: int,
+                 max_num_batched_tokens: int) -> None:
+        self.allocator = allocator
+        self.page_size = page_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self._reserve(request, n):
+                victim = self.running.pop()  # newest; never one already scheduled (those are < i)
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is request:
+                    break
+            if request.status is not RequestStatus.RUNNING:
+                break
+            out.requests.append(request)
+            out.num_new_tokens.append(n)
+            budget -= n
+            i += 1
+        # New work only when nothing had to give way this step (else it would be preempted again).
+        while (not out.preempted and self.waiting and budget > 0
+               and len(self.running) < self.max_num_seqs):
+            request = self.waiting[0]
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._reserve(request, n):
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.requests.append(request)
+            out.num_new_tokens.append(n)
+            budget -= n
+        return out
+
+    def _reserve(self, request: Request, num_new_tokens: int) -> bool:
+        """Give the request enough pages for num_new_tokens more tokens, if there are enough."""
+        needed = -(-(request.num_computed_tokens + num_new_tokens) // self.page_size)
+        missing = needed - len(request.page_table)
+        if missing <= 0:
+            return True
+        if missing > self.allocator.num_free:
+            return False
+        request.page_table.extend(self.allocator.allocate(missing))
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.allocator.free(request.page_table)
+        request.page_table = []
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+
+    def finish(self, request: Request, reason: FinishReason) -> None:
+        """Take the request out of the queues and free its pages at once."""
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+        self.allocator.free(request.page_table)
+        request.page_table = []
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+
+    def check_integrity(self) -> None:
+        """Walk all bookkeeping between steps; raises IntegrityError on the first contradiction."""
+        for request in self.waiting:
+            if request.page_table or request.status is not RequestStatus.WAITING:
+                raise IntegrityError(f"waiting request {request.request_id} holds pages or is "
+                                     f"{request.status.value}")
+        for request in self.running:
+            expected = -(-request.num_computed_tokens // self.page_size)
+            if len(request.page_table) != expected or request.status is not RequestStatus.RUNNING:
+                raise IntegrityError(
+                    f"running request {request.request_id}: {len(request.page_table)} pages for "
+                    f"{request.num_computed_tokens} computed tokens (expected {expected})")
+        self.allocator.check(r.page_table for r in self.running)

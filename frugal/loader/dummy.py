@@ -1,0 +1,47 @@
+"""Random weights at real shapes (`--load-format dummy`), for benchmarks without a checkpoint."""
+
+from __future__ import annotations
+
+import torch
+
+from frugal.config import ModelConfig
+
+# HF config.json fields of well-known shapes; only the shapes matter for dummy weights.
+PRESETS: dict[str, dict] = {
+    "llama-3.1-8b": {
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096,
+        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        "max_position_embeddings": 131072, "tie_word_embeddings": False,
+        "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009], "dtype": "bfloat16",
+    },
+    "qwen3-8b": {
+        "architectures": ["Qwen3ForCausalLM"], "vocab_size": 151936, "hidden_size": 4096,
+        "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0, "max_position_embeddings": 40960, "tie_word_embeddings": False,
+        "bos_token_id": 151643, "eos_token_id": 151645, "dtype": "bfloat16",
+    },
+}
+
+
+class DummyCheckpoint:
+    """Weights drawn from N(0, 0.02²) (norm weights 1) for any parameter the model asks for."""
+
+    def __init__(self, config: ModelConfig, tokenizer=None, seed: int = 0) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.seed = seed
+
+    def load_into(self, model: torch.nn.Module) -> None:
+        """Overwrite every parameter of `model` in place (deterministic for a seed and device)."""
+        gen = None
+        for name, param in model.named_parameters():
+            if gen is None:
+                gen = torch.Generator(device=param.device).manual_seed(self.seed)
+            if "norm" in name:
+                param.data.fill_(1.0)
+            else:
+                param.data.normal_(0.0, 0.02, generator=gen)

@@ -1,0 +1,150 @@
+"""The Llama family in one file: Llama 2/3, SmolLM2, Mistral, Qwen2 and Qwen3 dense, via flags.
+
+Parameter names follow HF transformers so checkpoints load as they are; q/k/v and gate/up are fused
+into one matmul each and filled shard by shard (packed_modules).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from frugal import ops
+from frugal.config import ModelConfig
+from frugal.layers.attention import Attention, AttentionMetadata
+from frugal.layers.linear import Linear, MergedLinear, load_whole
+from frugal.layers.norm import RMSNorm
+from frugal.layers.rotary import RotaryEmbedding
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, c: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        self.qkv_proj = MergedLinear(c.hidden_size, [q_size, kv_size, kv_size], ["q", "k", "v"],
+                                     bias=c.qkv_bias)
+        self.o_proj = Linear(q_size, c.hidden_size, bias=c.o_bias)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
+        self.rotary = rotary
+        self.attn = Attention(c.num_heads, c.num_kv_heads, c.head_dim)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q = q.reshape(-1, self.num_heads, self.head_dim)
+        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(q, k, positions)
+        o = self.attn(q, k, v, meta)
+        return self.o_proj(o.reshape(-1, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        size = c.intermediate_size
+        self.gate_up_proj = MergedLinear(c.hidden_size, [size, size], [0, 1])
+        self.down_proj = Linear(size, c.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, c: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = LlamaAttention(c, rotary)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = LlamaMLP(c)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: this layer's input delta; residual: the running sum (None at layer 0)."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, positions, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        rotary = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta,
+                                 c.rope_scaling)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(c, rotary) for _ in range(c.num_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(x, residual, positions, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class LlamaForCausalLM(nn.Module):
+    """forward -> final hidden states [num_tokens, hidden]; compute_logits -> [n, vocab] fp32."""
+
+    # checkpoint projection name -> (fused parameter, shard id)
+    packed_modules = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"),
+                      "v_proj": ("qkv_proj", "v"), "gate_proj": ("gate_up_proj", 0),
+                      "up_proj": ("gate_up_proj", 1)}
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named tensors; every parameter (every shard of a fused one) must be filled."""
+        params = dict(self.named_parameters())
+        pending = {name: set(getattr(self.get_submodule(name.rsplit(".", 1)[0]), "shards", [None]))
+                   for name in params}
+        for name, tensor in weights:
+            if "rotary_emb" in name or (name == "lm_head.weight"
+                                        and self.config.tie_word_embeddings):
+                continue
+            target, shard = name, None
+            for ckpt_name, (fused, shard_id) in self.packed_modules.items():
+                if f".{ckpt_name}." in name:
+                    target, shard = name.replace(ckpt_name, fused), shard_id
+                    break
+            param = params.get(target)
+            if param is None:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in "
+                                 f"{type(self).__name__}")
+            loader = getattr(param, "weight_loader", load_whole)
+            try:
+                loader(param, tensor.to(param.dtype), shard)
+            except ValueError as e:
+                raise ValueError(f"checkpoint tensor {name!r}: {e}") from e
+            pending[target].discard(shard)
+        missing = sorted(name for name, shards in pending.items() if shards)
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} parameters, e.g. {missing[:3]}")

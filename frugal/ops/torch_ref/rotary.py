@@ -1,0 +1,21 @@
+"""Rotary position embedding, GPT-NeoX layout (each head's dims split into two rotating halves)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+                 cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: [num_tokens, num_heads, head_dim]; k: [num_tokens, num_kv_heads, head_dim];
+    positions: [num_tokens] int64; cos_sin: [max_positions, head_dim] fp32 as (cos | sin) halves.
+
+    Returns rotated (q, k) in their input dtype; the rotation itself is computed in fp32.
+    """
+    cos, sin = cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)

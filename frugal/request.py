@@ -1,0 +1,137 @@
+"""Requests and their outputs: plain dataclasses shaped like vLLM's offline API."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from frugal.kv_cache.page_allocator import PageRef
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or max_model_len reached
+    ABORT = "abort"  # aborted by the caller
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens and when to stop.
+
+    temperature 0 means greedy. top_k -1 (or 0) and top_p 1.0 disable those filters.
+    max_tokens None means up to the model's context. Stop strings are not part of the output text.
+    """
+
+    max_tokens: int | None = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int)
+                                            or self.max_tokens < 1):
+            raise ValueError(f"max_tokens: must be an integer >= 1, got {self.max_tokens!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature: must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ValueError(f"top_k: must be -1 (disabled) or >= 0, got {self.top_k!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ValueError(f"seed: must be an integer, got {self.seed!r}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = [s for s in (self.stop or [])]
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop: must be non-empty strings, got {self.stop!r}")
+        self.stop_token_ids = list(self.stop_token_ids or [])
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+
+@dataclass
+class CompletionOutput:
+    """One completion. text is cumulative; token_ids include a final EOS/stop token if any."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """What the engine reports for a request after a step (cumulative, like vLLM)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """A request's state across steps.
+
+    Invariants: num_computed_tokens <= num_tokens; tokens [0, num_computed_tokens) have their KV in
+    the pages of page_table (page i holds positions [i*page_size, (i+1)*page_size)).
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_total_tokens: int  # prompt + the most output tokens this request may produce
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    page_table: list[PageRef] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+    generator: torch.Generator | None = None  # a seeded request's own sampling noise
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens at positions [start, end) of prompt + output."""
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n:end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED

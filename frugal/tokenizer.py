@@ -1,0 +1,139 @@
+"""Tokenizer and chat template, built from GGUF metadata or a HF `tokenizer.json`.
+
+GGUF byte-level BPE: the `smollm` pre-tokenizer splits every digit on its own before the GPT-2
+split, as llama.cpp and the original SmolLM2 `tokenizer.json` do. transformers' GGUF conversion
+skips the digit split, so "a  1" (two spaces, a digit) tokenizes differently there; frugal follows
+llama.cpp and the original tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.sandbox
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+Conversation = list[dict[str, Any]]
+
+# llama.cpp pre-tokenizer names -> extra splits before the byte-level GPT-2 regex split
+_GGUF_PRE = {"default": [], "gpt2": [], "smollm": [pre_tokenizers.Digits(individual_digits=True)]}
+_CONTROL, _USER_DEFINED = 3, 4
+
+
+class Tokenizer:
+    """Text <-> token ids, special tokens and the chat template.
+
+    eos_token_ids: every id that ends generation (the EOS plus any end-of-turn ids).
+    """
+
+    def __init__(self, tok: HFTokenizer, *, bos_token_id: int | None, eos_token_ids: list[int],
+                 chat_template: str | None, add_bos: bool) -> None:
+        self._tok = tok
+        self.bos_token_id = bos_token_id
+        self.eos_token_ids = eos_token_ids
+        self.chat_template = chat_template
+        self.add_bos = add_bos
+        self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
+        self._template: jinja2.Template | None = None
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.eos_token_ids[0] if self.eos_token_ids else None
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of text; a BOS is prepended when the model wants one and add_special_tokens."""
+        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self.add_bos and self.bos_token_id is not None:
+            if not ids or ids[0] != self.bos_token_id:
+                ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, conversation: Conversation,
+                            add_generation_prompt: bool = True) -> str:
+        """Render a conversation ([{'role', 'content'}, ...]) with the model's template."""
+        if not self.chat_template:
+            raise ValueError("chat: this model has no chat template")
+        if not isinstance(conversation, list) or not all(
+                isinstance(m, dict) and "role" in m and "content" in m for m in conversation):
+            raise ValueError("messages: must be a list of {'role': ..., 'content': ...} dicts")
+        if self._template is None:
+            env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+                trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+            env.filters["tojson"] = lambda x, indent=None: json.dumps(x, indent=indent,
+                                                                       ensure_ascii=False)
+            env.globals["raise_exception"] = _raise_template_error
+            self._template = env.from_string(self.chat_template)
+        special = {"bos_token": self._token_text(self.bos_token_id),
+                   "eos_token": self._token_text(self.eos_token_id)}
+        return self._template.render(messages=conversation,
+                                     add_generation_prompt=add_generation_prompt, **special)
+
+    def _token_text(self, token_id: int | None) -> str:
+        return "" if token_id is None else (self._tok.id_to_token(token_id) or "")
+
+    @classmethod
+    def from_gguf(cls, meta: dict[str, Any], path: str) -> Tokenizer:
+        """meta: GGUF key/values (`tokenizer.ggml.*`, `tokenizer.chat_template`)."""
+        kind = meta.get("tokenizer.ggml.model")
+        pre = meta.get("tokenizer.ggml.pre", "default")
+        if kind != "gpt2":
+            raise ValueError(f"{path}: GGUF tokenizer model {kind!r} is not supported (gpt2 only)")
+        if pre not in _GGUF_PRE:
+            raise ValueError(f"{path}: GGUF pre-tokenizer {pre!r} is not supported "
+                             f"({', '.join(_GGUF_PRE)})")
+        tokens: list[str] = meta["tokenizer.ggml.tokens"]
+        types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+        merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+        vocab = {t: i for i, t in enumerate(tokens)}
+        tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [*_GGUF_PRE[pre], pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+        tok.decoder = decoders.ByteLevel()
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t, ty in zip(tokens, types) if ty == _CONTROL])
+        tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                        for t, ty in zip(tokens, types) if ty == _USER_DEFINED])
+        eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
+               if meta.get(k) is not None]
+        return cls(tok, bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+                   eos_token_ids=list(dict.fromkeys(eos)),
+                   chat_template=meta.get("tokenizer.chat_template"),
+                   add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)))
+
+    @classmethod
+    def from_dir(cls, path: Path, eos_token_ids: tuple[int, ...] = ()) -> Tokenizer:
+        """A HF model directory: tokenizer.json (+ tokenizer_config.json for the template)."""
+        tok_file = path / "tokenizer.json"
+        if not tok_file.is_file():
+            raise ValueError(f"{path}: no tokenizer.json")
+        tok = HFTokenizer.from_file(str(tok_file))
+        cfg_file = path / "tokenizer_config.json"
+        cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+        template = cfg.get("chat_template")
+        jinja_file = path / "chat_template.jinja"
+        if template is None and jinja_file.is_file():
+            template = jinja_file.read_text()
+
+        def token_id(key: str) -> int | None:
+            value = cfg.get(key)
+            value = value.get("content") if isinstance(value, dict) else value
+            return tok.token_to_id(value) if value else None
+
+        eos = list(eos_token_ids) or [i for i in [token_id("eos_token")] if i is not None]
+        # tokenizer.json's post-processor already adds BOS where the model wants one.
+        return cls(tok, bos_token_id=token_id("bos_token"), eos_token_ids=eos,
+                   chat_template=template, add_bos=False)
+
+
+def _raise_template_error(message: str) -> None:
+    raise ValueError(f"chat template: {message}")
