@@ -48,6 +48,7 @@ class LLMEngine:
         self._requests: dict[str, Request] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
+        self.num_preemptions = 0  # total, for metrics
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -112,6 +113,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule and run one step; outputs for the requests that produced a token."""
         out = self.scheduler.schedule()
+        self.num_preemptions += len(out.preempted)
         if not out.requests:
             return []
         sampled, tokens = self.runner.execute(out)

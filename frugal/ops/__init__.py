@@ -1,7 +1,7 @@
 """The only code that knows devices. Layers call `ops.<name>`; the backend is picked once.
 
 Backends are modules with the same function names and signatures: `torch_ref` (plain PyTorch, the
-CPU path and the test oracle for every fast kernel) and, on GPUs, `triton`.
+CPU path and the test oracle for every fast kernel); GPU backends register here beside it.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from types import ModuleType
 from frugal.ops import torch_ref
 
 OPS = ("rms_norm", "add_rms_norm", "silu_and_mul", "apply_rotary", "store_kv", "paged_attention")
-BACKENDS = {"torch_ref": "frugal.ops.torch_ref", "triton": "frugal.ops.triton"}
+BACKENDS = {"torch_ref": "frugal.ops.torch_ref"}
 backend: str = "torch_ref"
 
 

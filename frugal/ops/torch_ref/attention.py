@@ -1,4 +1,9 @@
-"""Paged KV store and paged attention by gathering pages (one request at a time)."""
+"""Paged KV store and paged attention by gathering pages.
+
+Single-token (decode) requests are attended together in one padded batch; requests with several
+new tokens (prefill chunks) one at a time. Grouped-query attention is done by folding each KV
+head's query group into the query axis, so K/V are never repeated.
+"""
 
 from __future__ import annotations
 
@@ -13,8 +18,8 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     k, v: [num_tokens, num_kv_heads, head_dim]; k_cache, v_cache: [num_pages, page_size,
     num_kv_heads, head_dim]; slot_mapping: [num_tokens] int64, slot = page_id * page_size + offset.
     """
-    k_cache.view(-1, *k_cache.shape[2:])[slot_mapping] = k.to(k_cache.dtype)
-    v_cache.view(-1, *v_cache.shape[2:])[slot_mapping] = v.to(v_cache.dtype)
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -29,21 +34,53 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     K/V must already be stored). New token i of request b sits at position seq_lens[b] - n_b + i and
     attends to positions <= its own. Returns [num_tokens, num_heads, head_dim] in q's dtype.
     """
-    page_size = k_cache.shape[1]
     out = torch.empty_like(q)
     starts = cu_seqlens_q.tolist()
-    for b, seq_len in enumerate(seq_lens.tolist()):
-        start, end = starts[b], starts[b + 1]
-        num_new = end - start
-        pages = page_table[b, :(seq_len + page_size - 1) // page_size].long()
-        k = k_cache[pages].flatten(0, 1)[:seq_len].transpose(0, 1).to(q.dtype)
-        v = v_cache[pages].flatten(0, 1)[:seq_len].transpose(0, 1).to(q.dtype)
-        qb = q[start:end].transpose(0, 1)  # [num_heads, num_new, head_dim]
-        mask = None
-        if num_new > 1:
-            mask = torch.ones(num_new, seq_len, dtype=torch.bool, device=q.device).tril(
-                seq_len - num_new)
-        o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale,
-                                           enable_gqa=True)
-        out[start:end] = o.transpose(0, 1)
+    lens = seq_lens.tolist()
+    num_new = [b - a for a, b in zip(starts, starts[1:])]
+    single = [b for b, n in enumerate(num_new) if n == 1]
+    if single:
+        rows = torch.tensor([starts[b] for b in single], device=q.device)
+        index = torch.tensor(single, device=q.device)
+        out[rows] = _attend(q[rows].unsqueeze(1), k_cache, v_cache, page_table[index],
+                            seq_lens[index], max(lens[b] for b in single), scale).squeeze(1)
+    for b, n in enumerate(num_new):
+        if n > 1:
+            s, e = starts[b], starts[b + 1]
+            out[s:e] = _attend(q[s:e].unsqueeze(0), k_cache, v_cache, page_table[b:b + 1],
+                               seq_lens[b:b + 1], lens[b], scale).squeeze(0)
     return out
+
+
+def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            page_table: torch.Tensor, seq_lens: torch.Tensor, max_len: int,
+            scale: float) -> torch.Tensor:
+    """q: [B, n, num_heads, head_dim], every request with the same n new tokens (the last n of its
+    context). Returns [B, n, num_heads, head_dim], computed in fp32."""
+    batch, n, num_heads, head_dim = q.shape
+    page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    positions = torch.arange(max_len, device=q.device)
+    lengths = seq_lens[:, None].long()
+    valid = positions[None, :] < lengths  # [B, L]
+    # Gather token slots; a position past a request's length reads its position 0 instead (always
+    # written, so finite) and is masked out below: stale slots may hold anything, even NaN.
+    pages = page_table.long().gather(1, (positions // page_size).expand(batch, -1))
+    slots = torch.where(valid, pages * page_size + positions % page_size,
+                        page_table[:, :1].long() * page_size)
+    flat = slots.flatten()  # index_select: several times faster than advanced indexing on CPU
+    k = k_cache.view(-1, num_kv_heads, head_dim).index_select(0, flat)
+    v = v_cache.view(-1, num_kv_heads, head_dim).index_select(0, flat)
+    k = k.view(batch, max_len, num_kv_heads, head_dim).float()  # [B, L, Hkv, D]
+    v = v.view(batch, max_len, num_kv_heads, head_dim).float()
+    q_pos = lengths - n + torch.arange(n, device=q.device)  # [B, n]
+    allowed = valid[:, None, :] & (positions[None, None, :] <= q_pos[:, :, None])  # [B, n, L]
+    # GQA: a KV head's whole query group becomes group * n query rows attending to that head
+    qg = q.float().reshape(batch, n, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+    qg = qg.reshape(batch, num_kv_heads, group * n, head_dim)
+    mask = allowed[:, None, None].expand(batch, 1, group, n, max_len).reshape(
+        batch, 1, group * n, max_len)
+    out = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+                                         scale=scale)  # [B, Hkv, group * n, D]
+    out = out.reshape(batch, num_kv_heads, group, n, head_dim).permute(0, 3, 1, 2, 4)
+    return out.reshape(batch, n, num_heads, head_dim).to(q.dtype)

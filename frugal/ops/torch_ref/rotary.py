@@ -12,7 +12,7 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
 
     Returns rotated (q, k) in their input dtype; the rotation itself is computed in fp32.
     """
-    cos, sin = cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
+    cos, sin = cos_sin.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 

@@ -1,0 +1,73 @@
+"""Sampler against straightforward references on fresh random logits."""
+
+import pytest
+import torch
+
+from frugal.engine.sampler import Sampler, apply_top_k_top_p
+from frugal.request import SamplingParams
+
+
+def reference_filter(row: torch.Tensor, k: int, p: float) -> torch.Tensor:
+    """One row, the obvious way: keep the k largest, then the smallest nucleus with mass >= p."""
+    keep = torch.zeros_like(row, dtype=torch.bool)
+    order = row.argsort(descending=True)
+    kept = order[:k]
+    probs = torch.softmax(row[kept], dim=0)
+    mass = 0.0
+    for idx, prob in zip(kept.tolist(), probs.tolist()):
+        keep[idx] = True
+        mass += prob
+        if mass >= p:
+            break
+    return row.masked_fill(~keep, float("-inf"))
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_top_k_top_p_matches_reference(seed):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(6, 50, generator=g) * 3
+    top_k = torch.tensor([50, 1, 5, 50, 10, 3])
+    top_p = torch.tensor([1.0, 1.0, 1.0, 0.5, 0.9, 0.2])
+    ours = apply_top_k_top_p(logits, top_k, top_p)
+    for i in range(6):
+        ref = reference_filter(logits[i], int(top_k[i]), float(top_p[i]))
+        assert torch.equal(torch.isinf(ours[i]), torch.isinf(ref)), i
+        assert torch.equal(ours[i][~torch.isinf(ref)], ref[~torch.isinf(ref)])
+
+
+def test_greedy_and_degenerate_filters_pick_argmax():
+    s = Sampler("cpu", 0)
+    logits = torch.randn(4, 100, generator=torch.Generator().manual_seed(3))
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, top_k=1),
+              SamplingParams(temperature=0.7, top_p=1e-6), SamplingParams(temperature=0)]
+    assert torch.equal(s(logits, params, [None] * 4), logits.argmax(-1))
+
+
+def test_sampling_follows_the_distribution():
+    s = Sampler("cpu", 0)
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, -30.0]]).repeat(20000, 1)
+    params = [SamplingParams(temperature=1.0)] * 20000
+    tokens = s(logits, params, [None] * 20000)
+    freq = torch.bincount(tokens, minlength=5).float() / 20000
+    expected = torch.softmax(logits[0], 0)
+    assert (freq - expected).abs().max() < 0.015
+    hot = s(logits, [SamplingParams(temperature=5.0)] * 20000, [None] * 20000)
+    assert torch.bincount(hot, minlength=5)[3] > torch.bincount(tokens, minlength=5)[3]
+
+
+def test_top_k_and_top_p_restrict_support():
+    s = Sampler("cpu", 0)
+    logits = torch.tensor([[3.0, 2.9, 2.8, 0.0, -1.0]]).repeat(5000, 1)
+    k2 = s(logits, [SamplingParams(top_k=2)] * 5000, [None] * 5000)
+    assert set(k2.tolist()) == {0, 1}
+    nucleus = s(logits, [SamplingParams(top_p=0.5)] * 5000, [None] * 5000)
+    assert set(nucleus.tolist()) == {0, 1}
+
+
+def test_seeded_rows_do_not_depend_on_the_batch():
+    s = Sampler("cpu", 0)
+    logits = torch.randn(3, 1000, generator=torch.Generator().manual_seed(0))
+    p = SamplingParams(temperature=1.0, seed=7)
+    alone = s(logits[1:2], [p], [s.make_generator(7)])
+    batch = s(logits, [SamplingParams(), p, SamplingParams()], [None, s.make_generator(7), None])
+    assert batch[1] == alone[0]

@@ -1,0 +1,45 @@
+"""The `frugal` command as a user runs it (subprocesses on the real default model)."""
+
+import subprocess
+import sys
+
+
+def frugal(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "frugal.cli.main", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_help_lists_subcommands():
+    r = frugal("--help")
+    assert r.returncode == 0
+    for command in ("generate", "chat", "bench"):
+        assert command in r.stdout
+
+
+def test_chat_answers_the_readme_question():
+    r = frugal("chat", "--message", "What is the capital of France?", "--temperature", "0")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+    assert "KV cache:" in r.stderr and "tokens" in r.stderr  # capacity logged at start-up
+
+
+def test_generate_streams_one_prompt():
+    r = frugal("generate", "-p", "The capital of France is", "--temperature", "0",
+               "--max-tokens", "8", "--log-level", "WARNING")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+
+
+def test_bad_input_is_a_clear_error():
+    r = frugal("generate", "/no/such/model.gguf", "-p", "hi")
+    assert r.returncode == 2 and "/no/such/model.gguf does not exist" in r.stderr
+    assert "Traceback" not in r.stderr
+    r = frugal("generate", "-p", "hi", "--temperature", "-1")
+    assert r.returncode == 2 and "temperature" in r.stderr
+
+
+def test_bench_offline_prints_a_table():
+    r = frugal("bench", "offline", "--concurrency", "1,2", "--input-len", "8", "--output-len", "4",
+               "--log-level", "WARNING")
+    assert r.returncode == 0, r.stderr
+    assert "| frugal | 2 |" in r.stdout and "command: frugal bench offline" in r.stdout
