@@ -74,10 +74,8 @@ class LLM:
 
     def _run(self, prompts: list, params: list[SamplingParams],
              use_tqdm: bool) -> list[RequestOutput]:
-        for p in prompts:
-            self.engine.tokenize(p)  # validate all before queueing any
         ids = []
-        try:
+        try:  # all or nothing: a bad prompt withdraws the ones queued before it
             for prompt, p in zip(prompts, params):
                 ids.append(self.engine.add_request(prompt, p))
         except ValueError:

@@ -4,9 +4,9 @@ import subprocess
 import sys
 
 
-def frugal(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+def frugal(*args: str, stdin: str | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "frugal.cli.main", *args], capture_output=True,
-                          text=True, timeout=timeout)
+                          text=True, timeout=timeout, input=stdin)
 
 
 def test_help_lists_subcommands():
@@ -21,6 +21,14 @@ def test_chat_answers_the_readme_question():
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
     assert "KV cache:" in r.stderr and "tokens" in r.stderr  # capacity logged at start-up
+
+
+def test_interactive_chat_keeps_history_and_quits_on_empty_line():
+    r = frugal("chat", "--temperature", "0", "--max-tokens", "24", "--log-level", "WARNING",
+               stdin="What is the capital of France?\nAnd of Germany?\n\n")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("> ") == 3  # two questions, then the empty line that quits
+    assert "Paris" in r.stdout
 
 
 def test_generate_streams_one_prompt():

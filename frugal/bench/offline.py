@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shlex
 import statistics
 import sys
@@ -46,6 +47,7 @@ def add_bench_parser(subparsers) -> None:
     o.add_argument("--output-len", type=int, default=128)
     o.add_argument("--peer", choices=["none", "hf"], default="none",
                    help="also measure HF transformers generate in the same run")
+    o.add_argument("--repeats", type=int, default=1, help="runs per point; medians reported")
     o.add_argument("--output", default=None, help="write results as JSON")
     o.set_defaults(func=run_offline)
 
@@ -91,25 +93,42 @@ def run_offline(args: argparse.Namespace) -> int:
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     engine = LLMEngine(engine_config(args))
     vocab = engine.model_config.vocab_size
-    measure_engine(engine, prompts_for(1, args.input_len, vocab, args.seed + 1), 8)  # warm-up
-    results = []
-    for c in tqdm(concurrencies, desc="frugal", file=sys.stderr):
-        results.append(measure_engine(engine, prompts_for(c, args.input_len, vocab, args.seed),
-                                      args.output_len))
+    systems = {"frugal": lambda p, n: measure_engine(engine, p, n)}
     if args.peer == "hf":
         from frugal.bench.hf_peer import HFPeer
 
         peer = HFPeer(args.model, engine.runner.device, engine.runner.dtype)
-        peer.measure([[0] * args.input_len], 8)  # warm-up
-        for c in tqdm(concurrencies, desc="transformers", file=sys.stderr):
-            results.append(peer.measure(prompts_for(c, args.input_len, vocab, args.seed),
-                                        args.output_len))
+        systems["transformers"] = peer.measure
+    for measure in systems.values():  # warm-up
+        measure(prompts_for(1, args.input_len, vocab, args.seed + 1), 8)
+    runs: dict[tuple[str, int], list[Result]] = {}
+    # repeats interleave the systems, so drift on a shared machine hits both alike
+    with tqdm(total=args.repeats * len(systems) * len(concurrencies), file=sys.stderr) as bar:
+        for _ in range(args.repeats):
+            for name, measure in systems.items():
+                for c in concurrencies:
+                    prompts = prompts_for(c, args.input_len, vocab, args.seed)
+                    runs.setdefault((name, c), []).append(measure(prompts, args.output_len))
+                    bar.update(1)
+    results = [median_result(r) for r in runs.values()]
     print(format_table(results, engine, args))
     if args.output:
         with open(args.output, "w") as f:
-            json.dump({"command": command_line(), "results": [asdict(r) for r in results]}, f,
-                      indent=2)
+            json.dump({"command": command_line(), "results": [asdict(r) for r in results],
+                       "runs": [asdict(r) for rs in runs.values() for r in rs]}, f, indent=2)
     return 0
+
+
+def median_result(runs: list[Result]) -> Result:
+    """Each metric's median over repeated runs of one (system, concurrency)."""
+    fields = {k: statistics.median(getattr(r, k) for r in runs)
+              for k in ("prompt_tok_s", "gen_tok_s", "output_tok_s", "ttft_ms", "itl_ms",
+                        "itl_p99_ms")}
+    return Result(system=runs[0].system, concurrency=runs[0].concurrency, **fields)
+
+
+def _fmt(value: float) -> str:
+    return "n/a" if math.isnan(value) else f"{value:.1f}"
 
 
 def command_line() -> str:
@@ -122,7 +141,7 @@ def format_table(results: list[Result], engine: LLMEngine, args: argparse.Namesp
         f"model: {mc.architecture} {mc.num_layers} layers, hidden {mc.hidden_size} | "
         f"{str(runner.dtype).removeprefix('torch.')} on {runner.device} | "
         f"{args.input_len} in / {args.output_len} out | torch {torch.__version__}, "
-        f"{torch.get_num_threads()} threads",
+        f"{torch.get_num_threads()} threads | median of {args.repeats} run(s)",
         "",
         "| system | concurrency | prompt tok/s | gen tok/s | output tok/s | mean TTFT ms "
         "| mean ITL ms | p99 ITL ms |",
@@ -131,7 +150,7 @@ def format_table(results: list[Result], engine: LLMEngine, args: argparse.Namesp
     for r in results:
         lines.append(f"| {r.system} | {r.concurrency} | {r.prompt_tok_s:.0f} | {r.gen_tok_s:.1f} "
                      f"| {r.output_tok_s:.1f} | {r.ttft_ms:.1f} | {r.itl_ms:.1f} "
-                     f"| {r.itl_p99_ms:.1f} |")
+                     f"| {_fmt(r.itl_p99_ms)} |")
     ours = {r.concurrency: r for r in results if r.system == "frugal"}
     peers = [r for r in results if r.system != "frugal"]
     if peers:
