@@ -11,7 +11,8 @@ from types import ModuleType
 
 from frugal.ops import torch_ref
 
-OPS = ("rms_norm", "add_rms_norm", "silu_and_mul", "apply_rotary", "store_kv", "paged_attention")
+OPS = ("linear", "rms_norm", "add_rms_norm", "silu_and_mul", "apply_rotary", "store_kv",
+       "paged_attention")
 BACKENDS = {"torch_ref": "frugal.ops.torch_ref"}
 backend: str = "torch_ref"
 
@@ -28,6 +29,7 @@ def select(name: str) -> ModuleType:
     return module
 
 
+linear = torch_ref.linear
 rms_norm = torch_ref.rms_norm
 add_rms_norm = torch_ref.add_rms_norm
 silu_and_mul = torch_ref.silu_and_mul

@@ -54,6 +54,17 @@ def test_paged_attention_matches_dense(dtype, tol, seed):
         torch.testing.assert_close(out[cu[b]:cu[b + 1]].float(), ref, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("num_tokens", [1, 16, 128, 129, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_matches_f_linear(num_tokens, bias):
+    g = torch.Generator().manual_seed(num_tokens)
+    x, w = torch.randn(num_tokens, 48, generator=g), torch.randn(80, 48, generator=g)
+    b = torch.randn(80, generator=g) if bias else None
+    y = torch_ref.linear(x, w, b)
+    assert y.is_contiguous() and y.shape == (num_tokens, 80)
+    torch.testing.assert_close(y, F.linear(x, w, b), atol=1e-4, rtol=1e-5)
+
+
 def test_rms_norm_and_residual():
     g = torch.Generator().manual_seed(0)
     x, r, w = (torch.randn(5, 32, generator=g) for _ in range(3))
