@@ -19,46 +19,77 @@ class FinishReason(str, enum.Enum):
         return self.value
 
 
+MAX_LOGPROBS = 20
+
+
 @dataclass
 class SamplingParams:
     """How to pick tokens and when to stop.
 
     temperature 0 means greedy. top_k -1 (or 0) and top_p 1.0 disable those filters.
     max_tokens None means up to the model's context. Stop strings are not part of the output text.
+    min_tokens: no EOS, stop token or stop string ends the output before this many tokens.
+    logprobs: also report each output token's log-probability and this many top alternatives;
+    prompt_logprobs: the same for every prompt token after the first (None: neither).
+    Log-probabilities are those of the model's raw distribution (before temperature/top-k/top-p).
     """
 
     max_tokens: int | None = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    min_tokens: int = 0
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int)
-                                            or self.max_tokens < 1):
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise ValueError(f"max_tokens: must be an integer >= 1, got {self.max_tokens!r}")
         if self.temperature < 0:
             raise ValueError(f"temperature: must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        if not _is_int(self.top_k) or self.top_k < -1:
             raise ValueError(f"top_k: must be -1 (disabled) or >= 0, got {self.top_k!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
+        if not _is_int(self.min_tokens) or self.min_tokens < 0 or (
+                self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            raise ValueError(f"min_tokens: must be in [0, max_tokens], got {self.min_tokens!r}")
+        if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed: must be an integer, got {self.seed!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name}: must be in [0, {MAX_LOGPROBS}], got {value!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = [s for s in (self.stop or [])]
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError(f"stop: must be non-empty strings, got {self.stop!r}")
+        if not isinstance(self.stop or [], list) or any(
+                not isinstance(s, str) or not s for s in self.stop or []):
+            raise ValueError(f"stop: must be a non-empty string or a list of them, "
+                             f"got {self.stop!r}")
+        self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
 
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass
+class TokenLogprob:
+    """A token's log-probability and the most likely tokens at its position (most likely first)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
 
 
 @dataclass
@@ -70,6 +101,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, when asked for
 
     @property
     def finished(self) -> bool:
@@ -85,6 +117,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # [None, lp(token 1), ...] if asked
 
 
 class RequestStatus(enum.Enum):
@@ -114,6 +147,8 @@ class Request:
     stop_reason: int | str | None = None
     num_preemptions: int = 0
     generator: torch.Generator | None = None  # a seeded request's own sampling noise
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=lambda: [None])
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -43,8 +43,7 @@ class LLMEngine:
         self.scheduler = Scheduler(PageAllocator(pool.num_pages), pool.page_size,
                                    config.scheduler.max_num_seqs,
                                    config.scheduler.max_num_batched_tokens)
-        eos = self.tokenizer.eos_token_ids if self.tokenizer else mc.eos_token_ids
-        self.eos_token_ids = set(eos)
+        self.eos_token_ids = set(self.runner.sampler.eos_token_ids)
         self._requests: dict[str, Request] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
@@ -116,13 +115,20 @@ class LLMEngine:
         self.num_preemptions += len(out.preempted)
         if not out.requests:
             return []
-        sampled, tokens = self.runner.execute(out)
+        result = self.runner.execute(out)
+        for i, entries in result.prompt_logprobs.items():
+            request = out.requests[i]
+            # a recompute after preemption scores positions already recorded: keep the first
+            first = request.num_computed_tokens + 1
+            request.prompt_logprobs += entries[max(0, len(request.prompt_logprobs) - first):]
         for request, n in zip(out.requests, out.num_new_tokens):
             request.num_computed_tokens += n
         outputs = []
-        for i, token in zip(sampled, tokens):
+        for j, (i, token) in enumerate(zip(result.sampled, result.tokens)):
             request = out.requests[i]
             request.output_token_ids.append(token)
+            if j in result.logprobs:
+                request.logprobs.append(result.logprobs[j])
             reason = self._check_stop(request, token)
             if reason is None:
                 outputs.append(self._output(request))
@@ -134,19 +140,19 @@ class LLMEngine:
     def _check_stop(self, request: Request, token: int) -> FinishReason | None:
         params = request.params
         detok = self._detokenizers.get(request.request_id)
-        if detok is not None:
-            delta = detok.update(request.output_token_ids)
+        delta = detok.update(request.output_token_ids) if detok is not None else ""
+        if len(request.output_token_ids) >= params.min_tokens:
             if params.stop and delta:
                 hit = find_stop(detok.text, len(delta), params.stop)
                 if hit is not None:
                     detok.text = detok.text[:hit[0]]
                     request.stop_reason = hit[1]
                     return FinishReason.STOP
-        if not params.ignore_eos and token in self.eos_token_ids:
-            return FinishReason.STOP
-        if token in params.stop_token_ids:
-            request.stop_reason = token
-            return FinishReason.STOP
+            if not params.ignore_eos and token in self.eos_token_ids:
+                return FinishReason.STOP
+            if token in params.stop_token_ids:
+                request.stop_reason = token
+                return FinishReason.STOP
         if request.num_tokens >= request.max_total_tokens:
             return FinishReason.LENGTH
         return None
@@ -168,8 +174,14 @@ class LLMEngine:
             # hold back what could still become a stop string, so no part of one is ever shown
             hold = max(len(s) for s in request.params.stop) - 1
             text = text[:max(0, len(text) - hold)]
-        completion = CompletionOutput(0, text, list(request.output_token_ids),
-                                      str(request.finish_reason) if request.finished else None,
-                                      request.stop_reason)
+        params = request.params
+        completion = CompletionOutput(
+            0, text, list(request.output_token_ids),
+            str(request.finish_reason) if request.finished else None, request.stop_reason,
+            list(request.logprobs) if params.logprobs is not None else None)
+        prompt_logprobs = None
+        if params.prompt_logprobs is not None and len(request.prompt_logprobs) == len(
+                request.prompt_token_ids):
+            prompt_logprobs = list(request.prompt_logprobs)
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
-                             [completion], request.finished)
+                             [completion], request.finished, prompt_logprobs)

@@ -5,18 +5,19 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from frugal import ops
 from frugal.config import DTYPES, EngineConfig, available_memory_bytes
-from frugal.engine.sampler import Sampler
+from frugal.engine.sampler import Sampler, token_logprobs
 from frugal.engine.scheduler import SchedulerOutput
 from frugal.kv_cache.pool import KVPool
 from frugal.layers.attention import AttentionMetadata
 from frugal.loader import Checkpoint
 from frugal.models.registry import model_class
+from frugal.request import Request, TokenLogprob
 
 logger = logging.getLogger("frugal")
 
@@ -31,6 +32,21 @@ class StepInputs:
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # [num_sampled] int64
     sampled: list[int]  # indices into SchedulerOutput.requests that sample this step
+    cu_seqlens: list[int]  # request i's new tokens are rows cu_seqlens[i]:cu_seqlens[i+1]
+
+
+@dataclass
+class StepResult:
+    """What one step produced. sampled[i] indexes SchedulerOutput.requests and got tokens[i];
+    logprobs and prompt_logprobs are keyed by position in sampled and in requests."""
+
+    sampled: list[int]
+    tokens: list[int] = field(default_factory=list)
+    logprobs: dict[int, TokenLogprob] = field(default_factory=dict)
+    prompt_logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)
+
+
+_LOGITS_ROWS = 256  # prompt positions scored per lm_head call (bounds [rows, vocab] memory)
 
 
 @contextlib.contextmanager
@@ -76,7 +92,9 @@ class ModelRunner:
         logger.info("KV cache: %d pages x %d tokens = %d tokens (%.2f GiB, %s)", num_pages,
                     cache.page_size, self.pool.capacity_tokens, self.pool.num_bytes / 2**30,
                     str(kv_dtype).removeprefix("torch."))
-        self.sampler = Sampler(self.device, config.seed)
+        tokenizer = checkpoint.tokenizer
+        eos = tokenizer.eos_token_ids if tokenizer is not None else list(mc.eos_token_ids)
+        self.sampler = Sampler(self.device, config.seed, eos)
 
     def prepare(self, out: SchedulerOutput) -> StepInputs:
         """Flatten the scheduled requests' new tokens into one batch."""
@@ -112,7 +130,7 @@ class ModelRunner:
             seq_lens=tensor(seq_lens, torch.int32),
         )
         return StepInputs(tensor(input_ids, torch.int64), tensor(positions, torch.int64), meta,
-                          tensor(logits_indices, torch.int64), sampled)
+                          tensor(logits_indices, torch.int64), sampled, cu_seqlens)
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor:
@@ -120,14 +138,42 @@ class ModelRunner:
         return self.model(inputs.input_ids, inputs.positions, inputs.meta)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> tuple[list[int], list[int]]:
-        """Run one step. Returns (indices into out.requests that sampled, their new token ids)."""
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        """Run one step: sample for the requests that reached their last token, and compute the
+        log-probabilities they asked for."""
         inputs = self.prepare(out)
         hidden = self.forward(inputs)
-        if not inputs.sampled:
-            return [], []
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        requests = [out.requests[i] for i in inputs.sampled]
-        tokens = self.sampler(logits, [r.params for r in requests],
-                              [r.generator for r in requests])
-        return inputs.sampled, tokens.tolist()
+        result = StepResult(inputs.sampled)
+        if inputs.sampled:
+            logits = self.model.compute_logits(hidden[inputs.logits_indices])
+            requests = [out.requests[i] for i in inputs.sampled]
+            tokens = self.sampler(logits, requests)
+            result.tokens = tokens.tolist()
+            wanted = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+            if wanted:
+                rows = torch.tensor(wanted, device=logits.device)
+                entries = token_logprobs(logits[rows], tokens[rows],
+                                         [requests[i].params.logprobs for i in wanted])
+                result.logprobs = dict(zip(wanted, entries))
+        for i, (request, n) in enumerate(zip(out.requests, out.num_new_tokens)):
+            if request.params.prompt_logprobs is not None:
+                entries = self._prompt_logprobs(request, n, hidden, inputs.cu_seqlens[i])
+                if entries:
+                    result.prompt_logprobs[i] = entries
+        return result
+
+    def _prompt_logprobs(self, request: Request, num_new: int, hidden: torch.Tensor,
+                         row: int) -> list[TokenLogprob]:
+        """Log-probabilities of the prompt tokens this chunk predicts: the hidden state at
+        position p scores prompt token p + 1. Entries for positions start+1 .. in order."""
+        start = request.num_computed_tokens
+        end = min(start + num_new, request.num_prompt_tokens - 1)
+        entries: list[TokenLogprob] = []
+        for chunk in range(start, end, _LOGITS_ROWS):  # bound the [rows, vocab] logits
+            stop = min(chunk + _LOGITS_ROWS, end)
+            logits = self.model.compute_logits(hidden[row + chunk - start:row + stop - start])
+            targets = torch.tensor(request.prompt_token_ids[chunk + 1:stop + 1],
+                                   device=logits.device)
+            entries += token_logprobs(logits, targets,
+                                      [request.params.prompt_logprobs] * (stop - chunk))
+        return entries

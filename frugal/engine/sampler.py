@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from frugal.request import SamplingParams
+from frugal.request import Request, TokenLogprob
 
 
 class Sampler:
@@ -15,16 +15,24 @@ class Sampler:
     and logits, never on what else is in the batch.
     """
 
-    def __init__(self, device: str, seed: int) -> None:
+    def __init__(self, device: str, seed: int, eos_token_ids: list[int]) -> None:
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.eos_token_ids = list(eos_token_ids)
 
     def make_generator(self, seed: int) -> torch.Generator:
         return torch.Generator(device=self.device).manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
-                 generators: list[torch.Generator | None]) -> torch.Tensor:
-        """logits: [n, vocab] fp32 -> [n] int64 token ids."""
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """logits: [n, vocab] fp32, row i for requests[i] -> [n] int64 token ids."""
+        params = [r.params for r in requests]
+        early = [i for i, r in enumerate(requests) if len(r.output_token_ids) < r.params.min_tokens]
+        if early:  # min_tokens: nothing that would end the output may be picked yet
+            logits = logits.clone()
+            for i in early:
+                p = params[i]
+                banned = p.stop_token_ids + ([] if p.ignore_eos else self.eos_token_ids)
+                logits[i, banned] = float("-inf")
         greedy = logits.argmax(dim=-1)
         if all(p.greedy for p in params):
             return greedy
@@ -39,16 +47,31 @@ class Sampler:
                                        torch.tensor(top_p, device=logits.device))
         probs = logits.softmax(dim=-1)
         noise = torch.empty_like(probs)
-        shared = [i for i, g in enumerate(generators) if g is None]
+        shared = [i for i, r in enumerate(requests) if r.generator is None]
         if shared:
             noise[shared] = torch.empty(len(shared), vocab, device=logits.device).exponential_(
                 generator=self.generator)
-        for i, g in enumerate(generators):
-            if g is not None:
-                noise[i].exponential_(generator=g)
+        for i, r in enumerate(requests):
+            if r.generator is not None:
+                noise[i].exponential_(generator=r.generator)
         sampled = (probs / noise).argmax(dim=-1)
         is_greedy = torch.tensor([p.greedy for p in params], device=logits.device)
         return torch.where(is_greedy, greedy, sampled)
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
+                   num_top: list[int]) -> list[TokenLogprob]:
+    """Raw log-probabilities of token_ids under logits, with each row's num_top best tokens.
+
+    logits: [n, vocab] fp32; token_ids: [n] int64; num_top: [n] counts (0 allowed).
+    """
+    logprobs = logits.log_softmax(dim=-1)
+    chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1).tolist()
+    k = max(num_top, default=0)
+    top_values, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0])
+    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    return [TokenLogprob(t, c, list(zip(top_ids[i][:num_top[i]], top_values[i][:num_top[i]])))
+            for i, (t, c) in enumerate(zip(token_ids.tolist(), chosen))]
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor,

@@ -3,8 +3,14 @@
 import pytest
 import torch
 
-from frugal.engine.sampler import Sampler, apply_top_k_top_p
-from frugal.request import SamplingParams
+from frugal.engine.sampler import Sampler, apply_top_k_top_p, token_logprobs
+from frugal.request import Request, SamplingParams
+
+
+def reqs(params: list[SamplingParams], generators=None, num_output=0) -> list[Request]:
+    generators = generators or [None] * len(params)
+    return [Request(str(i), None, [1], p, 1000, output_token_ids=[5] * num_output, generator=g)
+            for i, (p, g) in enumerate(zip(params, generators))]
 
 
 def reference_filter(row: torch.Tensor, k: int, p: float) -> torch.Tensor:
@@ -36,38 +42,63 @@ def test_top_k_top_p_matches_reference(seed):
 
 
 def test_greedy_and_degenerate_filters_pick_argmax():
-    s = Sampler("cpu", 0)
+    s = Sampler("cpu", 0, [2])
     logits = torch.randn(4, 100, generator=torch.Generator().manual_seed(3))
     params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, top_k=1),
               SamplingParams(temperature=0.7, top_p=1e-6), SamplingParams(temperature=0)]
-    assert torch.equal(s(logits, params, [None] * 4), logits.argmax(-1))
+    assert torch.equal(s(logits, reqs(params)), logits.argmax(-1))
 
 
 def test_sampling_follows_the_distribution():
-    s = Sampler("cpu", 0)
+    s = Sampler("cpu", 0, [2])
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, -30.0]]).repeat(20000, 1)
     params = [SamplingParams(temperature=1.0)] * 20000
-    tokens = s(logits, params, [None] * 20000)
+    tokens = s(logits, reqs(params))
     freq = torch.bincount(tokens, minlength=5).float() / 20000
     expected = torch.softmax(logits[0], 0)
     assert (freq - expected).abs().max() < 0.015
-    hot = s(logits, [SamplingParams(temperature=5.0)] * 20000, [None] * 20000)
+    hot = s(logits, reqs([SamplingParams(temperature=5.0)] * 20000))
     assert torch.bincount(hot, minlength=5)[3] > torch.bincount(tokens, minlength=5)[3]
 
 
 def test_top_k_and_top_p_restrict_support():
-    s = Sampler("cpu", 0)
+    s = Sampler("cpu", 0, [2])
     logits = torch.tensor([[3.0, 2.9, 2.8, 0.0, -1.0]]).repeat(5000, 1)
-    k2 = s(logits, [SamplingParams(top_k=2)] * 5000, [None] * 5000)
+    k2 = s(logits, reqs([SamplingParams(top_k=2)] * 5000))
     assert set(k2.tolist()) == {0, 1}
-    nucleus = s(logits, [SamplingParams(top_p=0.5)] * 5000, [None] * 5000)
+    nucleus = s(logits, reqs([SamplingParams(top_p=0.5)] * 5000))
     assert set(nucleus.tolist()) == {0, 1}
 
 
 def test_seeded_rows_do_not_depend_on_the_batch():
-    s = Sampler("cpu", 0)
+    s = Sampler("cpu", 0, [2])
     logits = torch.randn(3, 1000, generator=torch.Generator().manual_seed(0))
     p = SamplingParams(temperature=1.0, seed=7)
-    alone = s(logits[1:2], [p], [s.make_generator(7)])
-    batch = s(logits, [SamplingParams(), p, SamplingParams()], [None, s.make_generator(7), None])
+    alone = s(logits[1:2], reqs([p], [s.make_generator(7)]))
+    batch = s(logits, reqs([SamplingParams(), p, SamplingParams()],
+                           [None, s.make_generator(7), None]))
     assert batch[1] == alone[0]
+
+
+def test_min_tokens_bans_eos_and_stop_ids_until_reached():
+    s = Sampler("cpu", 0, [2])
+    logits = torch.zeros(2, 10)
+    logits[:, 2] = 50.0  # EOS is by far the best
+    logits[:, 7] = 40.0  # then a stop token id
+    p = SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[7])
+    early = s(logits, reqs([p, p], num_output=1))
+    assert early.tolist() != [2, 2] and 7 not in early.tolist()
+    assert s(logits, reqs([p, p], num_output=3)).tolist() == [2, 2]
+    assert s(logits[:1], reqs([SamplingParams(temperature=0, min_tokens=3, ignore_eos=True)],
+                              num_output=0)).tolist() == [2]
+
+
+def test_token_logprobs_against_log_softmax():
+    logits = torch.randn(3, 30, generator=torch.Generator().manual_seed(4))
+    targets = torch.tensor([4, 0, 29])
+    entries = token_logprobs(logits, targets, [0, 2, 5])
+    ref = logits.log_softmax(-1)
+    for i, e in enumerate(entries):
+        assert e.token_id == targets[i] and abs(e.logprob - ref[i, targets[i]].item()) < 1e-6
+        assert len(e.top) == [0, 2, 5][i]
+        assert [t for t, _ in e.top] == ref[i].topk(len(e.top)).indices.tolist()
