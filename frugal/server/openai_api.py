@@ -1,0 +1,163 @@
+"""The OpenAI-compatible HTTP server (FastAPI): routes, auth, errors, metrics.
+
+Every error a client can cause comes back as a 4xx with {"error": {message, type, param, code}};
+nothing a client sends reaches the engine thread unvalidated.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
+from starlette.requests import Request as HTTPRequest
+
+from frugal.engine.async_engine import AsyncEngine
+from frugal.server.metrics import Metrics
+from frugal.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from frugal.server.serving import Job, Serving
+
+logger = logging.getLogger("frugal")
+
+
+def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
+              metrics: Metrics | None = None) -> FastAPI:
+    """An app serving `engine` as `model_name`. The engine thread starts and stops with the app."""
+    serving = Serving(engine, model_name)
+    tokenizer = engine.engine.tokenizer
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        yield
+        engine.shutdown()
+
+    app = FastAPI(title="frugal", lifespan=lifespan)
+
+    @app.middleware("http")
+    async def require_api_key(request: HTTPRequest, call_next):
+        if api_key is not None and request.url.path.startswith("/v1"):
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                return _error(APIError("invalid or missing API key", status=401,
+                                       code="invalid_api_key"))
+        return await call_next(request)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: HTTPRequest, e: APIError):
+        return _error(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: HTTPRequest, e: RequestValidationError):
+        first = e.errors()[0] if e.errors() else {}
+        loc = []
+        for part in first.get("loc", ())[1:]:  # past "body"; stop at a union's type tag
+            if isinstance(part, str) and (part in _TYPE_TAGS or "[" in part or "-" in part):
+                break
+            loc.append(str(part))
+        if first.get("type") == "json_invalid":
+            return _error(APIError("request body is not valid JSON", code="invalid_json"))
+        param = ".".join(loc) or None
+        return _error(APIError(f"{param or 'body'}: {first.get('msg', 'invalid')}", param))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: HTTPRequest, e: HTTPException):
+        return _error(APIError(str(e.detail), status=e.status_code))
+
+    def check_model(name: str) -> None:
+        if name != model_name:
+            raise APIError(f"model: '{name}' does not exist (this server serves "
+                           f"'{model_name}')", "model", status=404, code="model_not_found")
+
+    async def run(job: Job, stream: bool, http: HTTPRequest):
+        if not engine.alive:
+            raise APIError("the engine is not running", status=503, kind="server_error")
+        if stream:
+            return StreamingResponse(serving.stream(job), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        return JSONResponse(await serving.respond(job, http))
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, http: HTTPRequest):
+        check_model(req.model)
+        return await run(serving.completion_job(req), req.stream, http)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, http: HTTPRequest):
+        check_model(req.model)
+        return await run(serving.chat_job(req), req.stream, http)
+
+    @app.get("/v1/models")
+    async def models():
+        card = {"id": model_name, "object": "model", "created": created, "owned_by": "frugal",
+                "max_model_len": serving.max_model_len}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health():
+        if not engine.alive:
+            return JSONResponse({"status": "engine stopped"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus():
+        if metrics is None:
+            raise APIError("metrics are off", status=404)
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    # vLLM's tokenizer routes, which lm-evaluation-harness uses instead of a local tokenizer
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest):
+        if tokenizer is None:
+            raise APIError("this model has no tokenizer", status=404)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError("prompt: give exactly one of prompt and messages", "prompt")
+        if req.messages is not None:
+            text = tokenizer.apply_chat_template([{"role": m.role, "content": m.text()}
+                                                  for m in req.messages])
+            ids = tokenizer.encode(text, add_special_tokens=False)
+        else:
+            ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        return {"tokens": ids, "count": len(ids), "max_model_len": serving.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest):
+        if tokenizer is None:
+            raise APIError("this model has no tokenizer", status=404)
+        if any(not 0 <= t < tokenizer.vocab_size for t in req.tokens):
+            raise APIError(f"tokens: ids must be in [0, {tokenizer.vocab_size})", "tokens")
+        return {"prompt": tokenizer.decode(req.tokens, skip_special_tokens=False)}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        if tokenizer is None:
+            raise APIError("this model has no tokenizer", status=404)
+        text = tokenizer.id_to_token
+        return {"eos_token": text(tokenizer.eos_token_id) if tokenizer.eos_token_id is not None
+                else None,
+                "bos_token": text(tokenizer.bos_token_id) if tokenizer.bos_token_id is not None
+                else None,
+                "pad_token": None, "chat_template": tokenizer.chat_template,
+                "model_max_length": serving.max_model_len}
+
+    return app
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
+def _error(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)

@@ -1,0 +1,174 @@
+"""OpenAI request bodies (pydantic) and their translation into SamplingParams.
+
+Types are checked by pydantic; ranges by SamplingParams. Fields OpenAI clients send that frugal
+does not implement are accepted when left at their neutral value and refused otherwise, so a
+request never silently means something else.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from frugal.request import SamplingParams
+
+MAX_N = 64
+
+
+class APIError(Exception):
+    """An error the client caused (or, with a 5xx status, the server): an OpenAI error body."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 code: str | None = None, kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.message, self.param, self.status, self.code, self.kind = (message, param, status,
+                                                                        code, kind)
+
+    @classmethod
+    def from_value_error(cls, e: ValueError) -> APIError:
+        """'field: what is wrong' -> a 400 naming the field."""
+        text = str(e)
+        field = text.split(":", 1)[0] if ":" in text else None
+        return cls(text, param=field if field and field.isidentifier() else None)
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
+                          "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    """Sampling fields shared by both endpoints (OpenAI names, vLLM extras)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    frequency_penalty: float | None = 0.0
+    presence_penalty: float | None = 0.0
+    logit_bias: dict[str, float] | None = None
+    # extras, as vLLM and SGLang accept them
+    top_k: int = -1
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+
+    def check_common(self) -> None:
+        if not 1 <= self.n <= MAX_N:
+            raise APIError(f"n: must be in [1, {MAX_N}], got {self.n}", "n")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if getattr(self, name):
+                raise APIError(f"{name}: not supported (only 0)", name)
+        if self.logit_bias:
+            raise APIError("logit_bias: not supported", "logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise APIError("stream_options: only allowed with stream=true", "stream_options")
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None, choice: int) -> SamplingParams:
+        """Choice i of n gets seed + i, so n seeded choices differ and each is reproducible."""
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k,
+                min_tokens=self.min_tokens, seed=None if self.seed is None else self.seed + choice,
+                stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+                skip_special_tokens=self.skip_special_tokens, logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs)
+        except ValueError as e:
+            raise APIError.from_value_error(e) from e
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        if not p:
+            raise APIError("prompt: must not be empty", "prompt")
+        return list(p)
+
+    def check(self) -> None:
+        self.check_common()
+        if self.best_of not in (None, self.n):
+            raise APIError("best_of: not supported (only equal to n)", "best_of")
+        if self.suffix:
+            raise APIError("suffix: not supported", "suffix")
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+
+    def check(self) -> None:
+        self.check_common()
+        if self.tools:
+            raise APIError("tools: tool calling is not supported", "tools")
+        if self.response_format and self.response_format.get("type") != "text":
+            raise APIError("response_format: only 'text' is supported", "response_format")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError("top_logprobs: needs logprobs=true", "top_logprobs")
+
+    def conversation(self) -> list[dict[str, str]]:
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                for m in self.messages]
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    tokens: list[int]

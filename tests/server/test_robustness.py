@@ -1,0 +1,183 @@
+"""Many clients, a client that walks away, bad input, metrics and shutdown on a live server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.server.conftest import API_KEY, MODEL, free_port
+
+
+def metrics(server) -> dict[str, float]:
+    status, text = server.request("GET", "/metrics", key=None)
+    assert status == 200
+    values = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            key = sample.name
+            if "finish_reason" in sample.labels:
+                key += "{" + sample.labels["finish_reason"] + "}"
+            values[key] = sample.value
+    return values
+
+
+def wait_for(predicate, timeout: float = 30.0) -> bool:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_16_streams_complete_while_one_disconnects(server, async_client, llm):
+    before = metrics(server)
+    prompts = [f"Story number {i}: once upon a time" for i in range(16)]
+
+    async def stream(prompt: str, max_tokens: int) -> tuple[int, int, str]:
+        s = await async_client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0.7, seed=1,
+            stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        pieces, usage = 0, None
+        async for chunk in s:
+            if chunk.choices:
+                pieces += 1
+            if chunk.usage:
+                usage = chunk.usage
+        return pieces, usage.completion_tokens, usage.prompt_tokens
+
+    async def walk_away() -> int:
+        s = await async_client.completions.create(
+            model=MODEL, prompt="A very long story:", max_tokens=2000, temperature=0.7,
+            stream=True, extra_body={"ignore_eos": True})
+        seen = 0
+        async for _ in s:
+            seen += 1
+            if seen == 3:
+                break
+        await s.close()
+        return seen
+
+    async def run():
+        return await asyncio.gather(walk_away(), *(stream(p, 24) for p in prompts))
+
+    walked, *results = asyncio.run(run())
+    assert walked == 3
+    tok = llm.get_tokenizer()
+    for (pieces, completion_tokens, prompt_tokens), prompt in zip(results, prompts):
+        assert completion_tokens == 24 and pieces == 24
+        assert prompt_tokens == len(tok.encode(prompt))
+    # the walked-away request was aborted and its pages are back
+    assert wait_for(lambda: metrics(server)["frugal_requests_aborted_total"]
+                    == before["frugal_requests_aborted_total"] + 1)
+    after = metrics(server)
+    assert after["frugal_kv_cache_pages_used"] == 0
+    assert after["frugal_num_requests_running"] == 0
+    assert after["frugal_requests_finished_total{length}"] >= (
+        before.get("frugal_requests_finished_total{length}", 0) + 16)
+    generated = after["frugal_generation_tokens_total"] - before["frugal_generation_tokens_total"]
+    assert generated >= 16 * 24
+    assert after["frugal_time_to_first_token_seconds_count"] >= (
+        before["frugal_time_to_first_token_seconds_count"] + 16)
+
+
+def test_disconnect_frees_pages_at_once(server):
+    """Pages held by a streaming request drop to zero right after the client closes."""
+    req = urllib.request.Request(server.url + "/v1/completions", method="POST", data=json.dumps({
+        "model": MODEL, "prompt": "Tell me everything:", "max_tokens": 2000, "stream": True,
+        "ignore_eos": True}).encode(), headers={"Content-Type": "application/json",
+                                               "Authorization": f"Bearer {API_KEY}"})
+    resp = urllib.request.urlopen(req, timeout=60)
+    for _ in range(5):
+        resp.readline()
+    assert metrics(server)["frugal_kv_cache_pages_used"] > 0
+    resp.close()
+    assert wait_for(lambda: metrics(server)["frugal_kv_cache_pages_used"] == 0, timeout=10)
+
+
+BAD = [
+    (b"{not json", 400, None),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": 12}, 400, "prompt"),
+    ({"model": "gpt-9", "prompt": "hi"}, 404, "model"),
+    ({"model": MODEL, "prompt": "word " * 9000}, 400, "prompt"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 10**6}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "hi", "n": 10**4}, 400, "n"),
+    ({"model": MODEL, "prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ({"model": MODEL, "prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ({"model": MODEL, "prompt": "hi", "top_k": -5}, 400, "top_k"),
+    ({"model": MODEL, "prompt": "hi", "logprobs": 99}, 400, "logprobs"),
+    ({"model": MODEL, "prompt": [1, 2, 10**9]}, 400, "prompt"),
+    ({"model": MODEL, "prompt": ""}, 400, "prompt"),
+    ({"model": MODEL, "prompt": "hi", "stop": 5}, 400, "stop"),
+    ({"model": MODEL, "prompt": "hi", "frequency_penalty": 0.5}, 400, "frequency_penalty"),
+]
+
+
+@pytest.mark.parametrize("body, status, param", BAD)
+def test_bad_completion_input_is_4xx_and_harmless(server, body, status, param):
+    got, err = server.request("POST", "/v1/completions", body)
+    assert got == status, err
+    assert set(err["error"]) == {"message", "type", "param", "code"}
+    assert err["error"]["param"] == param and err["error"]["message"]
+    ok, body = server.request("POST", "/v1/completions", {"model": MODEL, "prompt": "Hi",
+                                                          "max_tokens": 2})
+    assert ok == 200 and body["usage"]["completion_tokens"] == 2
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"model": MODEL, "messages": []}, "messages"),
+    ({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
+    ({"model": MODEL, "messages": "hello"}, "messages"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+      "max_completion_tokens": 10**6}, "max_tokens"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
+     "top_logprobs"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": [{"x": 1}]},
+     "tools"),
+])
+def test_bad_chat_input_is_400(server, body, param):
+    got, err = server.request("POST", "/v1/chat/completions", body)
+    assert got == 400, err
+    assert err["error"]["param"] == param
+
+
+def test_unknown_route_is_openai_shaped_404(server):
+    got, err = server.request("GET", "/v1/nothing")
+    assert got == 404 and "error" in err
+
+
+def test_sigterm_finishes_in_flight_request_and_exits_0(tmp_path):
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "frugal.cli.main", "serve", "--port", str(port),
+         "--kv-cache-memory", "64MiB", "--log-level", "WARNING"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    assert wait_for(lambda: _healthy(url), timeout=120), "server did not start"
+    req = urllib.request.Request(url + "/v1/completions", method="POST", data=json.dumps({
+        "model": MODEL, "prompt": "Count:", "max_tokens": 40, "stream": True,
+        "ignore_eos": True}).encode(), headers={"Content-Type": "application/json"})
+    resp = urllib.request.urlopen(req, timeout=60)
+    resp.readline()
+    process.send_signal(signal.SIGTERM)
+    rest = resp.read().decode()
+    assert rest.rstrip().endswith("data: [DONE]")  # the stream was allowed to finish
+    assert process.wait(timeout=60) == 0
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
