@@ -180,11 +180,15 @@ class Serving:
             async for i, out in merge(self._streams(job)):
                 c = out.outputs[0]
                 delta, sent_text[i] = c.text[sent_text[i]:], len(c.text)
-                new = c.logprobs[sent_logprobs[i]:] if c.logprobs is not None else None
-                sent_logprobs[i] += len(new or [])
+                ids, new = c.token_ids[sent_logprobs[i]:], None
+                if c.logprobs is not None:
+                    new = c.logprobs[sent_logprobs[i]:]
+                    if job.echo and sent_logprobs[i] == 0:  # the prompt's, with its first chunk
+                        ids, new = out.prompt_token_ids + ids, out.prompt_logprobs + new
+                sent_logprobs[i] = len(c.token_ids)
                 if out.finished:
                     finals[i] = out
-                choice = self._chunk_choice(job, i, delta, new, c.finish_reason)
+                choice = self._chunk_choice(job, i, delta, ids, new, c.finish_reason)
                 yield _sse({**head, "choices": [choice], **usage})
             if job.include_usage:
                 outputs = [finals[i] for i in range(len(job.params))]
@@ -195,7 +199,8 @@ class Serving:
             yield _sse(error.body())
         yield "data: [DONE]\n\n"
 
-    def _chunk_choice(self, job: Job, index: int, delta: str, new_logprobs, finish) -> dict:
+    def _chunk_choice(self, job: Job, index: int, delta: str, token_ids: list[int],
+                      new_logprobs: list | None, finish: str | None) -> dict:
         if job.kind == "chat":
             logprobs = None
             if new_logprobs is not None:
@@ -204,8 +209,7 @@ class Serving:
                     "logprobs": logprobs, "finish_reason": finish}
         logprobs = None
         if new_logprobs is not None:
-            logprobs = lp.completion_logprobs(self.tokenizer, [e.token_id for e in new_logprobs],
-                                              new_logprobs)
+            logprobs = lp.completion_logprobs(self.tokenizer, token_ids, new_logprobs)
         return {"index": index, "text": delta, "logprobs": logprobs, "finish_reason": finish}
 
 

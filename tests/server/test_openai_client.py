@@ -124,6 +124,17 @@ def test_lm_eval_style_scoring(server, llm):
         assert choice["text"].startswith(tok.decode(ids, skip_special_tokens=False))
 
 
+def test_streamed_echo_logprobs_equal_non_streamed(client):
+    kwargs = dict(model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=4,
+                  logprobs=2, echo=True)
+    full = client.completions.create(**kwargs).choices[0]
+    chunks = [c.choices[0] for c in client.completions.create(**kwargs, stream=True)]
+    assert "".join(c.text for c in chunks) == full.text
+    streamed = [v for c in chunks if c.logprobs for v in c.logprobs.token_logprobs]
+    assert streamed == full.logprobs.token_logprobs
+    assert streamed[0] is None and len(streamed) == len(full.logprobs.tokens)
+
+
 def test_models_and_health(client, server):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert server.request("GET", "/health", key=None) == (200, {"status": "ok"})
