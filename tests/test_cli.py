@@ -51,3 +51,23 @@ def test_bench_offline_prints_a_table():
                "--log-level", "WARNING")
     assert r.returncode == 0, r.stderr
     assert "| frugal | 2 |" in r.stdout and "command: frugal bench offline" in r.stdout
+
+
+def test_eval_small_run_with_saved_reference(tmp_path):
+    items, out = tmp_path / "items.json", tmp_path / "out.json"
+    r = frugal("eval", "--tasks", "piqa,boolq", "--limit", "4", "--perplexity", "wiki",
+               "--ctx-len", "64", "--windows", "1", "--save-items", str(items), "--output",
+               str(out), "--log-level", "WARNING")
+    assert r.returncode == 0, r.stderr
+    assert "| piqa | 4 | 0 |" in r.stdout and "| boolq | 4 | 0 |" in r.stdout
+    import json
+
+    report = json.loads(out.read_text())
+    assert [t["task"] for t in report["tasks"]] == ["piqa", "boolq"]
+    assert report["tasks"][1]["num_rows"] == 3270 and report["perplexity"]["num_tokens"] == 63
+    again = frugal("eval", "--tasks", "piqa,boolq", "--limit", "4", "--reference-items",
+                   str(items), "--log-level", "WARNING")
+    assert again.returncode == 0, again.stderr
+    assert "| all | 8 |" in again.stdout and "+0.00 [+0.00, +0.00] | 0/0 |" in again.stdout
+    bad = frugal("eval", "--tasks", "hellaswag")
+    assert bad.returncode == 2 and "hellaswag" in bad.stderr

@@ -5,6 +5,8 @@ from __future__ import annotations
 import itertools
 import logging
 
+import torch
+
 from frugal.config import EngineConfig
 from frugal.engine.detokenizer import IncrementalDetokenizer, find_stop
 from frugal.engine.model_runner import ModelRunner
@@ -116,11 +118,8 @@ class LLMEngine:
         if not out.requests:
             return []
         result = self.runner.execute(out)
-        for i, entries in result.prompt_logprobs.items():
-            request = out.requests[i]
-            # a recompute after preemption scores positions already recorded: keep the first
-            first = request.num_computed_tokens + 1
-            request.prompt_logprobs += entries[max(0, len(request.prompt_logprobs) - first):]
+        for i, scores in result.prompt_logprobs.items():
+            out.requests[i].record_prompt_scores(scores.first, scores.entries, scores.tensor)
         for request, n in zip(out.requests, out.num_new_tokens):
             request.num_computed_tokens += n
         outputs = []
@@ -179,9 +178,12 @@ class LLMEngine:
             0, text, list(request.output_token_ids),
             str(request.finish_reason) if request.finished else None, request.stop_reason,
             list(request.logprobs) if params.logprobs is not None else None)
-        prompt_logprobs = None
-        if params.prompt_logprobs is not None and len(request.prompt_logprobs) == len(
-                request.prompt_token_ids):
-            prompt_logprobs = list(request.prompt_logprobs)
+        prompt_logprobs = prompt_tensor = None
+        if request.num_prompt_scored == request.num_prompt_tokens - 1:
+            if params.prompt_logprobs is not None:
+                prompt_logprobs = list(request.prompt_logprobs)
+            if params.prompt_logprobs_tensor and request.prompt_logprobs_rows:
+                prompt_tensor = torch.cat(request.prompt_logprobs_rows)
+                request.prompt_logprobs_rows = [prompt_tensor]
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
-                             [completion], request.finished, prompt_logprobs)
+                             [completion], request.finished, prompt_logprobs, prompt_tensor)

@@ -43,7 +43,16 @@ class StepResult:
     sampled: list[int]
     tokens: list[int] = field(default_factory=list)
     logprobs: dict[int, TokenLogprob] = field(default_factory=dict)
-    prompt_logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)
+    prompt_logprobs: dict[int, PromptScores] = field(default_factory=dict)
+
+
+@dataclass
+class PromptScores:
+    """Scores of prompt tokens first, first+1, ...: top-k entries and/or full log-prob rows."""
+
+    first: int
+    entries: list[TokenLogprob] | None = None
+    tensor: torch.Tensor | None = None  # [num_scored, vocab] fp32 log-probabilities
 
 
 _LOGITS_ROWS = 256  # prompt positions scored per lm_head call (bounds [rows, vocab] memory)
@@ -156,24 +165,34 @@ class ModelRunner:
                                          [requests[i].params.logprobs for i in wanted])
                 result.logprobs = dict(zip(wanted, entries))
         for i, (request, n) in enumerate(zip(out.requests, out.num_new_tokens)):
-            if request.params.prompt_logprobs is not None:
-                entries = self._prompt_logprobs(request, n, hidden, inputs.cu_seqlens[i])
-                if entries:
-                    result.prompt_logprobs[i] = entries
+            p = request.params
+            if p.prompt_logprobs is not None or p.prompt_logprobs_tensor:
+                scored = self._score_prompt(request, n, hidden, inputs.cu_seqlens[i])
+                if scored is not None:
+                    result.prompt_logprobs[i] = scored
         return result
 
-    def _prompt_logprobs(self, request: Request, num_new: int, hidden: torch.Tensor,
-                         row: int) -> list[TokenLogprob]:
-        """Log-probabilities of the prompt tokens this chunk predicts: the hidden state at
-        position p scores prompt token p + 1. Entries for positions start+1 .. in order."""
+    def _score_prompt(self, request: Request, num_new: int, hidden: torch.Tensor,
+                      row: int) -> PromptScores | None:
+        """Log-probabilities of the prompt tokens this chunk predicts (the hidden state at
+        position p scores prompt token p + 1), for tokens start+1 .. in order."""
         start = request.num_computed_tokens
         end = min(start + num_new, request.num_prompt_tokens - 1)
-        entries: list[TokenLogprob] = []
+        if end <= start:
+            return None
+        p = request.params
+        scores = PromptScores(start + 1, [] if p.prompt_logprobs is not None else None)
+        rows = []
         for chunk in range(start, end, _LOGITS_ROWS):  # bound the [rows, vocab] logits
             stop = min(chunk + _LOGITS_ROWS, end)
             logits = self.model.compute_logits(hidden[row + chunk - start:row + stop - start])
-            targets = torch.tensor(request.prompt_token_ids[chunk + 1:stop + 1],
-                                   device=logits.device)
-            entries += token_logprobs(logits, targets,
-                                      [request.params.prompt_logprobs] * (stop - chunk))
-        return entries
+            if scores.entries is not None:
+                targets = torch.tensor(request.prompt_token_ids[chunk + 1:stop + 1],
+                                       device=logits.device)
+                scores.entries += token_logprobs(logits, targets,
+                                                 [p.prompt_logprobs] * (stop - chunk))
+            if p.prompt_logprobs_tensor:
+                rows.append(logits.log_softmax(dim=-1))
+        if rows:
+            scores.tensor = torch.cat(rows)
+        return scores
