@@ -69,5 +69,9 @@ def test_eval_small_run_with_saved_reference(tmp_path):
                    str(items), "--log-level", "WARNING")
     assert again.returncode == 0, again.stderr
     assert "| all | 8 |" in again.stdout and "+0.00 [+0.00, +0.00] | 0/0 |" in again.stdout
+    offline = frugal("eval", "--tasks", "piqa", "--limit", "4", "--items", str(items),
+                     "--reference-items", str(items))  # saved scores only: no model
+    assert offline.returncode == 0 and "| piqa | 4 |" in offline.stdout
+    assert "loaded" not in offline.stderr
     bad = frugal("eval", "--tasks", "hellaswag")
     assert bad.returncode == 2 and "hellaswag" in bad.stderr

@@ -30,9 +30,13 @@ def add_eval_parser(subparsers) -> None:
     g.add_argument("--reference", default=None, metavar="FLAGS",
                    help='engine flags of the reference configuration, e.g. "--dtype float32"')
     g.add_argument("--reference-items", default=None, help="reference item scores (--save-items)")
-    g.add_argument("--peer", choices=["none", "hf"], default="none",
-                   help="score the same items with HF transformers as the reference")
+    g.add_argument("--scorer", choices=["engine", "hf"], default="engine",
+                   help="hf: score with HF transformers' model of the same checkpoint instead of "
+                        "the engine (a reference implementation, for --save-items)")
     g.add_argument("--save-items", default=None, help="write this run's item scores (JSON)")
+    g.add_argument("--items", default=None,
+                   help="use saved item scores instead of scoring (no model is loaded), e.g. to "
+                        "compare two saved runs with --reference-items")
     g.add_argument("--batch", type=int, default=64, help="items per engine call")
     g.add_argument("--output", default=None, help="write all results as JSON")
     p.set_defaults(func=run_eval)
@@ -59,35 +63,47 @@ def run_eval(args: argparse.Namespace) -> int:
     tasks = [t for t in (args.tasks or "").split(",") if t]
     if not tasks and not args.perplexity:
         raise ValueError("tasks: give --tasks and/or --perplexity wiki")
-    if sum(x is not None for x in (args.reference, args.reference_items)) + (
-            args.peer != "none") > 1:
-        raise ValueError("reference: give one of --reference, --reference-items, --peer")
+    if args.reference is not None and args.reference_items is not None:
+        raise ValueError("reference: give --reference or --reference-items, not both")
+    if args.items and (args.perplexity or args.reference or args.scorer != "engine"):
+        raise ValueError("items: saved scores only pair with --reference-items")
     data = {t: load_task(t, args.limit) for t in tasks}  # bad task names fail before loading
-    llm = LLM.from_config(engine_config(args))
-    reference = None
+    llm = reference = None
+    if not args.items:
+        llm = LLM.from_config(engine_config(args))
     if args.reference is not None:
         reference = LLM.from_config(reference_config(args.reference, args.model))
-    report = {"command": "frugal " + shlex.join(sys.argv[1:]), "config": describe(llm)}
-    lines = [f"frugal eval: {describe(llm)}"
+    config = describe(llm) if llm else f"saved scores {args.items}"
+    report = {"command": "frugal " + shlex.join(sys.argv[1:]), "config": config}
+    lines = [f"frugal eval: {config}"
              + (f" vs reference {describe(reference)}" if reference else "")]
-    tok = llm.get_tokenizer()
     if tasks:
         items = [item for t in tasks for item in data[t].items]
-        scores = mc.score_items(items, tok, mc.engine_scorer(llm), args.batch, "frugal")
-        if args.save_items:
-            mc.save_items(args.save_items, scores, describe(llm))
-        ref_scores = None
-        if reference is not None:
-            ref_scores = mc.score_items(items, tok, mc.engine_scorer(reference), args.batch,
-                                        "reference")
-        elif args.reference_items:
-            ref_scores = mc.load_items(args.reference_items)
-        elif args.peer == "hf":
+        if args.items:
+            wanted = {(i.task, i.index) for i in items}
+            scores = [s for s in mc.load_items(args.items) if (s.task, s.index) in wanted]
+            if len(scores) != len(items):
+                raise ValueError(f"items: {args.items} holds {len(scores)} of the "
+                                 f"{len(items)} items asked for")
+        elif args.scorer == "hf":
             from frugal.eval.hf_peer import hf_scorer
 
             runner = llm.engine.runner
             scorer = hf_scorer(args.model, runner.device, runner.dtype)
-            ref_scores = mc.score_items(items, tok, scorer, args.batch, "transformers")
+            scores = mc.score_items(items, llm.get_tokenizer(), scorer, args.batch,
+                                    "transformers")
+            config = f"transformers, {config}"
+        else:
+            scores = mc.score_items(items, llm.get_tokenizer(), mc.engine_scorer(llm),
+                                    args.batch, "frugal")
+        if args.save_items:
+            mc.save_items(args.save_items, scores, config)
+        ref_scores = None
+        if reference is not None:
+            ref_scores = mc.score_items(items, llm.get_tokenizer(), mc.engine_scorer(reference),
+                                        args.batch, "reference")
+        elif args.reference_items:
+            ref_scores = mc.load_items(args.reference_items)
         task_table = mc.task_scores(scores)
         report["tasks"] = [asdict(s) | {"num_rows": data[s.task].num_rows,
                                         "num_skipped": data[s.task].num_skipped}
@@ -111,7 +127,7 @@ def run_eval(args: argparse.Namespace) -> int:
                 lines.append(f"| {p.task} | {p.num_items} | {ref_acc} | {acc} | {p.diff:+.2f} "
                              f"[{p.ci_low:+.2f}, {p.ci_high:+.2f}] | {p.gained}/{p.lost} |")
     if args.perplexity:
-        wins = windows(tok.encode(wiki_text()), args.ctx_len, args.windows)
+        wins = windows(llm.get_tokenizer().encode(wiki_text()), args.ctx_len, args.windows)
         ppl = perplexity(llm, wins, reference)
         report["perplexity"] = asdict(ppl)
         lines += ["", *format_perplexity(ppl, args.ctx_len)]

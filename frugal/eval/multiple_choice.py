@@ -93,7 +93,8 @@ def score_items(items: list[Item], tokenizer: Tokenizer, scorer: Scorer, batch: 
                 desc: str = "score") -> list[ItemScore]:
     """Every choice of every item, `batch` items per call to the scorer."""
     results = []
-    for start in tqdm(range(0, len(items), batch), desc=desc, unit_scale=batch):
+    bar = tqdm(total=len(items), desc=desc, unit="item")
+    for start in range(0, len(items), batch):
         chunk = items[start:start + batch]
         sequences, context_lens = [], []
         for item in chunk:
@@ -110,6 +111,8 @@ def score_items(items: list[Item], tokenizer: Tokenizer, scorer: Scorer, batch: 
             results.append(ItemScore(item.task, item.index, item.gold, lls[k:k + n],
                                      [len(t) for t in item.choice_texts]))
             k += n
+        bar.update(len(chunk))
+    bar.close()
     return results
 
 

@@ -53,8 +53,10 @@ def perplexity(llm: LLM, wins: list[list[int]], reference: LLM | None = None,
     count = agree = 0
     sq_dp = 0.0
     klds: list[torch.Tensor] = []
-    for start in tqdm(range(0, len(wins), batch), desc="perplexity", unit_scale=batch):
+    bar = tqdm(total=len(wins), desc="perplexity", unit="window")
+    for start in range(0, len(wins), batch):
         chunk = wins[start:start + batch]
+        bar.update(len(chunk))
         mine = _log_probs(llm, chunk)
         theirs = _log_probs(reference, chunk) if reference is not None else [None] * len(chunk)
         for window, lp, ref in zip(chunk, mine, theirs):
@@ -71,6 +73,7 @@ def perplexity(llm: LLM, wins: list[list[int]], reference: LLM | None = None,
             klds.append((ref.exp().double() * (ref.double() - lp.double())).sum(-1).cpu())
             agree += (ref.argmax(-1) == lp.argmax(-1)).sum().item()
             sq_dp += ((token_lp.exp() - ref_token_lp.exp()) ** 2).sum().item()
+    bar.close()
     score = PerplexityScore(len(wins), count, math.exp(nll / count))
     if reference is not None:
         kld = torch.cat(klds).clamp_min(0.0)
