@@ -3,27 +3,18 @@
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import torch
 
 from frugal.bench.offline import Result
-from frugal.loader import default_model_path
+from frugal.loader import load_transformers_model
 
 
 class HFPeer:
     """Static-batch `generate` (all prompts the same length, so no padding)."""
 
     def __init__(self, model: str | None, device: str, dtype: torch.dtype) -> None:
-        try:
-            from transformers import AutoModelForCausalLM
-        except ImportError as e:
-            raise ValueError("--peer hf needs transformers (pip install -e '.[test]')") from e
-        path = default_model_path() if model is None else Path(model)
-        kwargs = {"gguf_file": path.name} if path.suffix == ".gguf" else {}
-        where = path.parent if path.suffix == ".gguf" else path
-        self.model = AutoModelForCausalLM.from_pretrained(str(where), dtype=dtype, **kwargs)
-        self.model.to(device).eval()
+        self.model = load_transformers_model(model, device, dtype)
         self.device = device
 
     def _generate(self, ids: torch.Tensor, n: int) -> float:

@@ -1,25 +1,16 @@
-"""HF transformers as a reference scorer (`frugal eval --peer hf`): the same token ids through
+"""HF transformers as a reference scorer (`frugal eval --scorer hf`): the same token ids through
 transformers' own model of the same checkpoint, to check frugal's numbers against."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from frugal.eval.multiple_choice import Scorer
-from frugal.loader import default_model_path
+from frugal.loader import load_transformers_model
 
 
 def hf_scorer(model: str | None, device: str, dtype: torch.dtype, batch: int = 16) -> Scorer:
-    try:
-        from transformers import AutoModelForCausalLM
-    except ImportError as e:
-        raise ValueError("--peer hf needs transformers (pip install -e '.[test]')") from e
-    path = default_model_path() if model is None else Path(model)
-    kwargs = {"gguf_file": path.name} if path.suffix == ".gguf" else {}
-    where = path.parent if path.suffix == ".gguf" else path
-    hf = AutoModelForCausalLM.from_pretrained(str(where), dtype=dtype, **kwargs).to(device).eval()
+    hf = load_transformers_model(model, device, dtype)
 
     @torch.inference_mode()
     def score(sequences: list[list[int]], context_lens: list[int]) -> list[float]:

@@ -59,3 +59,16 @@ def open_checkpoint(model: str | None, load_format: str = "auto", seed: int = 0)
     if load_format == "dummy":
         return DummyCheckpoint(ckpt.config, ckpt.tokenizer, seed=seed)
     return ckpt
+
+
+def load_transformers_model(model: str | None, device: str, dtype: torch.dtype) -> torch.nn.Module:
+    """HF transformers' own model of the same checkpoint (a GGUF file or a HF directory), for
+    comparisons against a reference implementation. Needs the test extra (transformers)."""
+    try:
+        from transformers import AutoModelForCausalLM
+    except ImportError as e:
+        raise ValueError("transformers is needed for this (pip install -e '.[test]')") from e
+    path = default_model_path() if model is None else Path(model)
+    kwargs = {"gguf_file": path.name} if path.suffix == ".gguf" else {}
+    where = path.parent if path.suffix == ".gguf" else path
+    return AutoModelForCausalLM.from_pretrained(str(where), dtype=dtype, **kwargs).to(device).eval()
