@@ -68,8 +68,7 @@ class LLM:
         if tokenizer is None:
             raise ValueError("chat: this model has no tokenizer")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [tokenizer.encode(tokenizer.apply_chat_template(c, add_generation_prompt),
-                                    add_special_tokens=False) for c in conversations]
+        prompts = [tokenizer.encode_chat(c, add_generation_prompt) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, prompts: list, params: list[SamplingParams],
@@ -84,11 +83,15 @@ class LLM:
             raise
         pending = set(ids)
         final: dict[str, RequestOutput] = {}
-        with tqdm(total=len(ids), desc="generate", disable=not use_tqdm) as bar:
-            while pending:
-                for output in self.engine.step():
-                    if output.finished and output.request_id in pending:
-                        pending.discard(output.request_id)
-                        final[output.request_id] = output
-                        bar.update(1)
+        try:
+            with tqdm(total=len(ids), desc="generate", disable=not use_tqdm) as bar:
+                while pending:
+                    for output in self.engine.step():
+                        if output.finished and output.request_id in pending:
+                            pending.discard(output.request_id)
+                            final[output.request_id] = output
+                            bar.update(1)
+        finally:  # an error or Ctrl-C must not leave requests holding pages in the engine
+            for request_id in pending:
+                self.engine.abort_request(request_id)
         return [final[i] for i in ids]

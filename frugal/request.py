@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -53,17 +54,18 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise ValueError(f"max_tokens: must be an integer >= 1, got {self.max_tokens!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature: must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature: must be a finite number >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:  # also false for NaN
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
         if not _is_int(self.top_k) or self.top_k < -1:
             raise ValueError(f"top_k: must be -1 (disabled) or >= 0, got {self.top_k!r}")
         if not _is_int(self.min_tokens) or self.min_tokens < 0 or (
                 self.max_tokens is not None and self.min_tokens > self.max_tokens):
             raise ValueError(f"min_tokens: must be in [0, max_tokens], got {self.min_tokens!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed: must be an integer, got {self.seed!r}")
+        if self.seed is not None and (not _is_int(self.seed)
+                                      or not -(2**63) <= self.seed < 2**63):
+            raise ValueError(f"seed: must be a 64-bit signed integer, got {self.seed!r}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):

@@ -78,6 +78,12 @@ class Tokenizer:
         return self._template.render(messages=conversation,
                                      add_generation_prompt=add_generation_prompt, **special)
 
+    def encode_chat(self, conversation: Conversation,
+                    add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a rendered conversation (the template writes any BOS itself)."""
+        return self.encode(self.apply_chat_template(conversation, add_generation_prompt),
+                           add_special_tokens=False)
+
     def _token_text(self, token_id: int | None) -> str:
         return "" if token_id is None else (self._tok.id_to_token(token_id) or "")
 

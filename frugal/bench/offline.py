@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import shlex
 import statistics
 import sys
 import time
@@ -20,7 +19,7 @@ from dataclasses import asdict, dataclass
 import torch
 from tqdm import tqdm
 
-from frugal.cli.args import add_engine_args, engine_config
+from frugal.cli.args import add_engine_args, command_line, engine_config
 from frugal.engine.llm_engine import LLMEngine
 from frugal.request import SamplingParams
 
@@ -129,10 +128,6 @@ def median_result(runs: list[Result]) -> Result:
 
 def _fmt(value: float) -> str:
     return "n/a" if math.isnan(value) else f"{value:.1f}"
-
-
-def command_line() -> str:
-    return "frugal " + shlex.join(sys.argv[1:])
 
 
 def format_table(results: list[Result], engine: LLMEngine, args: argparse.Namespace) -> str:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import shlex
+import sys
 
 from frugal.config import CacheConfig, EngineConfig, SchedulerConfig
 from frugal.request import SamplingParams
@@ -55,3 +57,8 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                           top_p=args.top_p, top_k=args.top_k, seed=args.sampling_seed,
                           stop=args.stop, ignore_eos=args.ignore_eos)
+
+
+def command_line() -> str:
+    """The command as the user typed it, printed beside every result so it can be rerun."""
+    return "frugal " + shlex.join(sys.argv[1:])

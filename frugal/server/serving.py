@@ -18,7 +18,13 @@ from starlette.requests import Request as HTTPRequest
 from frugal.engine.async_engine import AsyncEngine
 from frugal.request import RequestOutput, SamplingParams
 from frugal.server import logprobs as lp
-from frugal.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from frugal.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    conversation,
+)
+from frugal.tokenizer import Tokenizer
 
 
 @dataclass
@@ -67,19 +73,14 @@ class Serving:
 
     def chat_job(self, req: ChatCompletionRequest) -> Job:
         req.check()
-        if self.tokenizer is None:
-            raise APIError("messages: this model has no tokenizer", "messages")
-        try:
-            text = self.tokenizer.apply_chat_template(req.conversation(),
-                                                      req.add_generation_prompt)
-        except ValueError as e:
-            raise APIError(str(e), "messages") from e
-        ids = self._tokenize(self.tokenizer.encode(text, add_special_tokens=False))
-        max_tokens = req.max_completion_tokens or req.max_tokens
+        ids = self._tokenize(encode_chat(self.tokenizer, conversation(req.messages),
+                                         req.add_generation_prompt))
+        max_tokens = (req.max_completion_tokens if req.max_completion_tokens is not None
+                      else req.max_tokens)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = [req.sampling_params(self._max_tokens(ids, max_tokens), logprobs, None, c)
                   for c in range(req.n)]
-        return Job("chat", f"chatcmpl-{uuid.uuid4().hex}", req.model, [ids], [text], params,
+        return Job("chat", f"chatcmpl-{uuid.uuid4().hex}", req.model, [ids], [""], params,
                    req.n, include_usage=req.include_usage)
 
     def _tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -125,7 +126,7 @@ class Serving:
         while True:
             done, _ = await asyncio.wait({task}, timeout=0.5)
             if done:
-                task.result()
+                _raise_as_api_error(task)
                 break
             if await http.is_disconnected():
                 task.cancel()
@@ -193,10 +194,8 @@ class Serving:
             if job.include_usage:
                 outputs = [finals[i] for i in range(len(job.params))]
                 yield _sse({**head, "choices": [], "usage": _usage(job, outputs)})
-        except (APIError, RuntimeError) as e:  # engine failure mid-stream: say so, then end
-            error = e if isinstance(e, APIError) else APIError(str(e), status=500,
-                                                               kind="server_error")
-            yield _sse(error.body())
+        except Exception as e:  # an error after the headers went out: say so, then end
+            yield _sse(_api_error(e).body())
         yield "data: [DONE]\n\n"
 
     def _chunk_choice(self, job: Job, index: int, delta: str, token_ids: list[int],
@@ -211,6 +210,34 @@ class Serving:
         if new_logprobs is not None:
             logprobs = lp.completion_logprobs(self.tokenizer, token_ids, new_logprobs)
         return {"index": index, "text": delta, "logprobs": logprobs, "finish_reason": finish}
+
+
+def encode_chat(tokenizer: Tokenizer | None, messages: list[dict[str, str]],
+                add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of a conversation through the model's chat template; bad messages -> 400."""
+    if tokenizer is None:
+        raise APIError("messages: this model has no tokenizer", "messages")
+    try:
+        return tokenizer.encode_chat(messages, add_generation_prompt)
+    except ValueError as e:
+        raise APIError(str(e), "messages") from e
+
+
+def _api_error(e: Exception) -> APIError:
+    """Engine-side failures as OpenAI errors: a rejected request is the client's (400), anything
+    else the server's (500)."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, ValueError):
+        return APIError.from_value_error(e)
+    return APIError(f"engine error: {e}", status=500, kind="server_error")
+
+
+def _raise_as_api_error(task: asyncio.Task) -> None:
+    try:
+        task.result()
+    except Exception as e:
+        raise _api_error(e) from e
 
 
 def _usage(job: Job, outputs: list[RequestOutput]) -> dict:

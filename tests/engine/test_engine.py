@@ -105,10 +105,40 @@ def test_bad_prompt_rejected_without_disturbing_others(llm, reference, prompt, p
     (dict(top_p=1.5), "top_p"),
     (dict(top_k=-2), "top_k"),
     (dict(stop=[""]), "stop"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(top_p=float("nan")), "top_p"),
+    (dict(seed=2**64), "seed"),
+    (dict(min_tokens=5, max_tokens=2), "min_tokens"),
+    (dict(logprobs=21), "logprobs"),
 ])
 def test_bad_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
+
+
+def test_bad_stop_token_ids_rejected_at_add(llm):
+    for bad in ([10**6], [-1], ["x"]):
+        with pytest.raises(ValueError, match="stop_token_ids"):
+            llm.engine.add_request("hi", SamplingParams(min_tokens=1, stop_token_ids=bad))
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_generate_releases_requests_when_a_step_fails(llm, monkeypatch):
+    engine = llm.engine
+    calls = []
+
+    def failing_step():
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("boom")
+        return original()
+
+    original = engine.step
+    monkeypatch.setattr(engine, "step", failing_step)
+    with pytest.raises(RuntimeError, match="boom"):
+        llm.generate(PROMPTS[:3], GREEDY)
+    assert not engine.has_unfinished_requests()
+    assert engine.scheduler.allocator.num_free == engine.runner.pool.num_pages
 
 
 def test_generate_validates_every_prompt_first(llm):

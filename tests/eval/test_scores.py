@@ -80,6 +80,13 @@ def wins(llm):
     return windows(llm.get_tokenizer().encode(wiki_text()), 128, 2)
 
 
+def test_no_window_is_a_clear_error():
+    with pytest.raises(ValueError, match="windows"):
+        windows(list(range(100)), 512, None)
+    with pytest.raises(ValueError, match="windows"):
+        windows(list(range(2000)), 512, 0)
+
+
 def test_kld_against_itself_is_zero(llm, wins):
     s = perplexity(llm, wins, reference=llm)
     assert s.num_tokens == 2 * 127

@@ -120,6 +120,12 @@ BAD = [
     ({"model": MODEL, "prompt": ""}, 400, "prompt"),
     ({"model": MODEL, "prompt": "hi", "stop": 5}, 400, "stop"),
     ({"model": MODEL, "prompt": "hi", "frequency_penalty": 0.5}, 400, "frequency_penalty"),
+    ({"model": MODEL, "prompt": "hi", "min_tokens": 1, "stop_token_ids": [10**6]}, 400,
+     "stop_token_ids"),
+    ({"model": MODEL, "prompt": "hi", "stop_token_ids": [-1]}, 400, "stop_token_ids"),
+    ({"model": MODEL, "prompt": "hi", "seed": 2**64}, 400, "seed"),
+    (b'{"model": "SmolLM2-135M-Instruct", "prompt": "hi", "temperature": NaN}', 400,
+     "temperature"),
 ]
 
 
@@ -144,11 +150,22 @@ def test_bad_completion_input_is_4xx_and_harmless(server, body, status, param):
      "top_logprobs"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": [{"x": 1}]},
      "tools"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+      "max_completion_tokens": 0}, "max_tokens"),
 ])
 def test_bad_chat_input_is_400(server, body, param):
     got, err = server.request("POST", "/v1/chat/completions", body)
     assert got == 400, err
     assert err["error"]["param"] == param
+
+
+def test_tokenize_messages_counts_what_chat_sends(server):
+    messages = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    _, tokens = server.request("POST", "/tokenize", {"messages": messages}, key=None)
+    _, chat = server.request("POST", "/v1/chat/completions", {"model": MODEL,
+                                                              "messages": messages,
+                                                              "max_tokens": 1})
+    assert tokens["count"] == chat["usage"]["prompt_tokens"]
 
 
 def test_unknown_route_is_openai_shaped_404(server):
