@@ -191,6 +191,7 @@ class EngineConfig:
     load_format: str = "auto"  # auto | gguf | safetensors | dummy
     dtype: str = "auto"
     device: str = "auto"
+    ops_backend: str = "auto"  # auto: triton on CUDA, torch_ref on CPU
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -203,11 +204,19 @@ class EngineConfig:
             raise ValueError(f"dtype: unsupported {self.dtype!r} ({', '.join(DTYPES)})")
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise ValueError(f"device: unsupported {self.device!r} (auto, cpu, cuda)")
+        if self.ops_backend not in ("auto", "torch_ref", "triton"):
+            raise ValueError(f"ops_backend: unsupported {self.ops_backend!r} "
+                             "(auto, torch_ref, triton)")
 
     def resolved_device(self) -> str:
         if self.device == "auto":
             return "cuda" if torch.cuda.is_available() else "cpu"
         return self.device
+
+    def resolved_ops_backend(self) -> str:
+        if self.ops_backend != "auto":
+            return self.ops_backend
+        return "triton" if self.resolved_device().startswith("cuda") else "torch_ref"
 
     def resolved_dtype(self, model: ModelConfig) -> torch.dtype:
         """'auto': fp32 on CPU (fast and exact there); the checkpoint's half dtype on GPU."""

@@ -19,12 +19,14 @@ class LLM:
     """An engine for offline batches. model None loads the bundled SmolLM2-135M-Instruct GGUF."""
 
     def __init__(self, model: str | None = None, *, load_format: str = "auto", dtype: str = "auto",
-                 device: str = "auto", seed: int = 0, page_size: int = 16,
+                 device: str = "auto", ops_backend: str = "auto", seed: int = 0,
+                 page_size: int = 16,
                  kv_cache_memory: str | int | float = "2GiB", kv_cache_dtype: str = "auto",
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
                  max_model_len: int | None = None) -> None:
         config = EngineConfig(
-            model=model, load_format=load_format, dtype=dtype, device=device, seed=seed,
+            model=model, load_format=load_format, dtype=dtype, device=device,
+            ops_backend=ops_backend, seed=seed,
             cache=CacheConfig(page_size=page_size, kv_cache_memory=kv_cache_memory,
                               kv_cache_dtype=kv_cache_dtype),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
-import pytest
+import os
+
 import torch
 
-from frugal import LLM
-from frugal.loader import default_model_path
+if not torch.cuda.is_available():  # Triton kernels run in its interpreter on CPU (tiny shapes)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from frugal import LLM  # noqa: E402
+from frugal.loader import default_model_path  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):

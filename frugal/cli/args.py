@@ -20,6 +20,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                                                              "dummy"])
     g.add_argument("--dtype", default="auto", help="auto (fp32 on CPU), float32, bfloat16, float16")
     g.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    g.add_argument("--ops-backend", default="auto", choices=["auto", "torch_ref", "triton"],
+                   help="kernels: auto = triton on CUDA, torch_ref (plain PyTorch) on CPU")
     g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
     g.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     g.add_argument("--kv-cache-memory", default="2GiB",
@@ -34,7 +36,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
-        seed=args.seed,
+        ops_backend=args.ops_backend, seed=args.seed,
         cache=CacheConfig(page_size=args.page_size, kv_cache_memory=args.kv_cache_memory,
                           kv_cache_dtype=args.kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,

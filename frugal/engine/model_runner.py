@@ -75,14 +75,15 @@ class ModelRunner:
         self.device = config.resolved_device()
         self.model_config = mc = checkpoint.config
         self.dtype = config.resolved_dtype(mc)
-        ops.select("torch_ref")
+        self.backend = ops.load(config.resolved_ops_backend())
         start = time.perf_counter()
         with _default_dtype(self.dtype), torch.device(self.device):
             self.model = model_class(mc)(mc)
         checkpoint.load_into(self.model)
-        logger.info("loaded %s (%s, %d layers) in %.1f s as %s on %s", mc.architecture,
+        logger.info("loaded %s (%s, %d layers) in %.1f s as %s on %s, %s ops", mc.architecture,
                     type(checkpoint).__name__, mc.num_layers, time.perf_counter() - start,
-                    str(self.dtype).removeprefix("torch."), self.device)
+                    str(self.dtype).removeprefix("torch."), self.device,
+                    self.backend.__name__.rsplit(".", 1)[-1])
         cache = config.cache
         kv_dtype = self.dtype if cache.kv_cache_dtype == "auto" else DTYPES[cache.kv_cache_dtype]
         page_bytes = KVPool.page_bytes(mc.num_layers, cache.page_size, mc.num_kv_heads,
@@ -137,6 +138,8 @@ class ModelRunner:
             page_table=tensor(page_table, torch.int32),
             cu_seqlens_q=tensor(cu_seqlens, torch.int32),
             seq_lens=tensor(seq_lens, torch.int32),
+            max_query_len=max(out.num_new_tokens),
+            max_seq_len=max(seq_lens),
         )
         return StepInputs(tensor(input_ids, torch.int64), tensor(positions, torch.int64), meta,
                           tensor(logits_indices, torch.int64), sampled, cu_seqlens)
@@ -144,7 +147,12 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """Final hidden states of every new token: [num_tokens, hidden]."""
-        return self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        with ops.use(self.backend):
+            return self.model(inputs.input_ids, inputs.positions, inputs.meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        with ops.use(self.backend):
+            return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
@@ -154,7 +162,7 @@ class ModelRunner:
         hidden = self.forward(inputs)
         result = StepResult(inputs.sampled)
         if inputs.sampled:
-            logits = self.model.compute_logits(hidden[inputs.logits_indices])
+            logits = self.compute_logits(hidden[inputs.logits_indices])
             requests = [out.requests[i] for i in inputs.sampled]
             tokens = self.sampler(logits, requests)
             result.tokens = tokens.tolist()
@@ -185,7 +193,7 @@ class ModelRunner:
         rows = []
         for chunk in range(start, end, _LOGITS_ROWS):  # bound the [rows, vocab] logits
             stop = min(chunk + _LOGITS_ROWS, end)
-            logits = self.model.compute_logits(hidden[row + chunk - start:row + stop - start])
+            logits = self.compute_logits(hidden[row + chunk - start:row + stop - start])
             if scores.entries is not None:
                 targets = torch.tensor(request.prompt_token_ids[chunk + 1:stop + 1],
                                        device=logits.device)

@@ -16,13 +16,16 @@ class AttentionMetadata:
 
     slot_mapping: [num_tokens] int64, where each new token's K/V is written;
     page_table: [num_requests, max_pages] int32; cu_seqlens_q: [num_requests + 1] int32;
-    seq_lens: [num_requests] int32, each request's context length after this step.
+    seq_lens: [num_requests] int32, each request's context length after this step;
+    max_query_len, max_seq_len: host-side bounds of the new tokens and of seq_lens.
     """
 
     slot_mapping: torch.Tensor
     page_table: torch.Tensor
     cu_seqlens_q: torch.Tensor
     seq_lens: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
 
 
 class Attention(nn.Module):
@@ -43,4 +46,5 @@ class Attention(nn.Module):
         """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]."""
         ops.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         return ops.paged_attention(q, self.k_cache, self.v_cache, meta.page_table,
-                                   meta.cu_seqlens_q, meta.seq_lens, self.scale)
+                                   meta.cu_seqlens_q, meta.seq_lens, self.scale,
+                                   meta.max_query_len, meta.max_seq_len)

@@ -1,32 +1,41 @@
-"""The only code that knows devices. Layers call `ops.<name>`; the backend is picked once.
+"""The only code that knows devices. Layers call `ops.<name>`; the model runner picks the backend.
 
 Backends are modules with the same function names and signatures: `torch_ref` (plain PyTorch, the
-CPU path and the test oracle for every fast kernel); GPU backends register here beside it.
+CPU path and the test oracle for every fast kernel) and `triton` (NVIDIA GPUs). A model runner
+runs its steps inside `ops.use(backend)`, so engines with different backends can share a process.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+from collections.abc import Iterator
 from types import ModuleType
 
 from frugal.ops import torch_ref
 
 OPS = ("linear", "rms_norm", "add_rms_norm", "silu_and_mul", "apply_rotary", "store_kv",
        "paged_attention")
-BACKENDS = {"torch_ref": "frugal.ops.torch_ref"}
-backend: str = "torch_ref"
+BACKENDS = {"torch_ref": "frugal.ops.torch_ref", "triton": "frugal.ops.triton"}
 
 
-def select(name: str) -> ModuleType:
-    """Bind every op in this namespace to backend `name` (called once by the model runner)."""
-    global backend
+def load(name: str) -> ModuleType:
+    """The backend module (imported on first use: triton only where it is wanted)."""
     if name not in BACKENDS:
         raise ValueError(f"ops backend: unknown {name!r} ({', '.join(BACKENDS)})")
-    module = importlib.import_module(BACKENDS[name])
-    for op in OPS:
-        globals()[op] = getattr(module, op)
-    backend = name
-    return module
+    return importlib.import_module(BACKENDS[name])
+
+
+@contextlib.contextmanager
+def use(backend: ModuleType) -> Iterator[None]:
+    """Bind every op in this namespace to `backend` for the duration of the block."""
+    namespace = globals()
+    saved = {op: namespace[op] for op in OPS}
+    namespace.update({op: getattr(backend, op) for op in OPS})
+    try:
+        yield
+    finally:
+        namespace.update(saved)
 
 
 linear = torch_ref.linear

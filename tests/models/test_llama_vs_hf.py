@@ -16,7 +16,7 @@ def frugal_logits(llm, token_ids: list[int]) -> torch.Tensor:
     try:
         hidden = engine.runner.forward(engine.runner.prepare(out))
         with torch.inference_mode():
-            return engine.runner.model.compute_logits(hidden)
+            return engine.runner.compute_logits(hidden)
     finally:
         engine.scheduler.finish(request, FinishReason.ABORT)
 

@@ -43,7 +43,8 @@ def test_paged_attention_matches_dense(dtype, tol, seed):
     cu = torch.tensor([0] + torch.tensor(num_new).cumsum(0).tolist(), dtype=torch.int32)
     scale = head_dim ** -0.5
     out = torch_ref.paged_attention(q, k_cache, v_cache, page_table, cu,
-                                    torch.tensor(seq_lens, dtype=torch.int32), scale)
+                                    torch.tensor(seq_lens, dtype=torch.int32), scale,
+                                    max(num_new), max(seq_lens))
     assert torch.isfinite(out).all()
     for b, (n, length) in enumerate(zip(num_new, seq_lens)):
         qb = q[cu[b]:cu[b + 1]].float().transpose(0, 1)

@@ -24,7 +24,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     page_table: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
-                    scale: float) -> torch.Tensor:
+                    scale: float, max_query_len: int, max_seq_len: int) -> torch.Tensor:
     """Causal attention of each request's new tokens over its whole cached context.
 
     q: [num_tokens, num_heads, head_dim], the new tokens of all requests back to back;
@@ -32,7 +32,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     cu_seqlens_q: [num_requests + 1] int32, request b's new tokens are q[cu[b]:cu[b+1]];
     seq_lens: [num_requests] int32, context length after this step (cached + new; the new tokens'
     K/V must already be stored). New token i of request b sits at position seq_lens[b] - n_b + i and
-    attends to positions <= its own. Returns [num_tokens, num_heads, head_dim] in q's dtype.
+    attends to positions <= its own. max_query_len, max_seq_len: host-side bounds of n_b and
+    seq_lens (GPU kernels size their grids with them). Returns [num_tokens, num_heads, head_dim]
+    in q's dtype.
     """
     out = torch.empty_like(q)
     starts = cu_seqlens_q.tolist()

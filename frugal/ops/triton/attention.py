@@ -1,0 +1,236 @@
+"""Paged attention and KV store in Triton. Same signatures as frugal.ops.torch_ref.attention.
+
+Decode (one new token per request) is split-K and GQA-aware: a program owns one request, one KV
+head and one slice of the context, reads each K/V row of that slice once for every query head of
+the group, and leaves a partial result with its log-sum-exp; a second kernel merges the slices.
+Prefill/extend (several new tokens) runs one program per (request, query head, block of new
+tokens) over the cached context, causally masked.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# The CPU interpreter's bf16 tl.dot is wrong: compute the products in fp32 there.
+_DOT_F32 = os.environ.get("TRITON_INTERPRET") == "1"
+_LOG2E = 1.4426950408889634
+_TARGET_PROGRAMS = 264  # two waves of the H200's 132 SMs
+
+
+@triton.jit
+def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, ROW: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    token = tl.program_id(0)
+    slot = tl.load(slot_ptr + token)
+    if slot >= 0:  # -1 marks padding (a CUDA graph's unused rows)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < ROW
+        k = tl.load(k_ptr + token * ROW + offs, mask=mask)
+        v = tl.load(v_ptr + token * ROW + offs, mask=mask)
+        tl.store(k_cache_ptr + slot * ROW + offs, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_cache_ptr + slot * ROW + offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """k, v: [num_tokens, num_kv_heads, head_dim]; caches [num_pages, page_size, kv_heads, dim];
+    slot_mapping: [num_tokens] int64 (a negative slot skips the token)."""
+    row = k.shape[1] * k.shape[2]
+    _store_kv_kernel[(k.shape[0],)](k.contiguous(), v.contiguous(), k_cache, v_cache,
+                                    slot_mapping, ROW=row, BLOCK=triton.next_power_of_2(row))
+
+
+@triton.jit
+def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, seq_lens_ptr, cu_ptr,
+                   partial_ptr, lse_ptr, scale, pages_stride, num_splits,
+                   NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
+                   GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+                   PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b)
+    row = tl.load(cu_ptr + b)  # the request's (single) new token
+    # this split's slice of the context, in whole blocks of BLOCK_N tokens
+    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    first = split * per_split
+    last = tl.minimum(first + per_split, seq_len)
+
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, DIM_PAD)
+    heads = kv_head * GROUP + g
+    g_mask = g < GROUP
+    d_mask = d < HEAD_DIM
+    q = tl.load(q_ptr + (row * NUM_HEADS + heads)[:, None] * HEAD_DIM + d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+    qk_scale = scale * 1.4426950408889634
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
+    n = tl.arange(0, BLOCK_N)
+    for kv_start in range(first, last, BLOCK_N):  # every block holds >= 1 valid token
+        pos = kv_start + n
+        n_mask = pos < last
+        page = tl.load(page_table_ptr + b * pages_stride + pos // PAGE_SIZE, mask=n_mask,
+                       other=0).to(tl.int64)
+        slot = page * PAGE_SIZE + pos % PAGE_SIZE
+        kv_off = (slot * NUM_KV_HEADS + kv_head)[:, None] * HEAD_DIM + d[None, :]
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        if DOT_F32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        else:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
+        s = tl.dot(q, tl.trans(k)) * qk_scale  # [GROUP_PAD, BLOCK_N], in log2 units
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    out_row = (b * NUM_HEADS + heads) * num_splits + split
+    has_work = l_i > 0
+    tl.store(partial_ptr + out_row[:, None] * HEAD_DIM + d[None, :],
+             acc / tl.where(has_work, l_i, 1.0)[:, None], mask=g_mask[:, None] & d_mask[None, :])
+    # natural-log LSE of the split (-inf when it saw no token)
+    lse = tl.where(has_work, (m_i + tl.log2(tl.where(has_work, l_i, 1.0))) / 1.4426950408889634,
+                   float("-inf"))
+    tl.store(lse_ptr + out_row, lse, mask=g_mask)
+
+
+@triton.jit
+def _merge_kernel(partial_ptr, lse_ptr, out_ptr, cu_ptr, num_splits, NUM_HEADS: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    b = tl.program_id(0)
+    head = tl.program_id(1)
+    s = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, DIM_PAD)
+    base = (b * NUM_HEADS + head) * num_splits
+    lse = tl.load(lse_ptr + base + s, mask=s < num_splits, other=float("-inf"))
+    top = tl.max(lse, 0)
+    w = tl.where(lse > float("-inf"), tl.exp(lse - top), 0.0)
+    part = tl.load(partial_ptr + (base + s)[:, None] * HEAD_DIM + d[None, :],
+                   mask=(s < num_splits)[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
+    out = tl.sum(part * w[:, None], 0) / tl.maximum(tl.sum(w, 0), 1e-30)
+    row = tl.load(cu_ptr + b)
+    tl.store(out_ptr + (row * NUM_HEADS + head) * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty),
+             mask=d < HEAD_DIM)
+
+
+@triton.jit
+def _extend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, seq_lens_ptr, cu_ptr,
+                   out_ptr, scale, pages_stride, NUM_HEADS: tl.constexpr,
+                   NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr):
+    b = tl.program_id(0)
+    head = tl.program_id(1)
+    block = tl.program_id(2)
+    start = tl.load(cu_ptr + b)
+    num_new = tl.load(cu_ptr + b + 1) - start
+    if block * BLOCK_M < num_new:
+        seq_len = tl.load(seq_lens_ptr + b)
+        kv_head = head // GROUP
+        i = block * BLOCK_M + tl.arange(0, BLOCK_M)
+        d = tl.arange(0, DIM_PAD)
+        i_mask = i < num_new
+        d_mask = d < HEAD_DIM
+        q_pos = seq_len - num_new + i  # absolute position of each new token
+        q = tl.load(q_ptr + ((start + i) * NUM_HEADS + head)[:, None] * HEAD_DIM + d[None, :],
+                    mask=i_mask[:, None] & d_mask[None, :], other=0.0)
+        if DOT_F32:
+            q = q.to(tl.float32)
+        qk_scale = scale * 1.4426950408889634
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
+        # keys up to the last new token of this block (causal)
+        end = tl.minimum(seq_len, seq_len - num_new + (block + 1) * BLOCK_M)
+        n = tl.arange(0, BLOCK_N)
+        for kv_start in range(0, end, BLOCK_N):
+            pos = kv_start + n
+            n_mask = pos < end
+            page = tl.load(page_table_ptr + b * pages_stride + pos // PAGE_SIZE, mask=n_mask,
+                           other=0).to(tl.int64)
+            slot = page * PAGE_SIZE + pos % PAGE_SIZE
+            kv_off = (slot * NUM_KV_HEADS + kv_head)[:, None] * HEAD_DIM + d[None, :]
+            kv_mask = n_mask[:, None] & d_mask[None, :]
+            k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+            v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+            if DOT_F32:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            else:
+                k = k.to(q.dtype)
+                v = v.to(q.dtype)
+            s = tl.dot(q, tl.trans(k)) * qk_scale
+            allowed = (pos[None, :] <= q_pos[:, None]) & n_mask[None, :]
+            s = tl.where(allowed, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + ((start + i) * NUM_HEADS + head)[:, None] * HEAD_DIM + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=i_mask[:, None] & d_mask[None, :])
+
+
+def _block_n(page_size: int) -> int:
+    """Keys per inner step: at least 16 (tl.dot's minimum), at least a page."""
+    return max(16, min(64, page_size))
+
+
+def num_decode_splits(num_requests: int, num_kv_heads: int, max_seq_len: int,
+                      page_size: int) -> int:
+    """Context slices per (request, KV head) so a decode step fills the GPU: few long requests
+    get many slices, a big batch one. Depends on host values only (CUDA-graph friendly)."""
+    wanted = triton.cdiv(_TARGET_PROGRAMS, max(num_requests * num_kv_heads, 1))
+    return max(1, min(wanted, triton.cdiv(max_seq_len, _block_n(page_size)), 64))
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    page_table: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
+                    scale: float, max_query_len: int, max_seq_len: int) -> torch.Tensor:
+    """See torch_ref.paged_attention. max_query_len / max_seq_len: host-side upper bounds of the
+    new tokens and the context length of any request (they size the launch grid)."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_pages, page_size, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    batch = seq_lens.shape[0]
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    dim_pad = triton.next_power_of_2(head_dim)
+    if max_query_len == 1:
+        splits = num_decode_splits(batch, num_kv_heads, max_seq_len, page_size)
+        partial = torch.empty(batch * num_heads * splits, head_dim, dtype=torch.float32,
+                              device=q.device)
+        lse = torch.empty(batch * num_heads * splits, dtype=torch.float32, device=q.device)
+        _decode_kernel[(batch, num_kv_heads, splits)](
+            q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, partial, lse, scale,
+            page_table.stride(0), splits, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
+            GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+            DIM_PAD=dim_pad, PAGE_SIZE=page_size, BLOCK_N=_block_n(page_size), DOT_F32=_DOT_F32)
+        _merge_kernel[(batch, num_heads)](
+            partial, lse, out, cu_seqlens_q, splits, NUM_HEADS=num_heads, HEAD_DIM=head_dim,
+            DIM_PAD=dim_pad, SPLITS_PAD=max(2, triton.next_power_of_2(splits)))
+        return out
+    block_m = 64 if max_query_len >= 64 else 16
+    _extend_kernel[(batch, num_heads, triton.cdiv(max_query_len, block_m))](
+        q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out, scale,
+        page_table.stride(0), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group,
+        HEAD_DIM=head_dim, DIM_PAD=dim_pad, PAGE_SIZE=page_size, BLOCK_M=block_m,
+        BLOCK_N=_block_n(page_size), DOT_F32=_DOT_F32)
+    return out

@@ -1,0 +1,107 @@
+"""Row-wise and element-wise ops in Triton: RMSNorm (with the residual add fused), SiLU·mul,
+rotary embedding. Same signatures as their frugal.ops.torch_ref twins."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, eps, N: tl.constexpr,
+                     BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    # arithmetic in fp32, rounded to the activation dtype where torch's eager ops round
+    x = tl.load(x_ptr + row * N + offs, mask=mask, other=0.0)
+    dtype = x.dtype
+    xf = x.to(tl.float32)
+    if HAS_RESIDUAL:
+        xf = (xf + tl.load(res_ptr + row * N + offs, mask=mask, other=0.0).to(tl.float32))
+        xf = xf.to(dtype).to(tl.float32)
+        tl.store(res_out_ptr + row * N + offs, xf.to(dtype), mask=mask)
+    inv = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / N + eps)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    y = w * (xf * inv).to(dtype).to(tl.float32)
+    tl.store(out_ptr + row * N + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    shape = x.shape
+    x = x.reshape(-1, shape[-1]).contiguous()
+    out = torch.empty_like(x)
+    res_out = torch.empty_like(x) if residual is not None else out
+    res = residual.reshape(-1, shape[-1]).contiguous() if residual is not None else x
+    n = shape[-1]
+    _rms_norm_kernel[(x.shape[0],)](x, res, weight, out, res_out, eps, N=n,
+                                    BLOCK=triton.next_power_of_2(n),
+                                    HAS_RESIDUAL=residual is not None)
+    return out.reshape(shape), res_out.reshape(shape)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [..., hidden]; weight: [hidden]. Normalized in fp32, returned in x's dtype."""
+    return _norm(x, None, weight, eps)[0]
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One pass: residual + x, normalized. Returns (normed, new residual)."""
+    return _norm(x, residual, weight, eps)
+
+
+@triton.jit
+def _silu_mul_kernel(x_ptr, out_ptr, N: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    gate = tl.load(x_ptr + row * 2 * N + offs, mask=mask, other=0.0)
+    up = tl.load(x_ptr + row * 2 * N + N + offs, mask=mask, other=0.0)
+    g = gate.to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
+    tl.store(out_ptr + row * N + offs, (silu * up.to(tl.float32)).to(gate.dtype), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [num_tokens, 2 * inter] as (gate | up) -> silu(gate) * up: [num_tokens, inter]."""
+    x = x.contiguous()
+    n = x.shape[-1] // 2
+    out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
+    block = min(1024, triton.next_power_of_2(n))
+    _silu_mul_kernel[(x.numel() // x.shape[-1], triton.cdiv(n, block))](x, out, N=n, BLOCK=block)
+    return out
+
+
+@triton.jit
+def _rotary_kernel(x_ptr, pos_ptr, cos_sin_ptr, out_ptr, NUM_HEADS: tl.constexpr,
+                   HALF: tl.constexpr, BLOCK: tl.constexpr):
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    pos = tl.load(pos_ptr + token)
+    i = tl.arange(0, BLOCK)
+    mask = i < HALF
+    base = (token * NUM_HEADS + head) * 2 * HALF
+    x1 = tl.load(x_ptr + base + i, mask=mask, other=0.0)
+    x2 = tl.load(x_ptr + base + HALF + i, mask=mask, other=0.0)
+    cos = tl.load(cos_sin_ptr + pos * 2 * HALF + i, mask=mask, other=0.0)
+    sin = tl.load(cos_sin_ptr + pos * 2 * HALF + HALF + i, mask=mask, other=0.0)
+    a, b = x1.to(tl.float32), x2.to(tl.float32)
+    tl.store(out_ptr + base + i, (a * cos - b * sin).to(x1.dtype), mask=mask)
+    tl.store(out_ptr + base + HALF + i, (b * cos + a * sin).to(x1.dtype), mask=mask)
+
+
+def _rotate(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    half = x.shape[-1] // 2
+    _rotary_kernel[(x.shape[0], x.shape[1])](x, positions, cos_sin, out, NUM_HEADS=x.shape[1],
+                                             HALF=half, BLOCK=triton.next_power_of_2(half))
+    return out
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+                 cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPT-NeoX rotary on q [tokens, heads, dim] and k [tokens, kv_heads, dim], fp32 math."""
+    return _rotate(q, positions, cos_sin), _rotate(k, positions, cos_sin)
