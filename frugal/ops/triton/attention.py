@@ -49,7 +49,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, seq_lens_ptr
                    partial_ptr, lse_ptr, scale, pages_stride, num_splits,
                    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
                    GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
-                   PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr):
+                   PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
+                   PRECISION: tl.constexpr):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -90,13 +91,13 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, seq_lens_ptr
         else:
             k = k.to(q.dtype)
             v = v.to(q.dtype)
-        s = tl.dot(q, tl.trans(k)) * qk_scale  # [GROUP_PAD, BLOCK_N], in log2 units
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # log2 units
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     out_row = (b * NUM_HEADS + heads) * num_splits + split
     has_work = l_i > 0
@@ -132,7 +133,7 @@ def _extend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, seq_lens_ptr
                    out_ptr, scale, pages_stride, NUM_HEADS: tl.constexpr,
                    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                    DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr):
+                   BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
     b = tl.program_id(0)
     head = tl.program_id(1)
     block = tl.program_id(2)
@@ -173,7 +174,7 @@ def _extend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, seq_lens_ptr
             else:
                 k = k.to(q.dtype)
                 v = v.to(q.dtype)
-            s = tl.dot(q, tl.trans(k)) * qk_scale
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
             allowed = (pos[None, :] <= q_pos[:, None]) & n_mask[None, :]
             s = tl.where(allowed, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -181,7 +182,7 @@ def _extend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, seq_lens_ptr
             alpha = tl.exp2(m_i - m_safe)
             p = tl.exp2(s - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + ((start + i) * NUM_HEADS + head)[:, None] * HEAD_DIM + d[None, :],
@@ -189,8 +190,8 @@ def _extend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, seq_lens_ptr
 
 
 def _block_n(page_size: int) -> int:
-    """Keys per inner step: at least 16 (tl.dot's minimum), at least a page."""
-    return max(16, min(64, page_size))
+    """Keys per inner step (tokens are gathered one by one, so any page size works)."""
+    return 64
 
 
 def num_decode_splits(num_requests: int, num_kv_heads: int, max_seq_len: int,
@@ -213,6 +214,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     q = q.contiguous()
     out = torch.empty_like(q)
     dim_pad = triton.next_power_of_2(head_dim)
+    # fp32 activations get exact fp32 products (no TF32), so GPU and CPU paths agree
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
     if max_query_len == 1:
         splits = num_decode_splits(batch, num_kv_heads, max_seq_len, page_size)
         partial = torch.empty(batch * num_heads * splits, head_dim, dtype=torch.float32,
@@ -222,7 +225,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, partial, lse, scale,
             page_table.stride(0), splits, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
             GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-            DIM_PAD=dim_pad, PAGE_SIZE=page_size, BLOCK_N=_block_n(page_size), DOT_F32=_DOT_F32)
+            DIM_PAD=dim_pad, PAGE_SIZE=page_size, BLOCK_N=_block_n(page_size), DOT_F32=_DOT_F32,
+            PRECISION=precision)
         _merge_kernel[(batch, num_heads)](
             partial, lse, out, cu_seqlens_q, splits, NUM_HEADS=num_heads, HEAD_DIM=head_dim,
             DIM_PAD=dim_pad, SPLITS_PAD=max(2, triton.next_power_of_2(splits)))
@@ -232,5 +236,5 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out, scale,
         page_table.stride(0), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group,
         HEAD_DIM=head_dim, DIM_PAD=dim_pad, PAGE_SIZE=page_size, BLOCK_M=block_m,
-        BLOCK_N=_block_n(page_size), DOT_F32=_DOT_F32)
+        BLOCK_N=_block_n(page_size), DOT_F32=_DOT_F32, PRECISION=precision)
     return out
