@@ -45,6 +45,42 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 @triton.jit
+def _load_kv(k_cache_ptr, v_cache_ptr, table_ptr, pos, n_mask, d, d_mask, kv_head, q,
+             NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+             DOT_F32: tl.constexpr):
+    """K and V rows [BLOCK_N, DIM_PAD] of context positions `pos`, gathered through the page
+    table of one request; masked rows read as 0. Cast to q's dtype for the dot."""
+    page = tl.load(table_ptr + pos // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+    slot = page * PAGE_SIZE + pos % PAGE_SIZE
+    offs = (slot * NUM_KV_HEADS + kv_head)[:, None] * HEAD_DIM + d[None, :]
+    mask = n_mask[:, None] & d_mask[None, :]
+    k = tl.load(k_cache_ptr + offs, mask=mask, other=0.0)
+    v = tl.load(v_cache_ptr + offs, mask=mask, other=0.0)
+    if DOT_F32:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    else:
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
+    return k, v
+
+
+@triton.jit
+def _softmax_step(q, k, v, allowed, m_i, l_i, acc, qk_scale, PRECISION: tl.constexpr):
+    """One block of online softmax (log2 units): scores q·kᵀ where allowed, then rescale the
+    running max m_i, sum l_i and output acc. Returns the updated (m_i, l_i, acc)."""
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    s = tl.where(allowed, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)  # a row with nothing allowed yet
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, seq_lens_ptr, cu_ptr,
                    partial_ptr, lse_ptr, scale, pages_stride, num_splits,
                    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
@@ -78,27 +114,10 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, seq_lens_ptr
     for kv_start in range(first, last, BLOCK_N):  # every block holds >= 1 valid token
         pos = kv_start + n
         n_mask = pos < last
-        page = tl.load(page_table_ptr + b * pages_stride + pos // PAGE_SIZE, mask=n_mask,
-                       other=0).to(tl.int64)
-        slot = page * PAGE_SIZE + pos % PAGE_SIZE
-        kv_off = (slot * NUM_KV_HEADS + kv_head)[:, None] * HEAD_DIM + d[None, :]
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        if DOT_F32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        else:
-            k = k.to(q.dtype)
-            v = v.to(q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # log2 units
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        k, v = _load_kv(k_cache_ptr, v_cache_ptr, page_table_ptr + b * pages_stride, pos, n_mask,
+                        d, d_mask, kv_head, q, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, DOT_F32)
+        m_i, l_i, acc = _softmax_step(q, k, v, n_mask[None, :], m_i, l_i, acc, qk_scale,
+                                      PRECISION)
     out_row = (b * NUM_HEADS + heads) * num_splits + split
     has_work = l_i > 0
     tl.store(partial_ptr + out_row[:, None] * HEAD_DIM + d[None, :],
@@ -161,29 +180,11 @@ def _extend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, seq_lens_ptr
         for kv_start in range(0, end, BLOCK_N):
             pos = kv_start + n
             n_mask = pos < end
-            page = tl.load(page_table_ptr + b * pages_stride + pos // PAGE_SIZE, mask=n_mask,
-                           other=0).to(tl.int64)
-            slot = page * PAGE_SIZE + pos % PAGE_SIZE
-            kv_off = (slot * NUM_KV_HEADS + kv_head)[:, None] * HEAD_DIM + d[None, :]
-            kv_mask = n_mask[:, None] & d_mask[None, :]
-            k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-            v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-            if DOT_F32:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
-            else:
-                k = k.to(q.dtype)
-                v = v.to(q.dtype)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+            k, v = _load_kv(k_cache_ptr, v_cache_ptr, page_table_ptr + b * pages_stride, pos,
+                            n_mask, d, d_mask, kv_head, q, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE,
+                            DOT_F32)
             allowed = (pos[None, :] <= q_pos[:, None]) & n_mask[None, :]
-            s = tl.where(allowed, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m_i = m_new
+            m_i, l_i, acc = _softmax_step(q, k, v, allowed, m_i, l_i, acc, qk_scale, PRECISION)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + ((start + i) * NUM_HEADS + head)[:, None] * HEAD_DIM + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=i_mask[:, None] & d_mask[None, :])
