@@ -17,7 +17,6 @@ import triton.language as tl
 
 # The CPU interpreter's bf16 tl.dot is wrong: compute the products in fp32 there.
 _DOT_F32 = os.environ.get("TRITON_INTERPRET") == "1"
-_LOG2E = 1.4426950408889634
 _TARGET_PROGRAMS = 264  # two waves of the H200's 132 SMs
 
 
