@@ -151,16 +151,26 @@ def available_memory_bytes(device: str) -> int:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """Paged KV cache: pages of page_size tokens, the pool sized from kv_cache_memory."""
+    """Paged KV cache: pages of page_size tokens.
+
+    The pool takes kv_cache_memory when given (bytes, or a fraction of free memory). Otherwise,
+    on a GPU, it takes what is left of gpu_memory_utilization x total memory after the weights,
+    the peak activations of a profiled step and the CUDA graphs; on the CPU, 2 GiB.
+    """
 
     page_size: int = 16
-    kv_cache_memory: int | float = 2 * 2**30  # bytes, or a fraction of available memory
+    kv_cache_memory: int | float | None = None
+    gpu_memory_utilization: float = 0.9
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size: must be a power of two, got {self.page_size}")
-        object.__setattr__(self, "kv_cache_memory", parse_memory(self.kv_cache_memory))
+        if self.kv_cache_memory is not None:
+            object.__setattr__(self, "kv_cache_memory", parse_memory(self.kv_cache_memory))
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization: must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization}")
         if self.kv_cache_dtype not in ("auto", *DTYPES):
             raise ValueError(f"kv_cache_dtype: unsupported {self.kv_cache_dtype!r}")
 
@@ -192,6 +202,9 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "auto"
     ops_backend: str = "auto"  # auto: triton on CUDA, torch_ref on CPU
+    enforce_eager: bool = False  # no CUDA graphs for decode steps
+    cuda_graph_max_bs: int = 256  # largest decode batch replayed from a graph
+    overlap_schedule: bool = True  # launch the next decode step before reading this one's tokens
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -207,6 +220,8 @@ class EngineConfig:
         if self.ops_backend not in ("auto", "torch_ref", "triton"):
             raise ValueError(f"ops_backend: unsupported {self.ops_backend!r} "
                              "(auto, torch_ref, triton)")
+        if self.cuda_graph_max_bs < 1:
+            raise ValueError(f"cuda_graph_max_bs: must be >= 1, got {self.cuda_graph_max_bs}")
 
     def resolved_device(self) -> str:
         if self.device == "auto":

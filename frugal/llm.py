@@ -21,13 +21,15 @@ class LLM:
     def __init__(self, model: str | None = None, *, load_format: str = "auto", dtype: str = "auto",
                  device: str = "auto", ops_backend: str = "auto", seed: int = 0,
                  page_size: int = 16,
-                 kv_cache_memory: str | int | float = "2GiB", kv_cache_dtype: str = "auto",
+                 kv_cache_memory: str | int | float | None = None,
+                 gpu_memory_utilization: float = 0.9, kv_cache_dtype: str = "auto",
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
-                 max_model_len: int | None = None) -> None:
+                 max_model_len: int | None = None, enforce_eager: bool = False) -> None:
         config = EngineConfig(
             model=model, load_format=load_format, dtype=dtype, device=device,
-            ops_backend=ops_backend, seed=seed,
+            ops_backend=ops_backend, seed=seed, enforce_eager=enforce_eager,
             cache=CacheConfig(page_size=page_size, kv_cache_memory=kv_cache_memory,
+                              gpu_memory_utilization=gpu_memory_utilization,
                               kv_cache_dtype=kv_cache_dtype),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,

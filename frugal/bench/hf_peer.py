@@ -1,4 +1,5 @@
-"""HF transformers `generate` as the peer in `frugal bench offline --peer hf` (same checkpoint)."""
+"""HF transformers `generate` as the peer in `frugal bench offline --peer hf`: the same checkpoint,
+or random weights of the same shape for `--load-format dummy`."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from frugal.loader import load_transformers_model
 class HFPeer:
     """Static-batch `generate` (all prompts the same length, so no padding)."""
 
-    def __init__(self, model: str | None, device: str, dtype: torch.dtype) -> None:
-        self.model = load_transformers_model(model, device, dtype)
+    def __init__(self, model: str | None, load_format: str, device: str,
+                 dtype: torch.dtype) -> None:
+        self.model = load_transformers_model(model, device, dtype, load_format)
         self.device = device
 
     def _generate(self, ids: torch.Tensor, n: int) -> float:
@@ -37,4 +39,5 @@ class HFPeer:
         itl = decode / max(output_len - 1, 1)
         return Result(system="transformers", concurrency=c, prompt_tok_s=c * n_in / first,
                       gen_tok_s=c * (output_len - 1) / decode, output_tok_s=c * output_len / total,
-                      ttft_ms=1e3 * first, itl_ms=1e3 * itl, itl_p99_ms=float("nan"))
+                      ttft_ms=1e3 * first, itl_ms=1e3 * itl, itl_p99_ms=float("nan"),
+                      decode_itl_ms=1e3 * itl)

@@ -1,8 +1,9 @@
 """`frugal bench offline`: throughput and latency of the engine at fixed concurrencies.
 
 Each concurrency c submits c random prompts of --input-len tokens at once, each generating exactly
---output-len tokens (ignore_eos, greedy), and reports prompt and generation throughput, TTFT and
-inter-token latency. `--peer hf` measures HF transformers `generate` on the same checkpoint, the
+--output-len tokens (ignore_eos, greedy), and reports throughput, TTFT, inter-token latency, the
+KV pages used and the roofline bound of the workload with the fraction achieved. `--peer hf`
+measures HF transformers `generate` on the same checkpoint (or the same random-weight shape), the
 same prompts and the same device in the same run.
 """
 
@@ -19,6 +20,8 @@ from dataclasses import asdict, dataclass
 import torch
 from tqdm import tqdm
 
+from frugal.bench.roofline import Device, ModelCost, bound, measure_device
+from frugal.bench.serve import add_serve_parser
 from frugal.cli.args import add_engine_args, command_line, engine_config
 from frugal.engine.llm_engine import LLMEngine
 from frugal.request import SamplingParams
@@ -34,6 +37,10 @@ class Result:
     ttft_ms: float  # mean time to first token
     itl_ms: float  # mean inter-token latency
     itl_p99_ms: float
+    decode_itl_ms: float  # mean inter-token latency once every request has its first token
+    kv_pages: int = 0  # most KV pages in use at once
+    bound_tok_s: float = float("nan")  # roofline of output_tok_s
+    bound_itl_ms: float = float("nan")  # roofline of decode_itl_ms
 
 
 def add_bench_parser(subparsers) -> None:
@@ -48,7 +55,13 @@ def add_bench_parser(subparsers) -> None:
                    help="also measure HF transformers generate in the same run")
     o.add_argument("--repeats", type=int, default=1, help="runs per point; medians reported")
     o.add_argument("--output", default=None, help="write results as JSON")
+    o.add_argument("--plot", default=None, help="write a PNG of output tok/s by concurrency")
     o.set_defaults(func=run_offline)
+    add_serve_parser(sub)
+    g = sub.add_parser("plot", help="redraw the PNG of a `bench offline --output` JSON")
+    g.add_argument("results", help="JSON written by bench offline --output")
+    g.add_argument("--plot", required=True, help="PNG to write")
+    g.set_defaults(func=run_plot)
 
 
 def prompts_for(concurrency: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:
@@ -60,17 +73,21 @@ def prompts_for(concurrency: int, input_len: int, vocab_size: int, seed: int) ->
 
 def measure_engine(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> Result:
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    allocator = engine.scheduler.allocator
     start = time.perf_counter()
     times: dict[str, list[float]] = {engine.add_request(p, params): [] for p in prompts}
+    pages = 0
     while engine.has_unfinished_requests():
         outputs = engine.step()
         now = time.perf_counter()
+        pages = max(pages, allocator.num_pages - allocator.num_free)
         for out in outputs:
             if out.request_id in times:
                 times[out.request_id].append(now)
     end = time.perf_counter()
     first_all = max(t[0] for t in times.values())
     gaps = [b - a for t in times.values() for a, b in zip(t, t[1:])]
+    decode_gaps = [b - a for t in times.values() for a, b in zip(t, t[1:]) if a >= first_all]
     c, n_in = len(prompts), len(prompts[0])
     return Result(
         system="frugal", concurrency=c,
@@ -80,6 +97,8 @@ def measure_engine(engine: LLMEngine, prompts: list[list[int]], output_len: int)
         ttft_ms=1e3 * statistics.mean(t[0] - start for t in times.values()),
         itl_ms=1e3 * statistics.mean(gaps) if gaps else 0.0,
         itl_p99_ms=1e3 * _percentile(gaps, 99) if gaps else 0.0,
+        decode_itl_ms=1e3 * statistics.mean(decode_gaps) if decode_gaps else 0.0,
+        kv_pages=pages,
     )
 
 
@@ -92,68 +111,123 @@ def run_offline(args: argparse.Namespace) -> int:
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     engine = LLMEngine(engine_config(args))
     vocab = engine.model_config.vocab_size
+    runner = engine.runner
+    device = measure_device(runner.device, runner.dtype)
+    cost = ModelCost.of(engine)
     systems = {"frugal": lambda p, n: measure_engine(engine, p, n)}
     if args.peer == "hf":
         from frugal.bench.hf_peer import HFPeer
 
-        peer = HFPeer(args.model, engine.runner.device, engine.runner.dtype)
+        peer = HFPeer(args.model, args.load_format, runner.device, runner.dtype)
         systems["transformers"] = peer.measure
     for measure in systems.values():  # warm-up
         measure(prompts_for(1, args.input_len, vocab, args.seed + 1), 8)
     runs: dict[tuple[str, int], list[Result]] = {}
     # repeats interleave the systems, so drift on a shared machine hits both alike
-    with tqdm(total=args.repeats * len(systems) * len(concurrencies), file=sys.stderr) as bar:
+    with tqdm(total=args.repeats * len(systems) * len(concurrencies), file=sys.stderr,
+              desc="bench offline") as bar:
         for _ in range(args.repeats):
             for name, measure in systems.items():
                 for c in concurrencies:
+                    bar.set_postfix_str(f"{name} c={c}")
                     prompts = prompts_for(c, args.input_len, vocab, args.seed)
                     runs.setdefault((name, c), []).append(measure(prompts, args.output_len))
                     bar.update(1)
     results = [median_result(r) for r in runs.values()]
-    print(format_table(results, engine, args))
+    for r in results:
+        b = bound(cost, device, r.concurrency, args.input_len, args.output_len)
+        r.bound_tok_s, r.bound_itl_ms = b.output_tok_s, b.decode_step_ms
+    print(format_table(results, engine, device, args))
     if args.output:
         with open(args.output, "w") as f:
-            json.dump({"command": command_line(), "results": [asdict(r) for r in results],
+            workload = {"model": args.model, "input_len": args.input_len,
+                        "output_len": args.output_len}
+            json.dump({"command": command_line(), "workload": workload, "device": asdict(device),
+                       "cost": asdict(cost),
+                       "results": [asdict(r) for r in results],
                        "runs": [asdict(r) for rs in runs.values() for r in rs]}, f, indent=2)
+    if args.plot:
+        plot(results, args)
     return 0
+
+
+_METRICS = ("prompt_tok_s", "gen_tok_s", "output_tok_s", "ttft_ms", "itl_ms", "itl_p99_ms",
+            "decode_itl_ms")
 
 
 def median_result(runs: list[Result]) -> Result:
     """Each metric's median over repeated runs of one (system, concurrency)."""
-    fields = {k: statistics.median(getattr(r, k) for r in runs)
-              for k in ("prompt_tok_s", "gen_tok_s", "output_tok_s", "ttft_ms", "itl_ms",
-                        "itl_p99_ms")}
-    return Result(system=runs[0].system, concurrency=runs[0].concurrency, **fields)
+    fields = {k: statistics.median(getattr(r, k) for r in runs) for k in _METRICS}
+    return Result(system=runs[0].system, concurrency=runs[0].concurrency,
+                  kv_pages=max(r.kv_pages for r in runs), **fields)
 
 
-def _fmt(value: float) -> str:
-    return "n/a" if math.isnan(value) else f"{value:.1f}"
+def _fmt(value: float, digits: int = 1) -> str:
+    return "n/a" if math.isnan(value) else f"{value:.{digits}f}"
 
 
-def format_table(results: list[Result], engine: LLMEngine, args: argparse.Namespace) -> str:
+def format_table(results: list[Result], engine: LLMEngine, device: Device,
+                 args: argparse.Namespace) -> str:
     mc, runner = engine.model_config, engine.runner
+    name = "gpu " + torch.cuda.get_device_name() if runner.device.startswith("cuda") else "cpu"
     lines = [
         f"model: {mc.architecture} {mc.num_layers} layers, hidden {mc.hidden_size} | "
-        f"{str(runner.dtype).removeprefix('torch.')} on {runner.device} | "
+        f"{str(runner.dtype).removeprefix('torch.')} on {name} | "
         f"{args.input_len} in / {args.output_len} out | torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads | median of {args.repeats} run(s)",
+        f"measured: copy bandwidth {device.bandwidth / 1e12:.2f} TB/s, matmul "
+        f"{device.matmul_flops / 1e12:.1f} TFLOP/s | KV pool {runner.pool.num_pages} pages of "
+        f"{runner.pool.page_size} tokens | CUDA graphs: {'on' if runner.graphs else 'off'}",
         "",
-        "| system | concurrency | prompt tok/s | gen tok/s | output tok/s | mean TTFT ms "
-        "| mean ITL ms | p99 ITL ms |",
-        "|---|---|---|---|---|---|---|---|",
+        "| system | concurrency | output tok/s | bound tok/s | of bound | prompt tok/s "
+        "| mean TTFT ms | mean ITL ms | p99 ITL ms | decode ITL ms | bound ITL ms | KV pages |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
-        lines.append(f"| {r.system} | {r.concurrency} | {r.prompt_tok_s:.0f} | {r.gen_tok_s:.1f} "
-                     f"| {r.output_tok_s:.1f} | {r.ttft_ms:.1f} | {r.itl_ms:.1f} "
-                     f"| {_fmt(r.itl_p99_ms)} |")
+        mine = r.system == "frugal"
+        lines.append(
+            f"| {r.system} | {r.concurrency} | {r.output_tok_s:.1f} | {_fmt(r.bound_tok_s)} "
+            f"| {r.output_tok_s / r.bound_tok_s:.0%} | {r.prompt_tok_s:.0f} | {r.ttft_ms:.1f} "
+            f"| {r.itl_ms:.2f} | {_fmt(r.itl_p99_ms, 2)} | {r.decode_itl_ms:.2f} "
+            f"| {_fmt(r.bound_itl_ms, 2)} | {r.kv_pages if mine else 'n/a'} |")
     ours = {r.concurrency: r for r in results if r.system == "frugal"}
     peers = [r for r in results if r.system != "frugal"]
     if peers:
-        lines += ["", "| concurrency | prompt tok/s ratio | gen tok/s ratio (frugal / peer) |",
+        lines += ["", "| concurrency | output tok/s ratio (frugal / peer) | prompt tok/s ratio |",
                   "|---|---|---|"]
         for p in peers:
             o = ours[p.concurrency]
-            lines.append(f"| {p.concurrency} | {o.prompt_tok_s / p.prompt_tok_s:.2f}x "
-                         f"| {o.gen_tok_s / p.gen_tok_s:.2f}x |")
+            lines.append(f"| {p.concurrency} | {o.output_tok_s / p.output_tok_s:.2f}x "
+                         f"| {o.prompt_tok_s / p.prompt_tok_s:.2f}x |")
     lines += ["", f"command: {command_line()}"]
     return "\n".join(lines)
+
+
+def run_plot(args: argparse.Namespace) -> int:
+    with open(args.results) as f:
+        saved = json.load(f)
+    workload = argparse.Namespace(**saved["workload"], plot=args.plot)
+    plot([Result(**r) for r in saved["results"]], workload)
+    return 0
+
+
+def plot(results: list[Result], args: argparse.Namespace) -> None:
+    """Output tok/s by concurrency for each system, with the roofline."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for system in dict.fromkeys(r.system for r in results):
+        rows = [r for r in results if r.system == system]
+        ax.plot([r.concurrency for r in rows], [r.output_tok_s for r in rows], "o-", label=system)
+    ours = [r for r in results if r.system == "frugal"]
+    ax.plot([r.concurrency for r in ours], [r.bound_tok_s for r in ours], "k--", label="roofline")
+    ax.set(xlabel="concurrency", ylabel="output tokens/s", xscale="log", yscale="log",
+           title=f"{args.model or 'default model'}: {args.input_len} in / {args.output_len} out")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(args.plot, dpi=120)
+    plt.close(fig)

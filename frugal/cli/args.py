@@ -24,8 +24,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="kernels: auto = triton on CUDA, torch_ref (plain PyTorch) on CPU")
     g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
     g.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
-    g.add_argument("--kv-cache-memory", default="2GiB",
-                   help="KV pool budget: bytes (4GiB, 512MiB) or a fraction of free memory")
+    g.add_argument("--kv-cache-memory", default=None,
+                   help="KV pool budget: bytes (4GiB, 512MiB) or a fraction of free memory "
+                        "(default: from --gpu-memory-utilization on a GPU, 2GiB on the CPU)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="share of the GPU's memory for weights, activations, graphs and KV")
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    g.add_argument("--disable-overlap-schedule", action="store_true",
+                   help="wait for each step's tokens before launching the next decode step")
+    g.add_argument("--cuda-graph-max-bs", type=int, default=256,
+                   help="largest decode batch run from a CUDA graph")
     g.add_argument("--kv-cache-dtype", default="auto")
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048,
@@ -36,8 +44,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
-        ops_backend=args.ops_backend, seed=args.seed,
+        ops_backend=args.ops_backend, seed=args.seed, enforce_eager=args.enforce_eager,
+        cuda_graph_max_bs=args.cuda_graph_max_bs,
+        overlap_schedule=not args.disable_overlap_schedule,
         cache=CacheConfig(page_size=args.page_size, kv_cache_memory=args.kv_cache_memory,
+                          gpu_memory_utilization=args.gpu_memory_utilization,
                           kv_cache_dtype=args.kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,

@@ -9,8 +9,8 @@ import torch
 
 from frugal.config import EngineConfig
 from frugal.engine.detokenizer import IncrementalDetokenizer, find_stop
-from frugal.engine.model_runner import ModelRunner
-from frugal.engine.scheduler import Scheduler
+from frugal.engine.model_runner import Launched, ModelRunner, StepResult
+from frugal.engine.scheduler import Scheduler, SchedulerOutput
 from frugal.kv_cache.page_allocator import PageAllocator
 from frugal.loader import open_checkpoint
 from frugal.request import (
@@ -32,13 +32,13 @@ class LLMEngine:
         checkpoint = open_checkpoint(config.model, config.load_format, config.seed)
         self.tokenizer = checkpoint.tokenizer
         self.model_config = mc = checkpoint.config
-        self.runner = ModelRunner(config, checkpoint)
-        pool = self.runner.pool
         wanted = config.scheduler.max_model_len or mc.max_position_embeddings
         if wanted > mc.max_position_embeddings:
             raise ValueError(f"max_model_len: {wanted} exceeds the model's context length "
                              f"{mc.max_position_embeddings}")
-        self.max_model_len = min(wanted, pool.capacity_tokens)
+        self.runner = ModelRunner(config, checkpoint)
+        pool = self.runner.pool
+        self.max_model_len = self.runner.max_model_len
         if self.max_model_len < wanted:
             logger.warning("max_model_len lowered from %d to %d: the KV cache holds no more",
                            wanted, self.max_model_len)
@@ -50,6 +50,8 @@ class LLMEngine:
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
         self.num_preemptions = 0  # total, for metrics
+        self.overlap = config.overlap_schedule
+        self._inflight: Launched | None = None  # a decode step launched ahead (see step)
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -111,24 +113,47 @@ class LLMEngine:
         return self._release(request)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        return self.scheduler.num_unfinished > 0 or self._inflight is not None
 
     # -- stepping ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedule and run one step; outputs for the requests that produced a token."""
-        out = self.scheduler.schedule()
-        self.num_preemptions += len(out.preempted)
-        if not out.requests:
-            return []
-        result = self.runner.execute(out)
+        """Run one step; outputs for the requests that produced a token.
+
+        With overlap scheduling, a decode step whose requests can go on (see
+        ModelRunner.can_follow) has the next decode step of the same requests launched before
+        its own tokens are read, so the device never waits for the host's bookkeeping; that next
+        step is what the following call finishes. A request that finished meanwhile has its
+        row of it ignored.
+        """
+        step, self._inflight = self._inflight, None
+        if step is not None and any(r.finished for r in step.out.requests):
+            return self._apply(step, self.runner.finish(step))  # nothing follows a shrunk batch
+        if step is None:
+            out = self.scheduler.schedule()
+            self.num_preemptions += len(out.preempted)
+            if not out.requests:
+                return []
+            step = self.runner.launch(out)
+        if (self.overlap and not self.scheduler.waiting and self.runner.can_follow(step)
+                and self.scheduler.reserve_ahead(step.out.requests)):
+            follow = SchedulerOutput(list(step.out.requests), [1] * len(step.out.requests))
+            self._inflight = self.runner.launch(follow, after=step)
+        return self._apply(step, self.runner.finish(step))
+
+    def _apply(self, step: Launched, result: StepResult) -> list[RequestOutput]:
+        """Record a finished step in its requests (skipping those finished meanwhile)."""
+        out = step.out
         for i, scores in result.prompt_logprobs.items():
             out.requests[i].record_prompt_scores(scores.first, scores.entries, scores.tensor)
         for request, n in zip(out.requests, out.num_new_tokens):
-            request.num_computed_tokens += n
+            if not request.finished:
+                request.num_computed_tokens += n
         outputs = []
         for j, (i, token) in enumerate(zip(result.sampled, result.tokens)):
             request = out.requests[i]
+            if request.finished:
+                continue
             request.output_token_ids.append(token)
             if j in result.logprobs:
                 request.logprobs.append(result.logprobs[j])

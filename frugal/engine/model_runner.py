@@ -11,8 +11,10 @@ import torch
 
 from frugal import ops
 from frugal.config import DTYPES, EngineConfig, available_memory_bytes
+from frugal.engine.cuda_graph import DecodeGraphs
 from frugal.engine.sampler import Sampler, token_logprobs
 from frugal.engine.scheduler import SchedulerOutput
+from frugal.engine.step_inputs import StepInputs, prepare
 from frugal.kv_cache.pool import KVPool
 from frugal.layers.attention import AttentionMetadata
 from frugal.loader import Checkpoint
@@ -20,19 +22,6 @@ from frugal.models.registry import model_class
 from frugal.request import Request, TokenLogprob
 
 logger = logging.getLogger("frugal")
-
-
-@dataclass
-class StepInputs:
-    """One step's model inputs. logits_indices: rows of the hidden states to sample from
-    (the last new token of each request whose computed tokens reach its num_tokens)."""
-
-    input_ids: torch.Tensor  # [num_tokens] int64
-    positions: torch.Tensor  # [num_tokens] int64
-    meta: AttentionMetadata
-    logits_indices: torch.Tensor  # [num_sampled] int64
-    sampled: list[int]  # indices into SchedulerOutput.requests that sample this step
-    cu_seqlens: list[int]  # request i's new tokens are rows cu_seqlens[i]:cu_seqlens[i+1]
 
 
 @dataclass
@@ -44,6 +33,21 @@ class StepResult:
     tokens: list[int] = field(default_factory=list)
     logprobs: dict[int, TokenLogprob] = field(default_factory=dict)
     prompt_logprobs: dict[int, PromptScores] = field(default_factory=dict)
+
+
+@dataclass
+class Launched:
+    """A step queued on the device: its inputs, its sampled tokens (device; a pinned host copy
+    and an event on CUDA), and what finish() may still need (logits, hidden states)."""
+
+    out: SchedulerOutput
+    inputs: StepInputs
+    graphed: bool = False
+    hidden: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    tokens: torch.Tensor | None = None
+    host_tokens: torch.Tensor | None = None
+    done: torch.cuda.Event | None = None
 
 
 @dataclass
@@ -88,61 +92,97 @@ class ModelRunner:
         kv_dtype = self.dtype if cache.kv_cache_dtype == "auto" else DTYPES[cache.kv_cache_dtype]
         page_bytes = KVPool.page_bytes(mc.num_layers, cache.page_size, mc.num_kv_heads,
                                        mc.head_dim, kv_dtype)
-        budget = cache.kv_cache_memory
-        if isinstance(budget, float):
-            budget = int(budget * available_memory_bytes(self.device))
+        self.use_graphs = (self.device.startswith("cuda") and not config.enforce_eager
+                           and self.backend.__name__.endswith("triton"))
+        budget = self._kv_budget(config)
         num_pages = budget // page_bytes
         if num_pages < 1:
             raise ValueError(f"kv_cache_memory: {budget} bytes is less than one page "
                              f"({page_bytes} bytes)")
         self.pool = KVPool(mc.num_layers, num_pages, cache.page_size, mc.num_kv_heads,
                            mc.head_dim, kv_dtype, self.device)
-        for i, attn in enumerate(self.model.attention_layers()):
-            attn.k_cache, attn.v_cache = self.pool.k[i], self.pool.v[i]
+        self._bind_cache(self.pool)
         logger.info("KV cache: %d pages x %d tokens = %d tokens (%.2f GiB, %s)", num_pages,
                     cache.page_size, self.pool.capacity_tokens, self.pool.num_bytes / 2**30,
                     str(kv_dtype).removeprefix("torch."))
+        self.graphs: DecodeGraphs | None = None
+        self.max_model_len = min(config.scheduler.max_model_len or mc.max_position_embeddings,
+                                 mc.max_position_embeddings, self.pool.capacity_tokens)
+        if self.use_graphs:
+            max_bs = min(config.cuda_graph_max_bs, config.scheduler.max_num_seqs)
+            self.graphs = DecodeGraphs(self.model, self.backend, max_bs, self.max_model_len,
+                                       cache.page_size, mc.vocab_size, self.device)
         tokenizer = checkpoint.tokenizer
         eos = tokenizer.eos_token_ids if tokenizer is not None else list(mc.eos_token_ids)
         self.sampler = Sampler(self.device, config.seed, eos)
 
+    def _bind_cache(self, pool: KVPool) -> None:
+        for i, attn in enumerate(self.model.attention_layers()):
+            attn.k_cache, attn.v_cache = pool.k[i], pool.v[i]
+
+    def _kv_budget(self, config: EngineConfig) -> int:
+        """Bytes for the KV pool (see CacheConfig)."""
+        budget = config.cache.kv_cache_memory
+        if isinstance(budget, float):
+            return int(budget * available_memory_bytes(self.device))
+        if budget is not None:
+            return budget
+        if not self.device.startswith("cuda"):
+            return 2 * 2**30
+        activations = self._profile_step(config)
+        free, total = torch.cuda.mem_get_info(torch.device(self.device))
+        graphs = 0
+        if self.use_graphs:  # their static logits, plus a margin for the captured activations
+            graphs = config.cuda_graph_max_bs * self.model_config.vocab_size * 4 + 2**29
+        budget = int(config.cache.gpu_memory_utilization * total) - (total - free)
+        budget -= activations + graphs
+        logger.info("GPU memory: %.1f GiB total, %.1f GiB in use (weights), %.2f GiB peak "
+                    "activations, %.2f GiB for graphs -> %.1f GiB for the KV cache at "
+                    "gpu_memory_utilization %.2f", total / 2**30, (total - free) / 2**30,
+                    activations / 2**30, graphs / 2**30, budget / 2**30,
+                    config.cache.gpu_memory_utilization)
+        if budget <= 0:
+            raise ValueError("gpu_memory_utilization: "
+                             f"{config.cache.gpu_memory_utilization} leaves no memory for the KV "
+                             "cache after the weights and activations")
+        return budget
+
+    @torch.inference_mode()
+    def _profile_step(self, config: EngineConfig) -> int:
+        """Peak activation bytes of the largest step: max_num_batched_tokens new tokens of one
+        request, and logits for max_num_seqs rows. Runs against a one-page scratch cache with
+        every store skipped."""
+        mc, tokens = self.model_config, config.scheduler.max_num_batched_tokens
+        page_size = config.cache.page_size
+        scratch = KVPool(mc.num_layers, 1, page_size, mc.num_kv_heads, mc.head_dim, self.dtype,
+                         self.device)
+        self._bind_cache(scratch)
+        device = torch.device(self.device)
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        with torch.device(device):
+            meta = AttentionMetadata(
+                slot_mapping=torch.full((tokens,), -1, dtype=torch.int64),
+                page_table=torch.zeros(1, -(-tokens // page_size), dtype=torch.int32),
+                cu_seqlens_q=torch.tensor([0, tokens], dtype=torch.int32),
+                seq_lens=torch.tensor([tokens], dtype=torch.int32),
+                max_query_len=tokens, max_seq_len=tokens)
+            ids = torch.zeros(tokens, dtype=torch.int64)
+            positions = torch.arange(tokens)
+            rows = min(tokens, max(config.scheduler.max_num_seqs, _LOGITS_ROWS))
+            with ops.use(self.backend):
+                hidden = self.model(ids, positions, meta)
+                self.model.compute_logits(hidden[:rows]).log_softmax(dim=-1)
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - base
+        del scratch, hidden, meta
+        torch.cuda.empty_cache()
+        return peak
+
     def prepare(self, out: SchedulerOutput) -> StepInputs:
-        """Flatten the scheduled requests' new tokens into one batch."""
-        page_size = self.pool.page_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        cu_seqlens, seq_lens, logits_indices, sampled = [0], [], [], []
-        for i, (request, n) in enumerate(zip(out.requests, out.num_new_tokens)):
-            start = request.num_computed_tokens
-            end = start + n
-            input_ids += request.token_ids(start, end)
-            positions += range(start, end)
-            table = request.page_table
-            slots += [table[p // page_size].page_id * page_size + p % page_size
-                      for p in range(start, end)]
-            cu_seqlens.append(cu_seqlens[-1] + n)
-            seq_lens.append(end)
-            if end == request.num_tokens:
-                logits_indices.append(cu_seqlens[-1] - 1)
-                sampled.append(i)
-        max_pages = max(len(r.page_table) for r in out.requests)
-        page_table = [[ref.page_id for ref in r.page_table] + [0] * (max_pages - len(r.page_table))
-                      for r in out.requests]
-
-        def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=self.device)
-
-        meta = AttentionMetadata(
-            slot_mapping=tensor(slots, torch.int64),
-            page_table=tensor(page_table, torch.int32),
-            cu_seqlens_q=tensor(cu_seqlens, torch.int32),
-            seq_lens=tensor(seq_lens, torch.int32),
-            max_query_len=max(out.num_new_tokens),
-            max_seq_len=max(seq_lens),
-        )
-        return StepInputs(tensor(input_ids, torch.int64), tensor(positions, torch.int64), meta,
-                          tensor(logits_indices, torch.int64), sampled, cu_seqlens)
+        return prepare(out, self.pool.page_size, self.device)
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor:
@@ -154,28 +194,74 @@ class ModelRunner:
         with ops.use(self.backend):
             return self.model.compute_logits(hidden)
 
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
-        """Run one step: sample for the requests that reached their last token, and compute the
-        log-probabilities they asked for."""
-        inputs = self.prepare(out)
-        hidden = self.forward(inputs)
+        """Run one step and wait for it (see launch and finish)."""
+        return self.finish(self.launch(out))
+
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput, after: Launched | None = None) -> Launched:
+        """Queue one step on the device, sampling included, without waiting for it.
+
+        after: the step still in flight that this decode step follows (see can_follow); its
+        sampled tokens become this step's inputs on the device.
+        """
+        if after is None:
+            inputs = self.prepare(out)
+        else:
+            inputs = prepare(out, self.pool.page_size, self.device, next_tokens=after.tokens)
+        step = Launched(out, inputs)
+        if (self.graphs is not None and self.graphs.fits(inputs)
+                and not any(_scores_prompt(r) for r in out.requests)):
+            logits = self.graphs.run(inputs)
+            if len(inputs.sampled) < inputs.num_requests:
+                logits = logits[inputs.logits_indices]
+            step.graphed = True
+        else:
+            step.hidden = self.forward(inputs)
+            logits = self.compute_logits(step.hidden[inputs.logits_indices])
+        if inputs.sampled:
+            step.logits = logits
+            step.tokens = self.sampler(logits, [out.requests[i] for i in inputs.sampled])
+            if self.device.startswith("cuda"):  # the one device-to-host copy of a step
+                step.host_tokens = torch.empty(step.tokens.shape, dtype=torch.int64,
+                                               pin_memory=True)
+                step.host_tokens.copy_(step.tokens, non_blocking=True)
+                step.done = torch.cuda.Event()
+                step.done.record()
+        return step
+
+    def can_follow(self, step: Launched) -> bool:
+        """Whether the next decode step of the same requests may be launched before this one's
+        tokens are read: a decode step where every request samples, and nothing needs this
+        step's logits later (log-probabilities) or the host's view of the output (min_tokens)."""
+        inputs = step.inputs
+        return (inputs.decode and len(inputs.sampled) == inputs.num_requests
+                and all(r.params.logprobs is None and not _scores_prompt(r)
+                        and len(r.output_token_ids) >= r.params.min_tokens
+                        for r in step.out.requests))
+
+    @torch.inference_mode()
+    def finish(self, step: Launched) -> StepResult:
+        """Wait for a launched step's tokens; compute the log-probabilities it asked for."""
+        out, inputs = step.out, step.inputs
         result = StepResult(inputs.sampled)
         if inputs.sampled:
-            logits = self.compute_logits(hidden[inputs.logits_indices])
+            if step.done is not None:
+                step.done.synchronize()
+                result.tokens = step.host_tokens.tolist()
+            else:
+                result.tokens = step.tokens.tolist()
             requests = [out.requests[i] for i in inputs.sampled]
-            tokens = self.sampler(logits, requests)
-            result.tokens = tokens.tolist()
             wanted = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
             if wanted:
-                rows = torch.tensor(wanted, device=logits.device)
-                entries = token_logprobs(logits[rows], tokens[rows],
+                rows = torch.tensor(wanted, device=step.logits.device)
+                entries = token_logprobs(step.logits[rows], step.tokens[rows],
                                          [requests[i].params.logprobs for i in wanted])
                 result.logprobs = dict(zip(wanted, entries))
-        for i, (request, n) in enumerate(zip(out.requests, out.num_new_tokens)):
-            p = request.params
-            if p.prompt_logprobs is not None or p.prompt_logprobs_tensor:
-                scored = self._score_prompt(request, n, hidden, inputs.cu_seqlens[i])
+        for i, request in enumerate(out.requests):
+            if _scores_prompt(request):
+                scored = self._score_prompt(request, out.num_new_tokens[i], step.hidden,
+                                            inputs.cu_seqlens[i])
                 if scored is not None:
                     result.prompt_logprobs[i] = scored
         return result
@@ -204,3 +290,10 @@ class ModelRunner:
         if rows:
             scores.tensor = torch.cat(rows)
         return scores
+
+
+def _scores_prompt(request: Request) -> bool:
+    """Whether this request still has prompt tokens to score."""
+    p = request.params
+    wants = p.prompt_logprobs is not None or p.prompt_logprobs_tensor
+    return wants and request.num_computed_tokens < request.num_prompt_tokens - 1

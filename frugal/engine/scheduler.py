@@ -32,8 +32,9 @@ class SchedulerOutput:
 class Scheduler:
     """Owns the waiting queue, the running list and the page tables of running requests.
 
-    Invariants (checked by check_integrity): only running requests hold pages; a running request
-    holds exactly ceil(num_computed_tokens / page_size) pages between steps.
+    Invariants (checked by check_integrity): only running requests hold pages; between steps a
+    running request holds ceil(num_computed_tokens / page_size) pages, or the pages of one token
+    more when a decode step of it was launched ahead (see reserve_ahead).
     """
 
     def __init__(self, allocator: PageAllocator, page_size: int, max_num_seqs: int,
@@ -97,6 +98,12 @@ class Scheduler:
         request.page_table.extend(self.allocator.allocate(missing))
         return True
 
+    def reserve_ahead(self, requests: list[Request]) -> bool:
+        """Pages for a decode step launched before the current one is recorded: each request
+        computes position num_computed_tokens + 1. False when pages ran short (those already
+        taken stay with their requests, whose next step needs them anyway)."""
+        return all(self._reserve(r, 2) for r in requests)
+
     def _preempt(self, request: Request) -> None:
         self.allocator.free(request.page_table)
         request.page_table = []
@@ -124,7 +131,9 @@ class Scheduler:
                                      f"{request.status.value}")
         for request in self.running:
             expected = -(-request.num_computed_tokens // self.page_size)
-            if len(request.page_table) != expected or request.status is not RequestStatus.RUNNING:
+            ahead = -(-(request.num_computed_tokens + 1) // self.page_size)
+            if (len(request.page_table) not in (expected, ahead)
+                    or request.status is not RequestStatus.RUNNING):
                 raise IntegrityError(
                     f"running request {request.request_id}: {len(request.page_table)} pages for "
                     f"{request.num_computed_tokens} computed tokens (expected {expected})")

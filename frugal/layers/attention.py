@@ -29,22 +29,27 @@ class AttentionMetadata:
 
 
 class Attention(nn.Module):
-    """Stores this step's K/V, then attends over each request's cached context.
+    """Rotates q and k, stores this step's K/V, then attends over each request's cached context.
 
     k_cache, v_cache: [num_pages, page_size, num_kv_heads, head_dim], bound by the model runner.
+    rotary: the model's shared RotaryEmbedding (its cos_sin table).
     """
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
+                 rotary: nn.Module) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.rotary = rotary
         self.scale = head_dim ** -0.5
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]."""
-        ops.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
+        (views of a fused projection are fine); positions: [num_tokens] int64."""
+        q = ops.rotary_store_kv(q, k, v, positions, self.rotary.cos_sin, self.k_cache,
+                                self.v_cache, meta.slot_mapping)
         return ops.paged_attention(q, self.k_cache, self.v_cache, meta.page_table,
                                    meta.cu_seqlens_q, meta.seq_lens, self.scale,
                                    meta.max_query_len, meta.max_seq_len)

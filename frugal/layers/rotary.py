@@ -8,8 +8,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from frugal import ops
-
 
 def inverse_frequencies(head_dim: int, theta: float,
                         scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -44,6 +42,3 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
         self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1),
                              persistent=False)
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
-        return ops.apply_rotary(q, k, positions, self.cos_sin)

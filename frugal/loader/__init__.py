@@ -61,14 +61,30 @@ def open_checkpoint(model: str | None, load_format: str = "auto", seed: int = 0)
     return ckpt
 
 
-def load_transformers_model(model: str | None, device: str, dtype: torch.dtype) -> torch.nn.Module:
+def load_transformers_model(model: str | None, device: str, dtype: torch.dtype,
+                            load_format: str = "auto") -> torch.nn.Module:
     """HF transformers' own model of the same checkpoint (a GGUF file or a HF directory), for
-    comparisons against a reference implementation. Needs the test extra (transformers)."""
+    comparisons against a reference implementation; with load_format dummy, transformers' model
+    of a preset's or a directory's config with its own random weights. Needs the test extra."""
     try:
-        from transformers import AutoModelForCausalLM
+        import transformers
     except ImportError as e:
         raise ValueError("transformers is needed for this (pip install -e '.[test]')") from e
+    from frugal.loader.dummy import PRESETS
+
+    if load_format == "dummy":
+        if model in PRESETS:
+            fields = dict(PRESETS[model])
+        else:
+            import json
+            fields = json.loads((Path(model) / "config.json").read_text())
+        config = getattr(transformers, fields["architectures"][0]).config_class(**fields)
+        torch.manual_seed(0)
+        with torch.device(device):
+            hf = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+        return hf.eval()
     path = default_model_path() if model is None else Path(model)
     kwargs = {"gguf_file": path.name} if path.suffix == ".gguf" else {}
     where = path.parent if path.suffix == ".gguf" else path
-    return AutoModelForCausalLM.from_pretrained(str(where), dtype=dtype, **kwargs).to(device).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(str(where), dtype=dtype,
+                                                             **kwargs).to(device).eval()

@@ -29,8 +29,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(q_size, c.hidden_size, bias=c.o_bias)
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
-        self.rotary = rotary
-        self.attn = Attention(c.num_heads, c.num_kv_heads, c.head_dim)
+        self.attn = Attention(c.num_heads, c.num_kv_heads, c.head_dim, rotary)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -40,8 +39,7 @@ class LlamaAttention(nn.Module):
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(q, k, positions)
-        o = self.attn(q, k, v, meta)
+        o = self.attn(q, k, v, positions, meta)
         return self.o_proj(o.reshape(-1, self.num_heads * self.head_dim))
 
 

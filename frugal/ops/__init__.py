@@ -14,8 +14,8 @@ from types import ModuleType
 
 from frugal.ops import torch_ref
 
-OPS = ("linear", "rms_norm", "add_rms_norm", "silu_and_mul", "apply_rotary", "store_kv",
-       "paged_attention")
+OPS = ("linear", "rms_norm", "add_rms_norm", "silu_and_mul", "store_kv",
+       "rotary_store_kv", "paged_attention")
 BACKENDS = {"torch_ref": "frugal.ops.torch_ref", "triton": "frugal.ops.triton"}
 
 
@@ -42,6 +42,6 @@ linear = torch_ref.linear
 rms_norm = torch_ref.rms_norm
 add_rms_norm = torch_ref.add_rms_norm
 silu_and_mul = torch_ref.silu_and_mul
-apply_rotary = torch_ref.apply_rotary
 store_kv = torch_ref.store_kv
+rotary_store_kv = torch_ref.rotary_store_kv
 paged_attention = torch_ref.paged_attention

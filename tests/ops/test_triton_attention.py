@@ -7,6 +7,7 @@ import torch
 from frugal.ops import torch_ref
 
 triton_attention = pytest.importorskip("frugal.ops.triton.attention")
+kv_store = pytest.importorskip("frugal.ops.triton.kv_store")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 2e-3, torch.bfloat16: 3e-2}
 
@@ -67,6 +68,36 @@ def test_decode_split_counts_agree(splits, monkeypatch):
     torch.testing.assert_close(ours, ref, atol=2e-3, rtol=2e-3)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_rotary_store_kv_matches_torch_ref(dtype, qk_norm):
+    """Views of one fused qkv row (as the model passes them), or packed tensors (after qk-norm);
+    a negative slot stores nothing but its q is still rotated."""
+    g = torch.Generator().manual_seed(4)
+    heads, kv_heads, dim, tokens = 6, 2, 32, 5
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g).to(dtype)
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q, k, v = (x.reshape(tokens, -1, dim) for x in (q, k, v))
+    if qk_norm:
+        q, k = q.contiguous(), k.contiguous()
+    positions = torch.tensor([0, 7, 300, 5, 1023])
+    slots = torch.tensor([3, 0, -1, 9, 12])
+    inv = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+    freqs = torch.arange(1024).float()[:, None] * inv
+    cos_sin = torch.cat([freqs.cos(), freqs.sin()], -1)
+    ref_k, ref_v = torch.zeros(4, 4, kv_heads, dim, dtype=dtype), torch.zeros(4, 4, kv_heads, dim,
+                                                                              dtype=dtype)
+    ref_q = torch_ref.rotary_store_kv(q, k, v, positions, cos_sin, ref_k, ref_v, slots)
+    k_cache, v_cache = torch.zeros_like(ref_k).to(DEVICE), torch.zeros_like(ref_v).to(DEVICE)
+    ours = kv_store.rotary_store_kv(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE),
+                                    positions.to(DEVICE), cos_sin.to(DEVICE), k_cache, v_cache,
+                                    slots.to(DEVICE))
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(ours.cpu(), ref_q, atol=tol, rtol=tol)
+    torch.testing.assert_close(k_cache.cpu(), ref_k, atol=tol, rtol=tol)
+    assert torch.equal(v_cache.cpu(), ref_v)
+
+
 def test_store_kv_matches_and_skips_negative_slots():
     g = torch.Generator().manual_seed(3)
     k, v = torch.randn(5, 2, 8, generator=g), torch.randn(5, 2, 8, generator=g)
@@ -75,7 +106,7 @@ def test_store_kv_matches_and_skips_negative_slots():
     keep = slots >= 0
     torch_ref.store_kv(k[keep], v[keep], ref_k, ref_v, slots[keep])
     k_cache, v_cache = torch.zeros_like(ref_k).to(DEVICE), torch.zeros_like(ref_v).to(DEVICE)
-    triton_attention.store_kv(k.to(DEVICE), v.to(DEVICE), k_cache, v_cache, slots.to(DEVICE))
+    kv_store.store_kv(k.to(DEVICE), v.to(DEVICE), k_cache, v_cache, slots.to(DEVICE))
     assert torch.equal(k_cache.cpu(), ref_k) and torch.equal(v_cache.cpu(), ref_v)
 
 

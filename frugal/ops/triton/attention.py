@@ -1,4 +1,4 @@
-"""Paged attention and KV store in Triton. Same signatures as frugal.ops.torch_ref.attention.
+"""Paged attention in Triton. Same signatures as frugal.ops.torch_ref.attention.
 
 Decode (one new token per request) is split-K and GQA-aware: a program owns one request, one KV
 head and one slice of the context, reads each K/V row of that slice once for every query head of
@@ -18,29 +18,6 @@ import triton.language as tl
 # The CPU interpreter's bf16 tl.dot is wrong: compute the products in fp32 there.
 _DOT_F32 = os.environ.get("TRITON_INTERPRET") == "1"
 _TARGET_PROGRAMS = 264  # two waves of the H200's 132 SMs
-
-
-@triton.jit
-def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, ROW: tl.constexpr,
-                     BLOCK: tl.constexpr):
-    token = tl.program_id(0)
-    slot = tl.load(slot_ptr + token)
-    if slot >= 0:  # -1 marks padding (a CUDA graph's unused rows)
-        offs = tl.arange(0, BLOCK)
-        mask = offs < ROW
-        k = tl.load(k_ptr + token * ROW + offs, mask=mask)
-        v = tl.load(v_ptr + token * ROW + offs, mask=mask)
-        tl.store(k_cache_ptr + slot * ROW + offs, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(v_cache_ptr + slot * ROW + offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
-
-
-def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """k, v: [num_tokens, num_kv_heads, head_dim]; caches [num_pages, page_size, kv_heads, dim];
-    slot_mapping: [num_tokens] int64 (a negative slot skips the token)."""
-    row = k.shape[1] * k.shape[2]
-    _store_kv_kernel[(k.shape[0],)](k.contiguous(), v.contiguous(), k_cache, v_cache,
-                                    slot_mapping, ROW=row, BLOCK=triton.next_power_of_2(row))
 
 
 @triton.jit
@@ -79,7 +56,7 @@ def _softmax_step(q, k, v, allowed, m_i, l_i, acc, qk_scale, PRECISION: tl.const
     return m_new, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["pages_stride", "num_splits"])
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, seq_lens_ptr, cu_ptr,
                    partial_ptr, lse_ptr, scale, pages_stride, num_splits,
                    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
@@ -127,7 +104,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, seq_lens_ptr
     tl.store(lse_ptr + out_row, lse, mask=g_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_kernel(partial_ptr, lse_ptr, out_ptr, cu_ptr, num_splits, NUM_HEADS: tl.constexpr,
                   HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr):
     b = tl.program_id(0)
@@ -146,7 +123,7 @@ def _merge_kernel(partial_ptr, lse_ptr, out_ptr, cu_ptr, num_splits, NUM_HEADS: 
              mask=d < HEAD_DIM)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["pages_stride"])
 def _extend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, seq_lens_ptr, cu_ptr,
                    out_ptr, scale, pages_stride, NUM_HEADS: tl.constexpr,
                    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,

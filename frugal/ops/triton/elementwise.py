@@ -1,5 +1,5 @@
-"""Row-wise and element-wise ops in Triton: RMSNorm (with the residual add fused), SiLU·mul,
-rotary embedding. Same signatures as their frugal.ops.torch_ref twins."""
+"""Row-wise and element-wise ops in Triton: RMSNorm (with the residual add fused) and SiLU·mul.
+Same signatures as their frugal.ops.torch_ref twins."""
 
 from __future__ import annotations
 
@@ -72,36 +72,3 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     block = min(1024, triton.next_power_of_2(n))
     _silu_mul_kernel[(x.numel() // x.shape[-1], triton.cdiv(n, block))](x, out, N=n, BLOCK=block)
     return out
-
-
-@triton.jit
-def _rotary_kernel(x_ptr, pos_ptr, cos_sin_ptr, out_ptr, NUM_HEADS: tl.constexpr,
-                   HALF: tl.constexpr, BLOCK: tl.constexpr):
-    token = tl.program_id(0)
-    head = tl.program_id(1)
-    pos = tl.load(pos_ptr + token)
-    i = tl.arange(0, BLOCK)
-    mask = i < HALF
-    base = (token * NUM_HEADS + head) * 2 * HALF
-    x1 = tl.load(x_ptr + base + i, mask=mask, other=0.0)
-    x2 = tl.load(x_ptr + base + HALF + i, mask=mask, other=0.0)
-    cos = tl.load(cos_sin_ptr + pos * 2 * HALF + i, mask=mask, other=0.0)
-    sin = tl.load(cos_sin_ptr + pos * 2 * HALF + HALF + i, mask=mask, other=0.0)
-    a, b = x1.to(tl.float32), x2.to(tl.float32)
-    tl.store(out_ptr + base + i, (a * cos - b * sin).to(x1.dtype), mask=mask)
-    tl.store(out_ptr + base + HALF + i, (b * cos + a * sin).to(x1.dtype), mask=mask)
-
-
-def _rotate(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
-    x = x.contiguous()
-    out = torch.empty_like(x)
-    half = x.shape[-1] // 2
-    _rotary_kernel[(x.shape[0], x.shape[1])](x, positions, cos_sin, out, NUM_HEADS=x.shape[1],
-                                             HALF=half, BLOCK=triton.next_power_of_2(half))
-    return out
-
-
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
-                 cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """GPT-NeoX rotary on q [tokens, heads, dim] and k [tokens, kv_heads, dim], fp32 math."""
-    return _rotate(q, positions, cos_sin), _rotate(k, positions, cos_sin)

@@ -1,0 +1,169 @@
+"""`frugal bench serve`: drive a running OpenAI-compatible server, as `vllm bench serve` does.
+
+For each concurrency c, --num-prompts requests of --input-len random token ids each stream
+--output-len tokens (ignore_eos, greedy) through /v1/completions with at most c in flight. Reports
+request throughput, output tok/s, and mean / median / p99 of time to first token (TTFT),
+inter-token latency (ITL: the gaps between streamed chunks) and time per output token after the
+first (TPOT). Works against any server that takes token-id prompts (frugal, vLLM, SGLang).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+from tqdm import tqdm
+
+from frugal.cli.args import command_line
+
+
+@dataclass
+class RequestTrace:
+    ttft: float = 0.0
+    latency: float = 0.0
+    chunk_times: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass
+class ServeResult:
+    concurrency: int
+    completed: int
+    failed: int
+    duration_s: float
+    request_s: float
+    output_tok_s: float
+    ttft_ms: tuple[float, float, float]  # mean, median, p99
+    itl_ms: tuple[float, float, float]
+    tpot_ms: tuple[float, float, float]
+
+
+def add_serve_parser(sub) -> None:
+    s = sub.add_parser("serve", help="latency and throughput of a running server")
+    s.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
+    s.add_argument("--model", default=None, help="model name (default: the server's first)")
+    s.add_argument("--api-key", default="none")
+    s.add_argument("--concurrency", default="1,8", help="comma-separated in-flight limits")
+    s.add_argument("--num-prompts", type=int, default=32, help="requests per concurrency")
+    s.add_argument("--input-len", type=int, default=128)
+    s.add_argument("--output-len", type=int, default=64)
+    s.add_argument("--token-range", default="1000,10000",
+                   help="prompt token ids are drawn from [LO, HI)")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--output", default=None, help="write results as JSON")
+    s.set_defaults(func=run_serve)
+
+
+def _stats(values: list[float]) -> tuple[float, float, float]:
+    """mean, median, p99 in ms of values in seconds (zeros when empty)."""
+    if not values:
+        return (0.0, 0.0, 0.0)
+    ordered = sorted(values)
+    p99 = ordered[min(len(ordered) - 1, int(round(0.99 * (len(ordered) - 1))))]
+    return (1e3 * statistics.mean(ordered), 1e3 * statistics.median(ordered), 1e3 * p99)
+
+
+async def _one(client, model: str, prompt: list[int], output_len: int) -> RequestTrace:
+    trace = RequestTrace()
+    start = time.perf_counter()
+    try:
+        stream = await client.completions.create(
+            model=model, prompt=prompt, max_tokens=output_len, temperature=0.0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        async for chunk in stream:
+            now = time.perf_counter()
+            if chunk.choices and chunk.choices[0].text:
+                trace.chunk_times.append(now - start)
+            if chunk.usage is not None:
+                trace.output_tokens = chunk.usage.completion_tokens
+        trace.latency = time.perf_counter() - start
+        if not trace.chunk_times:
+            raise ValueError("the stream carried no text")
+        trace.ttft = trace.chunk_times[0]
+    except Exception as e:  # a failed request is counted and reported, not fatal
+        trace.error = f"{type(e).__name__}: {e}"
+    return trace
+
+
+async def measure(client, model: str, prompts: list[list[int]], concurrency: int,
+                  output_len: int, bar: tqdm) -> ServeResult:
+    gate = asyncio.Semaphore(concurrency)
+
+    async def limited(prompt: list[int]) -> RequestTrace:
+        async with gate:
+            trace = await _one(client, model, prompt, output_len)
+            bar.update(1)
+            return trace
+
+    start = time.perf_counter()
+    traces = await asyncio.gather(*(limited(p) for p in prompts))
+    duration = time.perf_counter() - start
+    ok = [t for t in traces if t.error is None]
+    for t in traces:
+        if t.error is not None:
+            print(f"request failed: {t.error}", file=sys.stderr)
+    itls = [b - a for t in ok for a, b in zip(t.chunk_times, t.chunk_times[1:])]
+    tpots = [(t.latency - t.ttft) / (t.output_tokens - 1) for t in ok if t.output_tokens > 1]
+    return ServeResult(
+        concurrency=concurrency, completed=len(ok), failed=len(traces) - len(ok),
+        duration_s=duration, request_s=len(ok) / duration,
+        output_tok_s=sum(t.output_tokens for t in ok) / duration,
+        ttft_ms=_stats([t.ttft for t in ok]), itl_ms=_stats(itls), tpot_ms=_stats(tpots))
+
+
+async def _main(args: argparse.Namespace) -> list[ServeResult]:
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=args.url.rstrip("/") + "/v1", api_key=args.api_key,
+                         max_retries=0, timeout=3600)
+    model = args.model or (await client.models.list()).data[0].id
+    lo, hi = (int(x) for x in args.token_range.split(","))
+    rng = random.Random(args.seed)
+    prompts = [[rng.randrange(lo, hi) for _ in range(args.input_len)]
+               for _ in range(args.num_prompts)]
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    results = []
+    await _one(client, model, prompts[0], 4)  # warm-up
+    with tqdm(total=len(concurrencies) * len(prompts), file=sys.stderr,
+              desc="bench serve") as bar:
+        for c in concurrencies:
+            results.append(await measure(client, model, prompts, c, args.output_len, bar))
+    await client.close()
+    return results
+
+
+def format_table(results: list[ServeResult], args: argparse.Namespace) -> str:
+    def trio(v: tuple[float, float, float]) -> str:
+        return " | ".join(f"{x:.2f}" for x in v)
+
+    lines = [f"server: {args.url} | {args.num_prompts} prompts | {args.input_len} in / "
+             f"{args.output_len} out", "",
+             "| concurrency | completed | failed | req/s | output tok/s | TTFT mean | median "
+             "| p99 | ITL mean | median | p99 | TPOT mean | median | p99 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r.concurrency} | {r.completed} | {r.failed} | {r.request_s:.2f} "
+                     f"| {r.output_tok_s:.1f} | {trio(r.ttft_ms)} | {trio(r.itl_ms)} "
+                     f"| {trio(r.tpot_ms)} |")
+    lines += ["", "(latencies in ms)", f"command: {command_line()}"]
+    return "\n".join(lines)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    lo, hi = (int(x) for x in args.token_range.split(","))
+    if not 0 <= lo < hi:
+        raise ValueError(f"token_range: need 0 <= LO < HI, got {args.token_range!r}")
+    results = asyncio.run(_main(args))
+    print(format_table(results, args))
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump({"command": command_line(), "results": [asdict(r) for r in results]}, f,
+                      indent=2)
+    return 0 if all(r.failed == 0 for r in results) else 1

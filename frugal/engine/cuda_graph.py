@@ -1,0 +1,99 @@
+"""Decode steps replayed from CUDA graphs captured at a ladder of batch sizes.
+
+A decode step of B requests (one new token each) runs the graph of the smallest captured size
+>= B. The graph reads static input buffers; rows past B are padding: slot -1 (their K/V is not
+stored) and context length 0 (their attention reads nothing), so they touch no real page. The
+attention launch grid is sized for max_model_len when capturing; the Triton decode kernel finds
+each request's slice of the context from its seq_len at run time.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from types import ModuleType
+
+import torch
+from torch import nn
+
+from frugal import ops
+from frugal.engine.step_inputs import StepInputs
+from frugal.layers.attention import AttentionMetadata
+
+logger = logging.getLogger("frugal")
+
+
+def capture_sizes(max_bs: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 16 up to max_bs (max_bs itself always included)."""
+    sizes = [s for s in (1, 2, 4, 8) if s < max_bs] + list(range(16, max_bs, 16))
+    return sorted(set(sizes + [max_bs]))
+
+
+class DecodeGraphs:
+    """Captured decode graphs of one model; `run` replays the one that fits a step.
+
+    Static buffers (device): input_ids, positions, slots [max_bs] int64; seq_lens [max_bs] int32;
+    cu_seqlens [max_bs + 1] int32 = 0..max_bs; page_table [max_bs, max_pages] int32;
+    logits [max_bs, vocab] fp32, the output of every graph.
+    """
+
+    def __init__(self, model: nn.Module, backend: ModuleType, max_bs: int, max_model_len: int,
+                 page_size: int, vocab_size: int, device: str) -> None:
+        self.model, self.backend = model, backend
+        self.sizes = capture_sizes(max_bs)
+        self.max_bs = self.sizes[-1]
+        self.max_pages = -(-max_model_len // page_size)
+        self.max_seq_len = self.max_pages * page_size
+        with torch.device(device):
+            self.input_ids = torch.zeros(max_bs, dtype=torch.int64)
+            self.positions = torch.zeros(max_bs, dtype=torch.int64)
+            self.slots = torch.full((max_bs,), -1, dtype=torch.int64)
+            self.seq_lens = torch.zeros(max_bs, dtype=torch.int32)
+            self.cu_seqlens = torch.arange(max_bs + 1, dtype=torch.int32)
+            self.page_table = torch.zeros(max_bs, self.max_pages, dtype=torch.int32)
+            self.logits = torch.zeros(max_bs, vocab_size, dtype=torch.float32)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        start, before = time.perf_counter(), torch.cuda.memory_reserved(device)
+        pool = None
+        for bs in reversed(self.sizes):  # the largest first: smaller ones reuse its memory
+            self._forward(bs)  # compiles the kernels of this shape outside the capture
+            torch.cuda.synchronize(device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._forward(bs)
+            pool = graph.pool()
+            self.graphs[bs] = graph
+        torch.cuda.synchronize(device)
+        self.num_bytes = torch.cuda.memory_reserved(device) - before
+        logger.info("captured %d decode CUDA graphs (batch 1..%d) in %.1f s, %.2f GiB",
+                    len(self.sizes), self.max_bs, time.perf_counter() - start,
+                    self.num_bytes / 2**30)
+
+    def _forward(self, bs: int) -> None:
+        meta = AttentionMetadata(self.slots[:bs], self.page_table[:bs], self.cu_seqlens[:bs + 1],
+                                 self.seq_lens[:bs], max_query_len=1, max_seq_len=self.max_seq_len)
+        with ops.use(self.backend):
+            hidden = self.model(self.input_ids[:bs], self.positions[:bs], meta)
+            self.logits[:bs].copy_(self.model.compute_logits(hidden))
+
+    def fits(self, inputs: StepInputs) -> bool:
+        return (inputs.decode and inputs.num_requests <= self.max_bs
+                and inputs.meta.page_table.shape[1] <= self.max_pages)
+
+    def run(self, inputs: StepInputs) -> torch.Tensor:
+        """Logits of every request of a decode step: [num_requests, vocab] fp32, a view of the
+        static output valid until the next run."""
+        b = inputs.num_requests
+        bs = self.sizes[bisect.bisect_left(self.sizes, b)]
+        meta = inputs.meta
+        self.input_ids[:b].copy_(inputs.input_ids, non_blocking=True)
+        self.positions[:b].copy_(inputs.positions, non_blocking=True)
+        self.slots[:b].copy_(meta.slot_mapping, non_blocking=True)
+        self.seq_lens[:b].copy_(meta.seq_lens, non_blocking=True)
+        self.page_table[:b, :meta.page_table.shape[1]].copy_(meta.page_table, non_blocking=True)
+        if bs > b:
+            self.slots[b:bs].fill_(-1)
+            self.seq_lens[b:bs].zero_()
+        self.graphs[bs].replay()
+        return self.logits[:b]

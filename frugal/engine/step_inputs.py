@@ -1,0 +1,99 @@
+"""Turn a scheduled step into the model's input tensors with one or two host-to-device copies."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from frugal.engine.scheduler import SchedulerOutput
+from frugal.layers.attention import AttentionMetadata
+
+
+@dataclass
+class StepInputs:
+    """One step's model inputs, on the model's device.
+
+    input_ids, positions: [num_tokens] int64; logits_indices: [num_sampled] int64, the rows of the
+    hidden states to sample from (the last new token of each request whose computed tokens reach
+    its num_tokens). sampled: indices into SchedulerOutput.requests that sample this step.
+    cu_seqlens: host copy of meta.cu_seqlens_q. decode: every request has one new token.
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor
+    sampled: list[int]
+    cu_seqlens: list[int]
+    decode: bool
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.cu_seqlens) - 1
+
+
+def prepare(out: SchedulerOutput, page_size: int, device: str,
+            next_tokens: torch.Tensor | None = None) -> StepInputs:
+    """Flatten the scheduled requests' new tokens into one batch.
+
+    next_tokens: for a decode step launched before the previous step's tokens reached the host,
+    those tokens ([num_requests] int64 on the device, in request order): each request then
+    computes position num_computed_tokens + 1 with that token as input.
+
+    The int64 fields travel in one pinned buffer and the int32 fields in another, each copied
+    without blocking the host; nothing here waits for the device.
+    """
+    ahead = 0 if next_tokens is None else 1
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    cu_seqlens, seq_lens, logits_indices, sampled = [0], [], [], []
+    tables = [[ref.page_id for ref in r.page_table] for r in out.requests]
+    width = max(len(t) for t in tables)
+    decode = True
+    for i, (request, n) in enumerate(zip(out.requests, out.num_new_tokens)):
+        start = request.num_computed_tokens + ahead
+        end = start + n
+        table = tables[i]
+        if n == 1:
+            if not ahead:
+                ids += request.token_ids(start, end)
+            positions.append(start)
+            slots.append(table[start // page_size] * page_size + start % page_size)
+        else:
+            decode = False
+            ids += request.token_ids(start, end)
+            positions += range(start, end)
+            slots += [table[p // page_size] * page_size + p % page_size for p in range(start, end)]
+        cu_seqlens.append(cu_seqlens[-1] + n)
+        seq_lens.append(end)
+        if end == request.num_tokens + ahead:
+            logits_indices.append(cu_seqlens[-1] - 1)
+            sampled.append(i)
+        table += [0] * (width - len(table))
+    num_tokens, num_requests = len(positions), len(seq_lens)
+    if ahead:
+        if not decode or next_tokens.shape != (num_requests,):
+            raise ValueError("next_tokens: only a decode step of the same requests follows")
+        ids = [0] * num_tokens
+    longs = _upload(ids + positions + slots + logits_indices, torch.int64, device)
+    ints = _upload(cu_seqlens + seq_lens + [p for t in tables for p in t], torch.int32, device)
+    meta = AttentionMetadata(
+        slot_mapping=longs[2 * num_tokens:3 * num_tokens],
+        page_table=ints[2 * num_requests + 1:].view(num_requests, width),
+        cu_seqlens_q=ints[:num_requests + 1],
+        seq_lens=ints[num_requests + 1:2 * num_requests + 1],
+        max_query_len=max(out.num_new_tokens),
+        max_seq_len=max(seq_lens),
+    )
+    input_ids = longs[:num_tokens] if next_tokens is None else next_tokens
+    return StepInputs(input_ids, longs[num_tokens:2 * num_tokens], meta,
+                      longs[3 * num_tokens:], sampled, cu_seqlens, decode)
+
+
+def _upload(values: list[int], dtype: torch.dtype, device: str) -> torch.Tensor:
+    if torch.device(device).type == "cpu":
+        return torch.tensor(values, dtype=dtype)
+    host = torch.tensor(values, dtype=dtype, pin_memory=True)
+    return host.to(device, non_blocking=True)

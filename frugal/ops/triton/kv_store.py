@@ -1,0 +1,99 @@
+"""Writing new keys and values into the paged cache, alone or fused with the rotary embedding."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, ROW: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    token = tl.program_id(0)
+    slot = tl.load(slot_ptr + token)
+    if slot >= 0:  # -1 marks padding (a CUDA graph's unused rows)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < ROW
+        k = tl.load(k_ptr + token * ROW + offs, mask=mask)
+        v = tl.load(v_ptr + token * ROW + offs, mask=mask)
+        tl.store(k_cache_ptr + slot * ROW + offs, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_cache_ptr + slot * ROW + offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """k, v: [num_tokens, num_kv_heads, head_dim]; caches [num_pages, page_size, kv_heads, dim];
+    slot_mapping: [num_tokens] int64 (a negative slot skips the token)."""
+    row = k.shape[1] * k.shape[2]
+    _store_kv_kernel[(k.shape[0],)](k.contiguous(), v.contiguous(), k_cache, v_cache,
+                                    slot_mapping, ROW=row, BLOCK=triton.next_power_of_2(row))
+
+
+@triton.jit
+def _rotary_store_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, slot_ptr, q_out_ptr,
+                         k_cache_ptr, v_cache_ptr, q_stride, k_stride, v_stride,
+                         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                         HEADS_PAD: tl.constexpr, KV_PAD: tl.constexpr, HALF: tl.constexpr,
+                         HALF_PAD: tl.constexpr):
+    """One program per token: rotate its q heads into q_out, rotate its k heads and store them
+    with its v heads at its slot (unless the slot is negative)."""
+    t = tl.program_id(0)
+    pos = tl.load(pos_ptr + t)
+    i = tl.arange(0, HALF_PAD)
+    i_mask = i < HALF
+    cos = tl.load(cos_sin_ptr + pos * 2 * HALF + i, mask=i_mask, other=0.0)[None, :]
+    sin = tl.load(cos_sin_ptr + pos * 2 * HALF + HALF + i, mask=i_mask, other=0.0)[None, :]
+    h = tl.arange(0, HEADS_PAD)[:, None]
+    mask = (h < NUM_HEADS) & i_mask[None, :]
+    src = q_ptr + t * q_stride + h * 2 * HALF + i[None, :]
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    dst = q_out_ptr + (t * NUM_HEADS + h) * 2 * HALF + i[None, :]
+    out_ty = q_out_ptr.dtype.element_ty
+    tl.store(dst, (x1 * cos - x2 * sin).to(out_ty), mask=mask)
+    tl.store(dst + HALF, (x2 * cos + x1 * sin).to(out_ty), mask=mask)
+    slot = tl.load(slot_ptr + t)
+    if slot >= 0:  # -1 marks padding (a CUDA graph's unused rows)
+        # (names differ from the q block's: Triton needs one shape per variable)
+        j = tl.arange(0, KV_PAD)[:, None]
+        kv_mask = (j < NUM_KV_HEADS) & i_mask[None, :]
+        k_src = k_ptr + t * k_stride + j * 2 * HALF + i[None, :]
+        k1 = tl.load(k_src, mask=kv_mask, other=0.0).to(tl.float32)
+        k2 = tl.load(k_src + HALF, mask=kv_mask, other=0.0).to(tl.float32)
+        kv_dst = (slot * NUM_KV_HEADS + j) * 2 * HALF + i[None, :]
+        cache_ty = k_cache_ptr.dtype.element_ty
+        # round to the activation dtype first, as the unfused path stores a rotated k tensor
+        x_ty = k_ptr.dtype.element_ty
+        tl.store(k_cache_ptr + kv_dst, (k1 * cos - k2 * sin).to(x_ty).to(cache_ty),
+                 mask=kv_mask)
+        tl.store(k_cache_ptr + kv_dst + HALF, (k2 * cos + k1 * sin).to(x_ty).to(cache_ty),
+                 mask=kv_mask)
+        v_src = v_ptr + t * v_stride + j * 2 * HALF + i[None, :]
+        tl.store(v_cache_ptr + kv_dst, tl.load(v_src, mask=kv_mask, other=0.0).to(cache_ty),
+                 mask=kv_mask)
+        tl.store(v_cache_ptr + kv_dst + HALF,
+                 tl.load(v_src + HALF, mask=kv_mask, other=0.0).to(cache_ty), mask=kv_mask)
+
+
+def _heads_packed(x: torch.Tensor) -> torch.Tensor:
+    """x with heads and head_dim densely packed (tokens may be strided, as in a fused qkv)."""
+    return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()
+
+
+def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                    cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    slot_mapping: torch.Tensor) -> torch.Tensor:
+    """See torch_ref.rotary_store_kv. q, k, v may be views of one fused qkv projection."""
+    q, k, v = _heads_packed(q), _heads_packed(k), _heads_packed(v)
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if num_tokens == 0:
+        return out
+    _rotary_store_kernel[(num_tokens,)](
+        q, k, v, positions, cos_sin, slot_mapping, out, k_cache, v_cache, q.stride(0),
+        k.stride(0), v.stride(0), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
+        HEADS_PAD=triton.next_power_of_2(num_heads), KV_PAD=triton.next_power_of_2(num_kv_heads),
+        HALF=head_dim // 2, HALF_PAD=triton.next_power_of_2(head_dim // 2))
+    return out

@@ -1,0 +1,62 @@
+"""Overlap scheduling (the next decode step launched before this one's tokens are read) changes
+nothing a user sees: same tokens, texts and finish reasons, no page leaked, aborts still work."""
+
+from frugal import LLM, SamplingParams
+from frugal.config import CacheConfig, EngineConfig
+
+
+def _engine(overlap: bool):
+    config = EngineConfig(dtype="float32", device="cpu", overlap_schedule=overlap,
+                          cache=CacheConfig(kv_cache_memory="64MiB"))
+    return LLM.from_config(config).engine
+
+
+def _run(engine, requests, abort_after=None):
+    """Drive the engine to the end; abort request `abort_after[0]` once it has abort_after[1]
+    outputs. Checks the bookkeeping after every step."""
+    ids = [engine.add_request(p, params) for p, params in requests]
+    seen, final = {}, {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen[out.request_id] = seen.get(out.request_id, 0) + 1
+            if out.finished:
+                final[out.request_id] = out
+            elif abort_after and out.request_id == ids[abort_after[0]] \
+                    and seen[out.request_id] == abort_after[1]:
+                final[out.request_id] = engine.abort_request(out.request_id)
+        engine.scheduler.check_integrity()
+    pool = engine.runner.pool
+    assert engine.scheduler.allocator.num_free == pool.num_pages
+    return [(final[i].outputs[0].token_ids, final[i].outputs[0].text,
+             final[i].outputs[0].finish_reason, seen[i]) for i in ids]
+
+
+def test_overlap_changes_no_output():
+    requests = [
+        ("The capital of France is", SamplingParams(temperature=0, max_tokens=12)),
+        ("Once upon a time", SamplingParams(temperature=0.8, seed=7, max_tokens=20,
+                                            ignore_eos=True)),
+        ("Count: one, two,", SamplingParams(temperature=0, max_tokens=30, stop=["five"])),
+        ("A long story:", SamplingParams(temperature=0.7, seed=3, max_tokens=200,
+                                         ignore_eos=True)),
+        ("Hello", SamplingParams(temperature=0, max_tokens=5, min_tokens=3, logprobs=2)),
+    ]
+    on, off = _engine(True), _engine(False)
+    assert on.overlap and not off.overlap
+    ours = _run(on, requests, abort_after=(3, 6))
+    assert ours == _run(off, requests, abort_after=(3, 6))
+    assert ours[3][2] == "abort" and ours[3][3] == 6
+    assert ours[1][3] == 20  # one output per token, none lost when the batch shrinks
+
+
+def test_overlap_launches_ahead_in_steady_decode():
+    engine = _engine(True)
+    engine.add_request("Once upon a time", SamplingParams(temperature=0, max_tokens=8,
+                                                         ignore_eos=True))
+    engine.step()  # prefill
+    engine.step()  # a decode step, with the next one launched behind it
+    assert engine._inflight is not None
+    engine.scheduler.check_integrity()
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine._inflight is None
