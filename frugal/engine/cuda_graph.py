@@ -35,11 +35,12 @@ class DecodeGraphs:
 
     Static buffers (device): input_ids, positions, slots [max_bs] int64; seq_lens [max_bs] int32;
     cu_seqlens [max_bs + 1] int32 = 0..max_bs; page_table [max_bs, max_pages] int32;
-    logits [max_bs, vocab] fp32, the output of every graph.
+    logits [max_bs, vocab] in the model's dtype (as the LM head computes them), the output of
+    every graph.
     """
 
     def __init__(self, model: nn.Module, backend: ModuleType, max_bs: int, max_model_len: int,
-                 page_size: int, vocab_size: int, device: str) -> None:
+                 page_size: int, vocab_size: int, dtype: torch.dtype, device: str) -> None:
         self.model, self.backend = model, backend
         self.sizes = capture_sizes(max_bs)
         self.max_bs = self.sizes[-1]
@@ -52,7 +53,7 @@ class DecodeGraphs:
             self.seq_lens = torch.zeros(max_bs, dtype=torch.int32)
             self.cu_seqlens = torch.arange(max_bs + 1, dtype=torch.int32)
             self.page_table = torch.zeros(max_bs, self.max_pages, dtype=torch.int32)
-            self.logits = torch.zeros(max_bs, vocab_size, dtype=torch.float32)
+            self.logits = torch.zeros(max_bs, vocab_size, dtype=dtype)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         start, before = time.perf_counter(), torch.cuda.memory_reserved(device)
         pool = None
@@ -75,15 +76,15 @@ class DecodeGraphs:
                                  self.seq_lens[:bs], max_query_len=1, max_seq_len=self.max_seq_len)
         with ops.use(self.backend):
             hidden = self.model(self.input_ids[:bs], self.positions[:bs], meta)
-            self.logits[:bs].copy_(self.model.compute_logits(hidden))
+            self.logits[:bs].copy_(self.model.compute_logits(hidden, upcast=False))
 
     def fits(self, inputs: StepInputs) -> bool:
         return (inputs.decode and inputs.num_requests <= self.max_bs
                 and inputs.meta.page_table.shape[1] <= self.max_pages)
 
     def run(self, inputs: StepInputs) -> torch.Tensor:
-        """Logits of every request of a decode step: [num_requests, vocab] fp32, a view of the
-        static output valid until the next run."""
+        """Logits of every request of a decode step: [num_requests, vocab] in the model's dtype,
+        a view of the static output valid until the next run."""
         b = inputs.num_requests
         bs = self.sizes[bisect.bisect_left(self.sizes, b)]
         meta = inputs.meta

@@ -80,6 +80,10 @@ class ModelRunner:
         self.model_config = mc = checkpoint.config
         self.dtype = config.resolved_dtype(mc)
         self.backend = ops.load(config.resolved_ops_backend())
+        if self.device.startswith("cuda"):
+            # cuBLASLt picks faster kernels for the decode GEMMs at batch 64 (6.18 -> 6.00 ms
+            # per step for Llama-3.1-8B on the H200) and the same at batch 1
+            torch.backends.cuda.preferred_blas_library("cublaslt")
         start = time.perf_counter()
         with _default_dtype(self.dtype), torch.device(self.device):
             self.model = model_class(mc)(mc)
@@ -111,7 +115,8 @@ class ModelRunner:
         if self.use_graphs:
             max_bs = min(config.cuda_graph_max_bs, config.scheduler.max_num_seqs)
             self.graphs = DecodeGraphs(self.model, self.backend, max_bs, self.max_model_len,
-                                       cache.page_size, mc.vocab_size, self.device)
+                                       cache.page_size, mc.vocab_size, self.dtype,
+                                       self.device)
         tokenizer = checkpoint.tokenizer
         eos = tokenizer.eos_token_ids if tokenizer is not None else list(mc.eos_token_ids)
         self.sampler = Sampler(self.device, config.seed, eos)
@@ -133,7 +138,7 @@ class ModelRunner:
         free, total = torch.cuda.mem_get_info(torch.device(self.device))
         graphs = 0
         if self.use_graphs:  # their static logits, plus a margin for the captured activations
-            graphs = config.cuda_graph_max_bs * self.model_config.vocab_size * 4 + 2**29
+            graphs = config.cuda_graph_max_bs * self.model_config.vocab_size * 2 + 2**29
         budget = int(config.cache.gpu_memory_utilization * total) - (total - free)
         budget -= activations + graphs
         logger.info("GPU memory: %.1f GiB total, %.1f GiB in use (weights), %.2f GiB peak "

@@ -24,7 +24,8 @@ class Sampler:
         return torch.Generator(device=self.device).manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        """logits: [n, vocab] fp32, row i for requests[i] -> [n] int64 token ids."""
+        """logits: [n, vocab] (any float dtype; greedy rows take their argmax as is, the rest
+        is computed in fp32), row i for requests[i] -> [n] int64 token ids."""
         params = [r.params for r in requests]
         early = [i for i, r in enumerate(requests) if len(r.output_token_ids) < r.params.min_tokens]
         if early:  # min_tokens: nothing that would end the output may be picked yet
@@ -37,6 +38,7 @@ class Sampler:
         if all(p.greedy for p in params):
             return greedy
         n, vocab = logits.shape
+        logits = logits.float()
         temperature = torch.tensor([1.0 if p.greedy else p.temperature for p in params],
                                    device=logits.device)
         logits = logits / temperature[:, None]
@@ -63,9 +65,9 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
                    num_top: list[int]) -> list[TokenLogprob]:
     """Raw log-probabilities of token_ids under logits, with each row's num_top best tokens.
 
-    logits: [n, vocab] fp32; token_ids: [n] int64; num_top: [n] counts (0 allowed).
+    logits: [n, vocab] (upcast to fp32 here); token_ids: [n] int64; num_top: [n] counts.
     """
-    logprobs = logits.log_softmax(dim=-1)
+    logprobs = logits.float().log_softmax(dim=-1)
     chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1).tolist()
     k = max(num_top, default=0)
     top_values, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0])

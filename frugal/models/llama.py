@@ -113,8 +113,11 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, meta)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        """[n, hidden] -> [n, vocab] logits, fp32 unless upcast is False (then the model's
+        dtype: half the bytes for a greedy argmax, which picks the same token either way)."""
+        logits = self.lm_head(hidden)
+        return logits.float() if upcast else logits
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]

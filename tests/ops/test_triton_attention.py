@@ -59,7 +59,11 @@ def test_paged_attention_matches_torch_ref(case, dtype):
 
 
 @pytest.mark.parametrize("splits", [1, 3, 7])
-def test_decode_split_counts_agree(splits, monkeypatch):
+@pytest.mark.parametrize("min_split", [64, 256])
+def test_decode_split_counts_agree(splits, min_split, monkeypatch):
+    """Any split count (a CUDA graph's may exceed what a short context needs) and any minimum
+    split length give the same attention."""
+    monkeypatch.setattr(triton_attention, "_MIN_SPLIT", min_split)
     q, k_cache, v_cache, table, cu, lens = make_case([150, 33], [1, 1], 4, 2, 16, 16,
                                                      torch.float32, seed=9)
     monkeypatch.setattr(triton_attention, "num_decode_splits", lambda *a: splits)

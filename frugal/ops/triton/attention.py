@@ -17,7 +17,16 @@ import triton.language as tl
 
 # The CPU interpreter's bf16 tl.dot is wrong: compute the products in fp32 there.
 _DOT_F32 = os.environ.get("TRITON_INTERPRET") == "1"
-_TARGET_PROGRAMS = 264  # two waves of the H200's 132 SMs
+# Split the context only when (request, KV head) programs are fewer than two waves of the
+# H200's 132 SMs; then aim for eight waves (B=1 L=32k: 3.4 TB/s vs 3.0 at two waves; splitting
+# a batch that already fills the GPU only adds the merge, as measured in benchmarks/).
+_SPLIT_BELOW = 264
+_SPLIT_TARGET = 1056
+# A split covers at least this many keys (one block: at batch 1 many short splits beat few
+# long ones). The merge reads only the splits that saw keys, so the many splits of a CUDA graph
+# captured for the longest context cost a short one nothing.
+_MIN_SPLIT = 64
+_DECODE_LAUNCH = {"num_warps": 4, "num_stages": 3}  # Triton's defaults, measured in benchmarks/
 
 
 @triton.jit
@@ -58,18 +67,19 @@ def _softmax_step(q, k, v, allowed, m_i, l_i, acc, qk_scale, PRECISION: tl.const
 
 @triton.jit(do_not_specialize=["pages_stride", "num_splits"])
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, seq_lens_ptr, cu_ptr,
-                   partial_ptr, lse_ptr, scale, pages_stride, num_splits,
+                   partial_ptr, lse_ptr, out_ptr, scale, pages_stride, num_splits,
                    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
                    GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
                    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
-                   PRECISION: tl.constexpr):
+                   PRECISION: tl.constexpr, DIRECT: tl.constexpr, MIN_SPLIT: tl.constexpr):
+    """DIRECT (one split): write the normalized output itself, no partials to merge."""
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
     row = tl.load(cu_ptr + b)  # the request's (single) new token
     # this split's slice of the context, in whole blocks of BLOCK_N tokens
-    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    per_split = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N, MIN_SPLIT)
     first = split * per_split
     last = tl.minimum(first + per_split, seq_len)
 
@@ -94,8 +104,13 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, seq_lens_ptr
                         d, d_mask, kv_head, q, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, DOT_F32)
         m_i, l_i, acc = _softmax_step(q, k, v, n_mask[None, :], m_i, l_i, acc, qk_scale,
                                       PRECISION)
-    out_row = (b * NUM_HEADS + heads) * num_splits + split
     has_work = l_i > 0
+    if DIRECT:
+        tl.store(out_ptr + (row * NUM_HEADS + heads)[:, None] * HEAD_DIM + d[None, :],
+                 (acc / tl.where(has_work, l_i, 1.0)[:, None]).to(out_ptr.dtype.element_ty),
+                 mask=g_mask[:, None] & d_mask[None, :])
+        return
+    out_row = (b * NUM_HEADS + heads) * num_splits + split
     tl.store(partial_ptr + out_row[:, None] * HEAD_DIM + d[None, :],
              acc / tl.where(has_work, l_i, 1.0)[:, None], mask=g_mask[:, None] & d_mask[None, :])
     # natural-log LSE of the split (-inf when it saw no token)
@@ -105,18 +120,23 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, seq_lens_ptr
 
 
 @triton.jit(do_not_specialize=["num_splits"])
-def _merge_kernel(partial_ptr, lse_ptr, out_ptr, cu_ptr, num_splits, NUM_HEADS: tl.constexpr,
-                  HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr):
+def _merge_kernel(partial_ptr, lse_ptr, out_ptr, cu_ptr, seq_lens_ptr, num_splits,
+                  NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+                  SPLITS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr):
     b = tl.program_id(0)
     head = tl.program_id(1)
     s = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, DIM_PAD)
     base = (b * NUM_HEADS + head) * num_splits
-    lse = tl.load(lse_ptr + base + s, mask=s < num_splits, other=float("-inf"))
+    # only the splits that saw keys (as the decode kernel cut the context)
+    seq_len = tl.load(seq_lens_ptr + b)
+    per_split = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N, MIN_SPLIT)
+    live = s < tl.minimum(tl.cdiv(seq_len, per_split), num_splits)
+    lse = tl.load(lse_ptr + base + s, mask=live, other=float("-inf"))
     top = tl.max(lse, 0)
     w = tl.where(lse > float("-inf"), tl.exp(lse - top), 0.0)
     part = tl.load(partial_ptr + (base + s)[:, None] * HEAD_DIM + d[None, :],
-                   mask=(s < num_splits)[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
+                   mask=live[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
     out = tl.sum(part * w[:, None], 0) / tl.maximum(tl.sum(w, 0), 1e-30)
     row = tl.load(cu_ptr + b)
     tl.store(out_ptr + (row * NUM_HEADS + head) * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty),
@@ -175,7 +195,8 @@ def num_decode_splits(num_requests: int, num_kv_heads: int, max_seq_len: int,
                       page_size: int) -> int:
     """Context slices per (request, KV head) so a decode step fills the GPU: few long requests
     get many slices, a big batch one. Depends on host values only (CUDA-graph friendly)."""
-    wanted = triton.cdiv(_TARGET_PROGRAMS, max(num_requests * num_kv_heads, 1))
+    programs = max(num_requests * num_kv_heads, 1)
+    wanted = 1 if programs >= _SPLIT_BELOW else triton.cdiv(_SPLIT_TARGET, programs)
     return max(1, min(wanted, triton.cdiv(max_seq_len, _block_n(page_size)), 64))
 
 
@@ -195,18 +216,21 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     if max_query_len == 1:
         splits = num_decode_splits(batch, num_kv_heads, max_seq_len, page_size)
-        partial = torch.empty(batch * num_heads * splits, head_dim, dtype=torch.float32,
-                              device=q.device)
-        lse = torch.empty(batch * num_heads * splits, dtype=torch.float32, device=q.device)
+        rows = batch * num_heads * splits if splits > 1 else 1  # partials only to merge
+        partial = torch.empty(rows, head_dim, dtype=torch.float32, device=q.device)
+        lse = torch.empty(rows, dtype=torch.float32, device=q.device)
         _decode_kernel[(batch, num_kv_heads, splits)](
-            q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, partial, lse, scale,
+            q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, partial, lse, out, scale,
             page_table.stride(0), splits, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
             GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
             DIM_PAD=dim_pad, PAGE_SIZE=page_size, BLOCK_N=_block_n(page_size), DOT_F32=_DOT_F32,
-            PRECISION=precision)
-        _merge_kernel[(batch, num_heads)](
-            partial, lse, out, cu_seqlens_q, splits, NUM_HEADS=num_heads, HEAD_DIM=head_dim,
-            DIM_PAD=dim_pad, SPLITS_PAD=max(2, triton.next_power_of_2(splits)))
+            PRECISION=precision, DIRECT=splits == 1, MIN_SPLIT=_MIN_SPLIT, **_DECODE_LAUNCH)
+        if splits > 1:
+            _merge_kernel[(batch, num_heads)](
+                partial, lse, out, cu_seqlens_q, seq_lens, splits, NUM_HEADS=num_heads,
+                HEAD_DIM=head_dim, DIM_PAD=dim_pad,
+                SPLITS_PAD=max(2, triton.next_power_of_2(splits)), BLOCK_N=_block_n(page_size),
+                MIN_SPLIT=_MIN_SPLIT)
         return out
     block_m = 64 if max_query_len >= 64 else 16
     _extend_kernel[(batch, num_heads, triton.cdiv(max_query_len, block_m))](
