@@ -226,6 +226,9 @@ def plot(results: list[Result], args: argparse.Namespace) -> None:
     ax.plot([r.concurrency for r in ours], [r.bound_tok_s for r in ours], "k--", label="roofline")
     ax.set(xlabel="concurrency", ylabel="output tokens/s", xscale="log", yscale="log",
            title=f"{args.model or 'default model'}: {args.input_len} in / {args.output_len} out")
+    concurrencies = sorted({r.concurrency for r in results})
+    ax.set_xticks(concurrencies, [str(c) for c in concurrencies])
+    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()

@@ -123,7 +123,12 @@ async def _main(args: argparse.Namespace) -> list[ServeResult]:
 
     client = AsyncOpenAI(base_url=args.url.rstrip("/") + "/v1", api_key=args.api_key,
                          max_retries=0, timeout=3600)
-    model = args.model or (await client.models.list()).data[0].id
+    try:
+        model = args.model or (await client.models.list()).data[0].id
+    except Exception as e:  # openai's connection and status errors
+        await client.close()
+        raise ValueError(f"url: no OpenAI-compatible server answers at {args.url} "
+                         f"({type(e).__name__}: {e})") from e
     lo, hi = (int(x) for x in args.token_range.split(","))
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(lo, hi) for _ in range(args.input_len)]

@@ -1,0 +1,37 @@
+"""`frugal bench serve` against the live test server: every request completes and the latency
+statistics are consistent; a dead server is a failure, not a hang."""
+
+import json
+import subprocess
+import sys
+
+from tests.server.conftest import API_KEY, free_port
+
+
+def bench_serve(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "frugal.cli.main", "bench", "serve", *args],
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_bench_serve_reports_every_request(server, tmp_path):
+    out = tmp_path / "serve.json"
+    r = bench_serve("--url", server.url, "--api-key", API_KEY, "--concurrency", "1,3",
+                    "--num-prompts", "6", "--input-len", "16", "--output-len", "8",
+                    "--output", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "| 3 | 6 | 0 |" in r.stdout and "command: frugal bench serve" in r.stdout
+    results = json.loads(out.read_text())["results"]
+    for row in results:
+        assert row["completed"] == 6 and row["failed"] == 0
+        assert abs(row["output_tok_s"] * row["duration_s"] - 6 * 8) < 1e-6
+        for key in ("ttft_ms", "itl_ms", "tpot_ms"):
+            mean, median, p99 = row[key]
+            assert 0 < median <= p99 and mean > 0
+    assert results[1]["request_s"] > results[0]["request_s"]  # 3 in flight beat 1
+
+
+def test_bench_serve_without_a_server_fails_cleanly():
+    r = bench_serve("--url", f"http://127.0.0.1:{free_port()}", "--num-prompts", "2",
+                    "--concurrency", "1")
+    assert r.returncode != 0
+    assert "Traceback" not in r.stderr and "error" in r.stderr.lower()
