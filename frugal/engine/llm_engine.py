@@ -113,7 +113,7 @@ class LLMEngine:
         return self._release(request)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished > 0 or self._inflight is not None
+        return self.scheduler.num_unfinished > 0
 
     # -- stepping ---------------------------------------------------------------------------
 
@@ -124,10 +124,12 @@ class LLMEngine:
         ModelRunner.can_follow) has the next decode step of the same requests launched before
         its own tokens are read, so the device never waits for the host's bookkeeping; that next
         step is what the following call finishes. A request that finished meanwhile has its
-        row of it ignored.
+        row of it ignored; a launched step whose requests all finished is dropped.
         """
         step, self._inflight = self._inflight, None
-        if step is not None and any(r.finished for r in step.out.requests):
+        if step is not None and all(r.finished for r in step.out.requests):
+            step = None  # nobody waits for it (the device still runs it, harmlessly)
+        elif step is not None and any(r.finished for r in step.out.requests):
             return self._apply(step, self.runner.finish(step))  # nothing follows a shrunk batch
         if step is None:
             out = self.scheduler.schedule()
@@ -135,9 +137,11 @@ class LLMEngine:
             if not out.requests:
                 return []
             step = self.runner.launch(out)
+        requests = step.out.requests
         if (self.overlap and not self.scheduler.waiting and self.runner.can_follow(step)
-                and self.scheduler.reserve_ahead(step.out.requests)):
-            follow = SchedulerOutput(list(step.out.requests), [1] * len(step.out.requests))
+                and all(r.num_tokens + 1 < r.max_total_tokens for r in requests)  # none at its
+                and self.scheduler.reserve_ahead(requests)):                       # length limit
+            follow = SchedulerOutput(list(requests), [1] * len(requests))
             self._inflight = self.runner.launch(follow, after=step)
         return self._apply(step, self.runner.finish(step))
 

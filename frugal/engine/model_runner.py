@@ -10,13 +10,13 @@ from dataclasses import dataclass, field
 import torch
 
 from frugal import ops
-from frugal.config import DTYPES, EngineConfig, available_memory_bytes
+from frugal.config import DTYPES, EngineConfig
 from frugal.engine.cuda_graph import DecodeGraphs
+from frugal.engine.memory import LOGITS_ROWS, kv_budget
 from frugal.engine.sampler import Sampler, token_logprobs
 from frugal.engine.scheduler import SchedulerOutput
 from frugal.engine.step_inputs import StepInputs, prepare
 from frugal.kv_cache.pool import KVPool
-from frugal.layers.attention import AttentionMetadata
 from frugal.loader import Checkpoint
 from frugal.models.registry import model_class
 from frugal.request import Request, TokenLogprob
@@ -59,7 +59,6 @@ class PromptScores:
     tensor: torch.Tensor | None = None  # [num_scored, vocab] fp32 log-probabilities
 
 
-_LOGITS_ROWS = 256  # prompt positions scored per lm_head call (bounds [rows, vocab] memory)
 
 
 @contextlib.contextmanager
@@ -98,14 +97,14 @@ class ModelRunner:
                                        mc.head_dim, kv_dtype)
         self.use_graphs = (self.device.startswith("cuda") and not config.enforce_eager
                            and self.backend.__name__.endswith("triton"))
-        budget = self._kv_budget(config)
+        budget = kv_budget(self, config)
         num_pages = budget // page_bytes
         if num_pages < 1:
             raise ValueError(f"kv_cache_memory: {budget} bytes is less than one page "
                              f"({page_bytes} bytes)")
         self.pool = KVPool(mc.num_layers, num_pages, cache.page_size, mc.num_kv_heads,
                            mc.head_dim, kv_dtype, self.device)
-        self._bind_cache(self.pool)
+        self.bind_cache(self.pool)
         logger.info("KV cache: %d pages x %d tokens = %d tokens (%.2f GiB, %s)", num_pages,
                     cache.page_size, self.pool.capacity_tokens, self.pool.num_bytes / 2**30,
                     str(kv_dtype).removeprefix("torch."))
@@ -121,70 +120,9 @@ class ModelRunner:
         eos = tokenizer.eos_token_ids if tokenizer is not None else list(mc.eos_token_ids)
         self.sampler = Sampler(self.device, config.seed, eos)
 
-    def _bind_cache(self, pool: KVPool) -> None:
+    def bind_cache(self, pool: KVPool) -> None:
         for i, attn in enumerate(self.model.attention_layers()):
             attn.k_cache, attn.v_cache = pool.k[i], pool.v[i]
-
-    def _kv_budget(self, config: EngineConfig) -> int:
-        """Bytes for the KV pool (see CacheConfig)."""
-        budget = config.cache.kv_cache_memory
-        if isinstance(budget, float):
-            return int(budget * available_memory_bytes(self.device))
-        if budget is not None:
-            return budget
-        if not self.device.startswith("cuda"):
-            return 2 * 2**30
-        activations = self._profile_step(config)
-        free, total = torch.cuda.mem_get_info(torch.device(self.device))
-        graphs = 0
-        if self.use_graphs:  # their static logits, plus a margin for the captured activations
-            graphs = config.cuda_graph_max_bs * self.model_config.vocab_size * 2 + 2**29
-        budget = int(config.cache.gpu_memory_utilization * total) - (total - free)
-        budget -= activations + graphs
-        logger.info("GPU memory: %.1f GiB total, %.1f GiB in use (weights), %.2f GiB peak "
-                    "activations, %.2f GiB for graphs -> %.1f GiB for the KV cache at "
-                    "gpu_memory_utilization %.2f", total / 2**30, (total - free) / 2**30,
-                    activations / 2**30, graphs / 2**30, budget / 2**30,
-                    config.cache.gpu_memory_utilization)
-        if budget <= 0:
-            raise ValueError("gpu_memory_utilization: "
-                             f"{config.cache.gpu_memory_utilization} leaves no memory for the KV "
-                             "cache after the weights and activations")
-        return budget
-
-    @torch.inference_mode()
-    def _profile_step(self, config: EngineConfig) -> int:
-        """Peak activation bytes of the largest step: max_num_batched_tokens new tokens of one
-        request, and logits for max_num_seqs rows. Runs against a one-page scratch cache with
-        every store skipped."""
-        mc, tokens = self.model_config, config.scheduler.max_num_batched_tokens
-        page_size = config.cache.page_size
-        scratch = KVPool(mc.num_layers, 1, page_size, mc.num_kv_heads, mc.head_dim, self.dtype,
-                         self.device)
-        self._bind_cache(scratch)
-        device = torch.device(self.device)
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-        base = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        with torch.device(device):
-            meta = AttentionMetadata(
-                slot_mapping=torch.full((tokens,), -1, dtype=torch.int64),
-                page_table=torch.zeros(1, -(-tokens // page_size), dtype=torch.int32),
-                cu_seqlens_q=torch.tensor([0, tokens], dtype=torch.int32),
-                seq_lens=torch.tensor([tokens], dtype=torch.int32),
-                max_query_len=tokens, max_seq_len=tokens)
-            ids = torch.zeros(tokens, dtype=torch.int64)
-            positions = torch.arange(tokens)
-            rows = min(tokens, max(config.scheduler.max_num_seqs, _LOGITS_ROWS))
-            with ops.use(self.backend):
-                hidden = self.model(ids, positions, meta)
-                self.model.compute_logits(hidden[:rows]).log_softmax(dim=-1)
-        torch.cuda.synchronize(device)
-        peak = torch.cuda.max_memory_allocated(device) - base
-        del scratch, hidden, meta
-        torch.cuda.empty_cache()
-        return peak
 
     def prepare(self, out: SchedulerOutput) -> StepInputs:
         return prepare(out, self.pool.page_size, self.device)
@@ -282,8 +220,8 @@ class ModelRunner:
         p = request.params
         scores = PromptScores(start + 1, [] if p.prompt_logprobs is not None else None)
         rows = []
-        for chunk in range(start, end, _LOGITS_ROWS):  # bound the [rows, vocab] logits
-            stop = min(chunk + _LOGITS_ROWS, end)
+        for chunk in range(start, end, LOGITS_ROWS):  # bound the [rows, vocab] logits
+            stop = min(chunk + LOGITS_ROWS, end)
             logits = self.compute_logits(hidden[row + chunk - start:row + stop - start])
             if scores.entries is not None:
                 targets = torch.tensor(request.prompt_token_ids[chunk + 1:stop + 1],

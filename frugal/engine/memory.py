@@ -1,0 +1,82 @@
+"""How much device memory the KV pool may take (see CacheConfig)."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from frugal import ops
+from frugal.config import EngineConfig, available_memory_bytes
+from frugal.kv_cache.pool import KVPool
+from frugal.layers.attention import AttentionMetadata
+
+if TYPE_CHECKING:
+    from frugal.engine.model_runner import ModelRunner
+
+logger = logging.getLogger("frugal")
+LOGITS_ROWS = 256  # prompt positions scored per LM-head call (bounds [rows, vocab] memory)
+
+
+def kv_budget(runner: ModelRunner, config: EngineConfig) -> int:
+    """Bytes for the KV pool (see CacheConfig)."""
+    budget = config.cache.kv_cache_memory
+    if isinstance(budget, float):
+        return int(budget * available_memory_bytes(runner.device))
+    if budget is not None:
+        return budget
+    if not runner.device.startswith("cuda"):
+        return 2 * 2**30
+    activations = profile_step(runner, config)
+    free, total = torch.cuda.mem_get_info(torch.device(runner.device))
+    graphs = 0
+    if runner.use_graphs:  # their static logits, plus a margin for the captured activations
+        graphs = config.cuda_graph_max_bs * runner.model_config.vocab_size * 2 + 2**29
+    budget = int(config.cache.gpu_memory_utilization * total) - (total - free)
+    budget -= activations + graphs
+    logger.info("GPU memory: %.1f GiB total, %.1f GiB in use (weights), %.2f GiB peak "
+                "activations, %.2f GiB for graphs -> %.1f GiB for the KV cache at "
+                "gpu_memory_utilization %.2f", total / 2**30, (total - free) / 2**30,
+                activations / 2**30, graphs / 2**30, budget / 2**30,
+                config.cache.gpu_memory_utilization)
+    if budget <= 0:
+        raise ValueError("gpu_memory_utilization: "
+                         f"{config.cache.gpu_memory_utilization} leaves no memory for the KV "
+                         "cache after the weights and activations")
+    return budget
+
+
+@torch.inference_mode()
+def profile_step(runner: ModelRunner, config: EngineConfig) -> int:
+    """Peak activation bytes of the largest step: max_num_batched_tokens new tokens of one
+    request, and logits for max_num_seqs rows. Runs against a one-page scratch cache with
+    every store skipped."""
+    mc, tokens = runner.model_config, config.scheduler.max_num_batched_tokens
+    page_size = config.cache.page_size
+    scratch = KVPool(mc.num_layers, 1, page_size, mc.num_kv_heads, mc.head_dim, runner.dtype,
+                     runner.device)
+    runner.bind_cache(scratch)
+    device = torch.device(runner.device)
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    with torch.device(device):
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((tokens,), -1, dtype=torch.int64),
+            page_table=torch.zeros(1, -(-tokens // page_size), dtype=torch.int32),
+            cu_seqlens_q=torch.tensor([0, tokens], dtype=torch.int32),
+            seq_lens=torch.tensor([tokens], dtype=torch.int32),
+            max_query_len=tokens, max_seq_len=tokens)
+        ids = torch.zeros(tokens, dtype=torch.int64)
+        positions = torch.arange(tokens)
+        rows = min(tokens, max(config.scheduler.max_num_seqs, LOGITS_ROWS))
+        with ops.use(runner.backend):
+            hidden = runner.model(ids, positions, meta)
+            runner.model.compute_logits(hidden[:rows]).log_softmax(dim=-1)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    del scratch, hidden, meta
+    torch.cuda.empty_cache()
+    return peak
