@@ -118,17 +118,32 @@ async def measure(client, model: str, prompts: list[list[int]], concurrency: int
         ttft_ms=_stats([t.ttft for t in ok]), itl_ms=_stats(itls), tpot_ms=_stats(tpots))
 
 
+async def _first_model(client, url: str) -> str:
+    """The id of the first model the server lists; ValueError saying why there is none."""
+    from openai import APIConnectionError, APIStatusError
+
+    try:
+        models = (await client.models.list()).data
+    except APIConnectionError as e:
+        raise ValueError(f"url: no OpenAI-compatible server answers at {url} ({e})") from e
+    except APIStatusError as e:
+        raise ValueError(f"url: {url}/v1/models answered HTTP {e.status_code}: "
+                         f"{e.message}") from e
+    if not models:
+        raise ValueError(f"model: {url} lists no model; pass --model")
+    return models[0].id
+
+
 async def _main(args: argparse.Namespace) -> list[ServeResult]:
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=args.url.rstrip("/") + "/v1", api_key=args.api_key,
                          max_retries=0, timeout=3600)
     try:
-        model = args.model or (await client.models.list()).data[0].id
-    except Exception as e:  # openai's connection and status errors
+        model = args.model or await _first_model(client, args.url)
+    except ValueError:
         await client.close()
-        raise ValueError(f"url: no OpenAI-compatible server answers at {args.url} "
-                         f"({type(e).__name__}: {e})") from e
+        raise
     lo, hi = (int(x) for x in args.token_range.split(","))
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(lo, hi) for _ in range(args.input_len)]
@@ -165,6 +180,11 @@ def run_serve(args: argparse.Namespace) -> int:
     lo, hi = (int(x) for x in args.token_range.split(","))
     if not 0 <= lo < hi:
         raise ValueError(f"token_range: need 0 <= LO < HI, got {args.token_range!r}")
+    for name in ("num_prompts", "input_len", "output_len"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"{name}: must be >= 1, got {getattr(args, name)}")
+    if any(int(c) < 1 for c in args.concurrency.split(",")):
+        raise ValueError(f"concurrency: each must be >= 1, got {args.concurrency!r}")
     results = asyncio.run(_main(args))
     print(format_table(results, args))
     if args.output:

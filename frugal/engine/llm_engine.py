@@ -127,6 +127,7 @@ class LLMEngine:
         row of it ignored; a launched step whose requests all finished is dropped.
         """
         step, self._inflight = self._inflight, None
+        self.scheduler.ahead.clear()  # what was reserved ahead is this step's now
         if step is not None and all(r.finished for r in step.out.requests):
             step = None  # nobody waits for it (the device still runs it, harmlessly)
         elif step is not None and any(r.finished for r in step.out.requests):
@@ -138,12 +139,17 @@ class LLMEngine:
                 return []
             step = self.runner.launch(out)
         requests = step.out.requests
-        if (self.overlap and not self.scheduler.waiting and self.runner.can_follow(step)
+        if (self.overlap and not self.scheduler.can_admit() and self.runner.can_follow(step)
                 and all(r.num_tokens + 1 < r.max_total_tokens for r in requests)  # none at its
                 and self.scheduler.reserve_ahead(requests)):                       # length limit
             follow = SchedulerOutput(list(requests), [1] * len(requests))
             self._inflight = self.runner.launch(follow, after=step)
-        return self._apply(step, self.runner.finish(step))
+        try:
+            result = self.runner.finish(step)
+        except BaseException:
+            self._inflight = None  # it follows a step that will never be recorded
+            raise
+        return self._apply(step, result)
 
     def _apply(self, step: Launched, result: StepResult) -> list[RequestOutput]:
         """Record a finished step in its requests (skipping those finished meanwhile)."""

@@ -32,7 +32,8 @@ def kv_budget(runner: ModelRunner, config: EngineConfig) -> int:
     free, total = torch.cuda.mem_get_info(torch.device(runner.device))
     graphs = 0
     if runner.use_graphs:  # their static logits, plus a margin for the captured activations
-        graphs = config.cuda_graph_max_bs * runner.model_config.vocab_size * 2 + 2**29
+        itemsize = torch.empty((), dtype=runner.dtype).element_size()
+        graphs = config.cuda_graph_max_bs * runner.model_config.vocab_size * itemsize + 2**29
     budget = int(config.cache.gpu_memory_utilization * total) - (total - free)
     budget -= activations + graphs
     logger.info("GPU memory: %.1f GiB total, %.1f GiB in use (weights), %.2f GiB peak "
@@ -70,7 +71,7 @@ def profile_step(runner: ModelRunner, config: EngineConfig) -> int:
             seq_lens=torch.tensor([tokens], dtype=torch.int32),
             max_query_len=tokens, max_seq_len=tokens)
         ids = torch.zeros(tokens, dtype=torch.int64)
-        positions = torch.arange(tokens)
+        positions = torch.arange(tokens) % mc.max_position_embeddings  # rotary table rows
         rows = min(tokens, max(config.scheduler.max_num_seqs, LOGITS_ROWS))
         with ops.use(runner.backend):
             hidden = runner.model(ids, positions, meta)

@@ -33,8 +33,8 @@ class Scheduler:
     """Owns the waiting queue, the running list and the page tables of running requests.
 
     Invariants (checked by check_integrity): only running requests hold pages; between steps a
-    running request holds ceil(num_computed_tokens / page_size) pages, or the pages of one token
-    more when a decode step of it was launched ahead (see reserve_ahead).
+    running request holds ceil(num_computed_tokens / page_size) pages, or, if it is in `ahead`
+    (pages reserved for a decode step launched ahead, see reserve_ahead), those of one token more.
     """
 
     def __init__(self, allocator: PageAllocator, page_size: int, max_num_seqs: int,
@@ -45,6 +45,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.ahead: set[str] = set()  # ids holding pages one token ahead (the engine clears it)
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -102,7 +103,15 @@ class Scheduler:
         """Pages for a decode step launched before the current one is recorded: each request
         computes position num_computed_tokens + 1. False when pages ran short (those already
         taken stay with their requests, whose next step needs them anyway)."""
-        return all(self._reserve(r, 2) for r in requests)
+        for request in requests:
+            self.ahead.add(request.request_id)
+            if not self._reserve(request, 2):
+                return False
+        return True
+
+    def can_admit(self) -> bool:
+        """Whether a waiting request could join the running ones (seats permitting)."""
+        return bool(self.waiting) and len(self.running) < self.max_num_seqs
 
     def _preempt(self, request: Request) -> None:
         self.allocator.free(request.page_table)
@@ -131,7 +140,9 @@ class Scheduler:
                                      f"{request.status.value}")
         for request in self.running:
             expected = -(-request.num_computed_tokens // self.page_size)
-            ahead = -(-(request.num_computed_tokens + 1) // self.page_size)
+            ahead = expected
+            if request.request_id in self.ahead:
+                ahead = -(-(request.num_computed_tokens + 1) // self.page_size)
             if (len(request.page_table) not in (expected, ahead)
                     or request.status is not RequestStatus.RUNNING):
                 raise IntegrityError(

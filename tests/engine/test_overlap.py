@@ -1,8 +1,11 @@
 """Overlap scheduling (the next decode step launched before this one's tokens are read) changes
 nothing a user sees: same tokens, texts and finish reasons, no page leaked, aborts still work."""
 
+import pytest
+
 from frugal import LLM, SamplingParams
 from frugal.config import CacheConfig, EngineConfig
+from frugal.kv_cache.page_allocator import IntegrityError
 
 
 def _engine(overlap: bool):
@@ -60,3 +63,18 @@ def test_overlap_launches_ahead_in_steady_decode():
     while engine.has_unfinished_requests():
         engine.step()
     assert engine._inflight is None
+
+
+def test_only_a_request_launched_ahead_may_hold_an_extra_page():
+    config = EngineConfig(dtype="float32", device="cpu", overlap_schedule=False,
+                          cache=CacheConfig(page_size=4, kv_cache_memory="64MiB"))
+    engine = LLM.from_config(config).engine
+    engine.add_request([1, 2, 3, 4], SamplingParams(temperature=0, max_tokens=8))
+    engine.step()  # 4 computed tokens: one full page
+    scheduler = engine.scheduler
+    request = scheduler.running[0]
+    assert scheduler._reserve(request, 2)  # the page of the next token but one
+    with pytest.raises(IntegrityError):
+        scheduler.check_integrity()
+    scheduler.ahead.add(request.request_id)
+    scheduler.check_integrity()

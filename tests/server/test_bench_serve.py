@@ -34,3 +34,10 @@ def test_bench_serve_without_a_server_fails_cleanly():
                     "--concurrency", "1")
     assert r.returncode != 0
     assert "Traceback" not in r.stderr and "error" in r.stderr.lower()
+
+
+def test_bench_serve_names_what_is_wrong(server):
+    r = bench_serve("--url", server.url, "--api-key", "wrong", "--num-prompts", "1")
+    assert r.returncode == 2 and "HTTP 401" in r.stderr and "Traceback" not in r.stderr
+    r = bench_serve("--url", server.url, "--concurrency", "1,0")
+    assert r.returncode == 2 and "concurrency" in r.stderr
