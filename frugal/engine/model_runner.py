@@ -42,7 +42,6 @@ class Launched:
 
     out: SchedulerOutput
     inputs: StepInputs
-    graphed: bool = False
     hidden: torch.Tensor | None = None
     logits: torch.Tensor | None = None
     tokens: torch.Tensor | None = None
@@ -148,17 +147,14 @@ class ModelRunner:
         after: the step still in flight that this decode step follows (see can_follow); its
         sampled tokens become this step's inputs on the device.
         """
-        if after is None:
-            inputs = self.prepare(out)
-        else:
-            inputs = prepare(out, self.pool.page_size, self.device, next_tokens=after.tokens)
+        inputs = prepare(out, self.pool.page_size, self.device,
+                         next_tokens=None if after is None else after.tokens)
         step = Launched(out, inputs)
         if (self.graphs is not None and self.graphs.fits(inputs)
                 and not any(_scores_prompt(r) for r in out.requests)):
             logits = self.graphs.run(inputs)
             if len(inputs.sampled) < inputs.num_requests:
                 logits = logits[inputs.logits_indices]
-            step.graphed = True
         else:
             step.hidden = self.forward(inputs)
             logits = self.compute_logits(step.hidden[inputs.logits_indices])

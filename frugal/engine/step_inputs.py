@@ -56,16 +56,11 @@ def prepare(out: SchedulerOutput, page_size: int, device: str,
         start = request.num_computed_tokens + ahead
         end = start + n
         table = tables[i]
-        if n == 1:
-            if not ahead:
-                ids += request.token_ids(start, end)
-            positions.append(start)
-            slots.append(table[start // page_size] * page_size + start % page_size)
-        else:
-            decode = False
+        decode = decode and n == 1
+        if not ahead:
             ids += request.token_ids(start, end)
-            positions += range(start, end)
-            slots += [table[p // page_size] * page_size + p % page_size for p in range(start, end)]
+        positions += range(start, end)
+        slots += [table[p // page_size] * page_size + p % page_size for p in range(start, end)]
         cu_seqlens.append(cu_seqlens[-1] + n)
         seq_lens.append(end)
         if end == request.num_tokens + ahead:

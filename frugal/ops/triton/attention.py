@@ -65,6 +65,12 @@ def _softmax_step(q, k, v, allowed, m_i, l_i, acc, qk_scale, PRECISION: tl.const
     return m_new, l_i, acc
 
 
+@triton.jit
+def _split_len(seq_len, num_splits, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr):
+    """Keys per context slice of a decode request: whole blocks, at least MIN_SPLIT."""
+    return tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N, MIN_SPLIT)
+
+
 @triton.jit(do_not_specialize=["pages_stride", "num_splits"])
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, seq_lens_ptr, cu_ptr,
                    partial_ptr, lse_ptr, out_ptr, scale, pages_stride, num_splits,
@@ -79,7 +85,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, seq_lens_ptr
     seq_len = tl.load(seq_lens_ptr + b)
     row = tl.load(cu_ptr + b)  # the request's (single) new token
     # this split's slice of the context, in whole blocks of BLOCK_N tokens
-    per_split = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N, MIN_SPLIT)
+    per_split = _split_len(seq_len, num_splits, BLOCK_N, MIN_SPLIT)
     first = split * per_split
     last = tl.minimum(first + per_split, seq_len)
 
@@ -105,14 +111,14 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, seq_lens_ptr
         m_i, l_i, acc = _softmax_step(q, k, v, n_mask[None, :], m_i, l_i, acc, qk_scale,
                                       PRECISION)
     has_work = l_i > 0
+    normed = acc / tl.where(has_work, l_i, 1.0)[:, None]
     if DIRECT:
         tl.store(out_ptr + (row * NUM_HEADS + heads)[:, None] * HEAD_DIM + d[None, :],
-                 (acc / tl.where(has_work, l_i, 1.0)[:, None]).to(out_ptr.dtype.element_ty),
-                 mask=g_mask[:, None] & d_mask[None, :])
+                 normed.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
         return
     out_row = (b * NUM_HEADS + heads) * num_splits + split
-    tl.store(partial_ptr + out_row[:, None] * HEAD_DIM + d[None, :],
-             acc / tl.where(has_work, l_i, 1.0)[:, None], mask=g_mask[:, None] & d_mask[None, :])
+    tl.store(partial_ptr + out_row[:, None] * HEAD_DIM + d[None, :], normed,
+             mask=g_mask[:, None] & d_mask[None, :])
     # natural-log LSE of the split (-inf when it saw no token)
     lse = tl.where(has_work, (m_i + tl.log2(tl.where(has_work, l_i, 1.0))) / 1.4426950408889634,
                    float("-inf"))
@@ -130,7 +136,7 @@ def _merge_kernel(partial_ptr, lse_ptr, out_ptr, cu_ptr, seq_lens_ptr, num_split
     base = (b * NUM_HEADS + head) * num_splits
     # only the splits that saw keys (as the decode kernel cut the context)
     seq_len = tl.load(seq_lens_ptr + b)
-    per_split = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N, MIN_SPLIT)
+    per_split = _split_len(seq_len, num_splits, BLOCK_N, MIN_SPLIT)
     live = s < tl.minimum(tl.cdiv(seq_len, per_split), num_splits)
     lse = tl.load(lse_ptr + base + s, mask=live, other=float("-inf"))
     top = tl.max(lse, 0)
