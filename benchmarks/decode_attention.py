@@ -14,30 +14,11 @@ import argparse
 
 import torch
 import torch.nn.functional as F
+from timing import graph_time
 
 from frugal.ops.triton.attention import paged_attention
 
 SHAPES = [(1, 4096), (1, 32768), (8, 4096), (32, 4096), (64, 4096), (64, 16384)]
-
-
-def graph_time(calls: list) -> float:
-    """Median ms per call of replaying all `calls` in one CUDA graph."""
-    for fn in calls:
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in calls:
-            fn()
-    times = []
-    for _ in range(10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / len(calls))
-    return sorted(times)[len(times) // 2]
 
 
 def bench(batch: int, seq_len: int, heads: int, kv_heads: int, dim: int, page: int) -> dict:

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from frugal import ops
+from frugal.layers.norm import RMSNorm
 
 
 def load_whole(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
@@ -33,8 +34,13 @@ class Linear(nn.Module):
                    shard_id: object = None) -> None:
         load_whole(param, loaded)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor, norm: RMSNorm | None = None, gated: bool = False,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """Optionally fused around the matmul (see ops.linear): norm before, silu(gate)·up of
+        the output halves and the residual add after."""
+        if norm is None:
+            return ops.linear(x, self.weight, self.bias, gated=gated, residual=residual)
+        return ops.linear(x, self.weight, self.bias, norm.weight, norm.eps, gated, residual)
 
 
 class MergedLinear(Linear):

@@ -9,14 +9,13 @@ from frugal import ops
 
 
 class RMSNorm(nn.Module):
-    """weight: [hidden]. forward(x) or forward(x, residual) -> (normed, residual + x)."""
+    """weight: [hidden]. forward(x) -> x normalized in fp32, scaled by weight, in x's dtype.
+    Before a matmul it is fused into the matmul instead (Linear.forward(x, norm=...))."""
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if residual is None:
-            return ops.rms_norm(x, self.weight, self.eps)
-        return ops.add_rms_norm(x, residual, self.weight, self.eps)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.rms_norm(x, self.weight, self.eps)

@@ -11,7 +11,6 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from frugal import ops
 from frugal.config import ModelConfig
 from frugal.layers.attention import Attention, AttentionMetadata
 from frugal.layers.linear import Linear, MergedLinear, load_whole
@@ -31,16 +30,17 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.attn = Attention(c.num_heads, c.num_kv_heads, c.head_dim, rotary)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor,
+    def forward(self, h: torch.Tensor, norm: RMSNorm, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        """h: [num_tokens, hidden], the residual stream -> h + attention(norm(h))."""
+        q, k, v = self.qkv_proj.split(self.qkv_proj(h, norm=norm))
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         o = self.attn(q, k, v, positions, meta)
-        return self.o_proj(o.reshape(-1, self.num_heads * self.head_dim))
+        return self.o_proj(o.reshape(-1, self.num_heads * self.head_dim), residual=h)
 
 
 class LlamaMLP(nn.Module):
@@ -50,8 +50,9 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = MergedLinear(c.hidden_size, [size, size], [0, 1])
         self.down_proj = Linear(size, c.hidden_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, h: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        """h: [num_tokens, hidden], the residual stream -> h + mlp(norm(h))."""
+        return self.down_proj(self.gate_up_proj(h, norm=norm, gated=True), residual=h)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -62,16 +63,12 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = LlamaMLP(c)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: this layer's input delta; residual: the running sum (None at layer 0)."""
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, positions, meta)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+    def forward(self, h: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """h: [num_tokens, hidden], the residual stream, in and out. Each norm is fused into the
+        matmul after it and each residual add into the matmul before it (ops.linear)."""
+        h = self.self_attn(h, self.input_layernorm, positions, meta)
+        return self.mlp(h, self.post_attention_layernorm)
 
 
 class LlamaModel(nn.Module):
@@ -86,11 +83,10 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids), None
+        h = self.embed_tokens(input_ids)
         for layer in self.layers:
-            x, residual = layer(x, residual, positions, meta)
-        x, _ = self.norm(x, residual)
-        return x
+            h = layer(h, positions, meta)
+        return self.norm(h)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -14,8 +14,7 @@ from types import ModuleType
 
 from frugal.ops import torch_ref
 
-OPS = ("linear", "rms_norm", "add_rms_norm", "silu_and_mul", "store_kv",
-       "rotary_store_kv", "paged_attention")
+OPS = ("linear", "rms_norm", "silu_and_mul", "store_kv", "rotary_store_kv", "paged_attention")
 BACKENDS = {"torch_ref": "frugal.ops.torch_ref", "triton": "frugal.ops.triton"}
 
 
@@ -40,7 +39,6 @@ def use(backend: ModuleType) -> Iterator[None]:
 
 linear = torch_ref.linear
 rms_norm = torch_ref.rms_norm
-add_rms_norm = torch_ref.add_rms_norm
 silu_and_mul = torch_ref.silu_and_mul
 store_kv = torch_ref.store_kv
 rotary_store_kv = torch_ref.rotary_store_kv

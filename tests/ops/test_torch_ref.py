@@ -66,15 +66,24 @@ def test_linear_matches_f_linear(num_tokens, bias):
     torch.testing.assert_close(y, F.linear(x, w, b), atol=1e-4, rtol=1e-5)
 
 
-def test_rms_norm_and_residual():
+def test_rms_norm():
     g = torch.Generator().manual_seed(0)
-    x, r, w = (torch.randn(5, 32, generator=g) for _ in range(3))
-    w = w[0]
+    x, w = torch.randn(5, 32, generator=g), torch.randn(32, generator=g)
     ref = w * x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
     torch.testing.assert_close(torch_ref.rms_norm(x, w, 1e-6), ref)
-    normed, residual = torch_ref.add_rms_norm(x, r, w, 1e-6)
-    torch.testing.assert_close(residual, x + r)
-    torch.testing.assert_close(normed, torch_ref.rms_norm(x + r, w, 1e-6))
+
+
+@pytest.mark.parametrize("num_tokens", [1, 3])
+def test_linear_fused_neighbours(num_tokens):
+    """norm before, then gate/up SiLU, then the residual add: the same as the ops composed."""
+    g = torch.Generator().manual_seed(num_tokens)
+    x, w = torch.randn(num_tokens, 48, generator=g), torch.randn(80, 48, generator=g)
+    b, n, r = torch.randn(80, generator=g), torch.randn(48, generator=g), torch.randn(
+        num_tokens, 40, generator=g)
+    y = torch_ref.linear(x, w, b, norm=n, eps=1e-6, gated=True, residual=r)
+    normed = n * x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    gate, up = F.linear(normed, w, b).chunk(2, dim=-1)
+    torch.testing.assert_close(y, r + F.silu(gate) * up, atol=1e-4, rtol=1e-5)
 
 
 def test_silu_and_mul():

@@ -16,17 +16,12 @@ def rand(*shape, dtype, seed):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hidden", [64, 576])
-def test_rms_norm_and_fused_residual(dtype, hidden):
-    x, r = rand(7, hidden, dtype=dtype, seed=1), rand(7, hidden, dtype=dtype, seed=2)
-    w = rand(hidden, dtype=dtype, seed=3)
+def test_rms_norm(dtype, hidden):
+    x, w = rand(7, hidden, dtype=dtype, seed=1), rand(hidden, dtype=dtype, seed=3)
     tol = TOL[dtype]
+    # (Triton's CPU interpreter truncates fp32 -> bf16 where GPUs round: one ulp apart there)
     torch.testing.assert_close(tri.rms_norm(x, w, 1e-5), torch_ref.rms_norm(x, w, 1e-5),
                                atol=tol, rtol=tol)
-    normed, residual = tri.add_rms_norm(x, r, w, 1e-5)
-    ref_normed, ref_residual = torch_ref.add_rms_norm(x, r, w, 1e-5)
-    # (Triton's CPU interpreter truncates fp32 -> bf16 where GPUs round: one ulp apart there)
-    torch.testing.assert_close(residual, ref_residual, atol=tol, rtol=tol)
-    torch.testing.assert_close(normed, ref_normed, atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1,5 +1,5 @@
-"""Row-wise and element-wise ops in Triton: RMSNorm (with the residual add fused) and SiLU·mul.
-Same signatures as their frugal.ops.torch_ref twins."""
+"""Row-wise and element-wise ops in Triton: RMSNorm and SiLU·mul, for batches too large for the
+fused GEMV (ops.triton.linear). Same signatures as their frugal.ops.torch_ref twins."""
 
 from __future__ import annotations
 
@@ -9,47 +9,27 @@ import triton.language as tl
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, eps, N: tl.constexpr,
-                     BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, eps, N: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
     # arithmetic in fp32, rounded to the activation dtype where torch's eager ops round
     x = tl.load(x_ptr + row * N + offs, mask=mask, other=0.0)
-    dtype = x.dtype
     xf = x.to(tl.float32)
-    if HAS_RESIDUAL:
-        xf = (xf + tl.load(res_ptr + row * N + offs, mask=mask, other=0.0).to(tl.float32))
-        xf = xf.to(dtype).to(tl.float32)
-        tl.store(res_out_ptr + row * N + offs, xf.to(dtype), mask=mask)
     inv = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / N + eps)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    y = w * (xf * inv).to(dtype).to(tl.float32)
+    y = w * (xf * inv).to(x.dtype).to(tl.float32)
     tl.store(out_ptr + row * N + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def _norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
-    shape = x.shape
-    x = x.reshape(-1, shape[-1]).contiguous()
-    out = torch.empty_like(x)
-    res_out = torch.empty_like(x) if residual is not None else out
-    res = residual.reshape(-1, shape[-1]).contiguous() if residual is not None else x
-    n = shape[-1]
-    _rms_norm_kernel[(x.shape[0],)](x, res, weight, out, res_out, eps, N=n,
-                                    BLOCK=triton.next_power_of_2(n),
-                                    HAS_RESIDUAL=residual is not None)
-    return out.reshape(shape), res_out.reshape(shape)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x: [..., hidden]; weight: [hidden]. Normalized in fp32, returned in x's dtype."""
-    return _norm(x, None, weight, eps)[0]
-
-
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """One pass: residual + x, normalized. Returns (normed, new residual)."""
-    return _norm(x, residual, weight, eps)
+    shape = x.shape
+    x = x.reshape(-1, shape[-1]).contiguous()
+    out = torch.empty_like(x)
+    n = shape[-1]
+    _rms_norm_kernel[(x.shape[0],)](x, weight, out, eps, N=n, BLOCK=triton.next_power_of_2(n))
+    return out.reshape(shape)
 
 
 @triton.jit

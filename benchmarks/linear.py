@@ -1,0 +1,93 @@
+"""Micro-benchmark: a decode layer's matmuls with their neighbours, frugal vs cuBLAS, on one GPU.
+
+For each matmul of a Llama-3.1-8B layer (and the lm_head) at one token, times frugal's
+`ops.triton.linear` (the fused GEMV: RMSNorm, bias, SiLU·mul and residual add inside) against
+the unfused sequence the engine would otherwise run (cuBLAS F.linear plus the Triton RMSNorm /
+SiLU·mul kernels and the add), and cuBLAS's matmul alone, and prints the weight-read bandwidth.
+   python benchmarks/linear.py [--sweep]
+
+Times are medians of CUDA-graph replays; each call reads its own copy of the weight (as the
+layers of a model do), so nothing is served from L2. --sweep also times every GEMV config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import torch
+import torch.nn.functional as F
+from timing import graph_time
+
+from frugal.ops.triton import elementwise
+from frugal.ops.triton import linear as tl_linear
+
+# name: (out features, in features, norm before, gated, residual after); Llama-3.1-8B
+SITES = {"qkv": (6144, 4096, True, False, False), "o": (4096, 4096, False, False, True),
+         "gate_up": (14336, 4096, True, True, False), "down": (4096, 14336, False, False, True),
+         "lm_head": (128256, 4096, False, False, False)}
+CONFIGS = list(itertools.product((4, 8, 16, 32), (256, 512, 1024), (4, 8), (1, 3)))
+
+
+def bench(name: str, sweep: bool) -> dict:
+    n, k, norm, gated, res = SITES[name]
+    dev, dt = "cuda", torch.bfloat16
+    rows = 2 * n if gated else n
+    copies = 2 if name == "lm_head" else 16
+    weights = [torch.randn(rows, k, device=dev, dtype=dt) * k ** -0.5 for _ in range(copies)]
+    x = torch.randn(1, k, device=dev, dtype=dt)
+    g = torch.rand(k, device=dev, dtype=dt) + 0.5 if norm else None
+    r = torch.randn(1, n, device=dev, dtype=dt) if res else None
+
+    def unfused(w):
+        h = elementwise.rms_norm(x, g, 1e-5) if norm else x
+        y = F.linear(h, w)
+        y = elementwise.silu_and_mul(y) if gated else y
+        return y + r if res else y
+
+    def time(fn) -> float:
+        return graph_time([lambda w=w: fn(w) for w in weights])
+
+    out = {"site": name, "bytes": rows * k * 2,
+           "cublas_ms": time(lambda w: F.linear(x, w)), "unfused_ms": time(unfused),
+           "fused_ms": time(lambda w: tl_linear.linear(x, w, None, g, 1e-5, gated, r))}
+    if sweep:
+        results = []
+        for cfg in CONFIGS:
+            if cfg[0] * cfg[1] > 16384:
+                continue
+            try:
+                ms = time(lambda w, c=cfg: tl_linear.gemv(x, w, None, g, 1e-5, gated, r, c))
+            except Exception as e:  # a config out of shared memory or registers
+                print(f"  {name} {cfg}: {type(e).__name__}")
+                continue
+            results.append((ms, cfg))
+        results.sort()
+        out["best"] = results[:5]
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--sweep", action="store_true", help="time every GEMV config too")
+    p.add_argument("--sites", default=",".join(SITES))
+    a = p.parse_args()
+    print(f"{torch.cuda.get_device_name()} | Llama-3.1-8B matmuls at 1 token, bf16 | "
+          f"CUDA-graph replay medians\n")
+    print("| matmul | weight MB | frugal fused µs | TB/s | cuBLAS + separate ops µs | "
+          "cuBLAS matmul alone µs | TB/s | fused vs unfused |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name in a.sites.split(","):
+        r = bench(name, a.sweep)
+        tbs = r["bytes"] / r["fused_ms"] / 1e9
+        print(f"| {name} | {r['bytes'] / 1e6:.1f} | {r['fused_ms'] * 1e3:.1f} | {tbs:.2f} | "
+              f"{r['unfused_ms'] * 1e3:.1f} | {r['cublas_ms'] * 1e3:.1f} | "
+              f"{r['bytes'] / r['cublas_ms'] / 1e9:.2f} | "
+              f"{r['unfused_ms'] / r['fused_ms']:.2f}x |", flush=True)
+        for ms, cfg in r.get("best", []):
+            print(f"  {name} config {cfg}: {ms * 1e3:.1f} µs "
+                  f"{r['bytes'] / ms / 1e9:.2f} TB/s", flush=True)
+
+
+if __name__ == "__main__":
+    main()

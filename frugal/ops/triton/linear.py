@@ -1,0 +1,105 @@
+"""Matmuls with their neighbours fused. Same signature as frugal.ops.torch_ref.linear.
+
+Many tokens (prefill): cuBLAS, with the RMSNorm before it as its own kernel and the residual add
+as cuBLAS's epilogue (addmm). One token (decode at batch 1): a Triton GEMV that streams the weight
+once and fuses the rest: the RMSNorm of x is folded in (x·g is accumulated with Σx² and the
+row's 1/rms multiplies the result), as are the bias, SiLU(gate)·up (gate and up rows of one output
+read side by side) and the residual add. A decode layer is then four matmul kernels and nothing
+between them but attention; cuBLAS at one row also adds a split-K reduction kernel per matmul.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from frugal.ops.triton.elementwise import rms_norm, silu_and_mul
+
+# Rows of x up to which the GEMV runs (it reads the weight once per row beyond that).
+GEMV_MAX_M = 1
+# (BLOCK_N, BLOCK_K, num_warps, num_stages), measured on the H200 in benchmarks/linear.py.
+_GEMV_CONFIG = (8, 512, 4, 3)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, g_ptr, r_ptr, out_ptr, N, K, eps,
+                 NORM: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[n] = epilogue(Σ_k w[n, k] · prologue(x)[k]) for one block of BLOCK_N outputs.
+
+    x: [K]; w: [N, K] row-major ([2N, K], gate rows then up rows, if GATED); out: [N].
+    """
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    rows = offs_n.to(tl.int64)[:, None] * K
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    sumsq = tl.zeros([BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        if NORM:
+            sumsq += x * x
+            x = x * tl.load(g_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        mask = n_mask[:, None] & k_mask[None, :]
+        w = tl.load(w_ptr + rows + offs_k[None, :], mask=mask, other=0.0)
+        acc += w.to(tl.float32) * x[None, :]
+        if GATED:
+            w_up = tl.load(w_ptr + N * K + rows + offs_k[None, :], mask=mask, other=0.0)
+            acc_up += w_up.to(tl.float32) * x[None, :]
+    y = tl.sum(acc, 1)
+    if NORM:
+        y = y / tl.sqrt(tl.sum(sumsq, 0) / K + eps)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    if GATED:
+        up = tl.sum(acc_up, 1)
+        if NORM:
+            up = up / tl.sqrt(tl.sum(sumsq, 0) / K + eps)
+        if HAS_BIAS:
+            up += tl.load(b_ptr + N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        y = y / (1.0 + tl.exp(-y)) * up
+    if HAS_RESIDUAL:
+        y += tl.load(r_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+         norm: torch.Tensor | None = None, eps: float = 0.0, gated: bool = False,
+         residual: torch.Tensor | None = None, config: tuple[int, int, int, int] | None = None
+         ) -> torch.Tensor:
+    """x: [1, K]; weight: [N (2N if gated), K] -> [1, N]. See linear for the fused parts."""
+    block_n, block_k, num_warps, num_stages = config or _GEMV_CONFIG
+    n = weight.shape[0] // 2 if gated else weight.shape[0]
+    k = weight.shape[1]
+    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, bias, norm, residual, out, n, k, eps,
+        NORM=norm is not None, GATED=gated, HAS_BIAS=bias is not None,
+        HAS_RESIDUAL=residual is not None, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=num_warps, num_stages=num_stages)
+    return out
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           norm: torch.Tensor | None = None, eps: float = 0.0, gated: bool = False,
+           residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [num_tokens, in]; weight: [out, in] -> [num_tokens, out], as torch_ref.linear:
+    rms_norm(x)·norm first if norm is given, silu(gate)·up of the two output halves if gated,
+    plus residual ([num_tokens, out]) last."""
+    if x.shape[0] <= GEMV_MAX_M and x.dtype != torch.float32 and x.is_contiguous():
+        return gemv(x, weight, bias, norm, eps, gated, residual)
+    if norm is not None:
+        x = rms_norm(x, norm, eps)
+    if gated:
+        return _add(silu_and_mul(F.linear(x, weight, bias)), residual)
+    if residual is not None and bias is None:
+        return torch.addmm(residual, x, weight.t())
+    return _add(F.linear(x, weight, bias), residual)
+
+
+def _add(y: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    return y if residual is None else residual + y
