@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from timing import graph_time
 
 from frugal.ops.triton import elementwise
-from frugal.ops.triton import linear as tl_linear
+from frugal.ops.triton.linear import gemv, linear
 
 # name: (out features, in features, norm before, gated, residual after); Llama-3.1-8B
 SITES = {"qkv": (6144, 4096, True, False, False), "o": (4096, 4096, False, False, True),
@@ -50,14 +50,14 @@ def bench(name: str, sweep: bool) -> dict:
 
     out = {"site": name, "bytes": rows * k * 2,
            "cublas_ms": time(lambda w: F.linear(x, w)), "unfused_ms": time(unfused),
-           "fused_ms": time(lambda w: tl_linear.linear(x, w, None, g, 1e-5, gated, r))}
+           "fused_ms": time(lambda w: linear(x, w, None, g, 1e-5, gated, r))}
     if sweep:
         results = []
         for cfg in CONFIGS:
             if cfg[0] * cfg[1] > 16384:
                 continue
             try:
-                ms = time(lambda w, c=cfg: tl_linear.gemv(x, w, None, g, 1e-5, gated, r, c))
+                ms = time(lambda w, c=cfg: gemv(x, w, None, g, 1e-5, gated, r, c))
             except Exception as e:  # a config out of shared memory or registers
                 print(f"  {name} {cfg}: {type(e).__name__}")
                 continue

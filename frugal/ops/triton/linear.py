@@ -19,8 +19,20 @@ from frugal.ops.triton.elementwise import rms_norm, silu_and_mul
 
 # Rows of x up to which the GEMV runs (it reads the weight once per row beyond that).
 GEMV_MAX_M = 1
-# (BLOCK_N, BLOCK_K, num_warps, num_stages), measured on the H200 in benchmarks/linear.py.
-_GEMV_CONFIG = (8, 512, 4, 3)
+
+
+def _gemv_config(n: int, k: int, gated: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages): the best of benchmarks/linear.py --sweep on
+    the H200 for each kind of matmul of a Llama-3.1-8B layer."""
+    if gated:
+        return 8, 256, 4, 1  # gate_up
+    if k >= 8192:
+        return 4, 1024, 4, 1  # down
+    if n >= 65536:
+        return 4, 512, 4, 3  # lm_head
+    if n * k <= 4096 * 4096:
+        return 4, 512, 4, 1  # o
+    return 16, 512, 4, 1  # qkv
 
 
 @triton.jit
@@ -72,9 +84,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
          residual: torch.Tensor | None = None, config: tuple[int, int, int, int] | None = None
          ) -> torch.Tensor:
     """x: [1, K]; weight: [N (2N if gated), K] -> [1, N]. See linear for the fused parts."""
-    block_n, block_k, num_warps, num_stages = config or _GEMV_CONFIG
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     k = weight.shape[1]
+    block_n, block_k, num_warps, num_stages = config or _gemv_config(n, k, gated)
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias, norm, residual, out, n, k, eps,
