@@ -26,7 +26,7 @@ from frugal.ops.triton.linear import gemv, linear
 SITES = {"qkv": (6144, 4096, True, False, False), "o": (4096, 4096, False, False, True),
          "gate_up": (14336, 4096, True, True, False), "down": (4096, 14336, False, False, True),
          "lm_head": (128256, 4096, False, False, False)}
-CONFIGS = list(itertools.product((4, 8, 16, 32), (256, 512, 1024), (4, 8), (1, 3)))
+CONFIGS = list(itertools.product((2, 4, 8, 16), (128, 256, 512, 1024), (4, 8), (1,), (1, 2, 4, 8)))
 
 
 def bench(name: str, sweep: bool) -> dict:
@@ -54,7 +54,7 @@ def bench(name: str, sweep: bool) -> dict:
     if sweep:
         results = []
         for cfg in CONFIGS:
-            if cfg[0] * cfg[1] > 16384:
+            if cfg[0] * cfg[1] * cfg[4] > 32768 or cfg[1] * cfg[4] > 4096:
                 continue
             try:
                 ms = time(lambda w, c=cfg: gemv(x, w, None, g, 1e-5, gated, r, c))

@@ -20,7 +20,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
     Fusable neighbours, applied in this order: norm ([in]): x is RMS-normalized (eps) and scaled
     by norm first; gated: the output's two halves (gate | up) become silu(gate) · up, [n, out/2];
-    residual ([num_tokens, out']): added last.
+    residual ([num_tokens, out']): added last. The caller hands the residual over: fast
+    backends may write the sum into its storage.
     """
     if norm is not None:
         x = rms_norm(x, norm, eps)

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from frugal.ops.triton.launch import pdl
+
 # The CPU interpreter's bf16 tl.dot is wrong: compute the products in fp32 there.
 _DOT_F32 = os.environ.get("TRITON_INTERPRET") == "1"
 # Split the context only when (request, KV head) programs are fewer than two waves of the
@@ -77,8 +79,11 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, seq_lens_ptr
                    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
                    GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
                    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
-                   PRECISION: tl.constexpr, DIRECT: tl.constexpr, MIN_SPLIT: tl.constexpr):
+                   PRECISION: tl.constexpr, DIRECT: tl.constexpr, MIN_SPLIT: tl.constexpr,
+                   PDL: tl.constexpr):
     """DIRECT (one split): write the normalized output itself, no partials to merge."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -128,7 +133,10 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, seq_lens_ptr
 @triton.jit(do_not_specialize=["num_splits"])
 def _merge_kernel(partial_ptr, lse_ptr, out_ptr, cu_ptr, seq_lens_ptr, num_splits,
                   NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
-                  SPLITS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr):
+                  SPLITS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr,
+                  PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     b = tl.program_id(0)
     head = tl.program_id(1)
     s = tl.arange(0, SPLITS_PAD)
@@ -222,6 +230,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     if max_query_len == 1:
         splits = num_decode_splits(batch, num_kv_heads, max_seq_len, page_size)
+        launch_pdl = pdl(q.device)
         rows = batch * num_heads * splits if splits > 1 else 1  # partials only to merge
         partial = torch.empty(rows, head_dim, dtype=torch.float32, device=q.device)
         lse = torch.empty(rows, dtype=torch.float32, device=q.device)
@@ -230,13 +239,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             page_table.stride(0), splits, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
             GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
             DIM_PAD=dim_pad, PAGE_SIZE=page_size, BLOCK_N=_block_n(page_size), DOT_F32=_DOT_F32,
-            PRECISION=precision, DIRECT=splits == 1, MIN_SPLIT=_MIN_SPLIT, **_DECODE_LAUNCH)
+            PRECISION=precision, DIRECT=splits == 1, MIN_SPLIT=_MIN_SPLIT, PDL=launch_pdl,
+            launch_pdl=launch_pdl, **_DECODE_LAUNCH)
         if splits > 1:
             _merge_kernel[(batch, num_heads)](
                 partial, lse, out, cu_seqlens_q, seq_lens, splits, NUM_HEADS=num_heads,
                 HEAD_DIM=head_dim, DIM_PAD=dim_pad,
                 SPLITS_PAD=max(2, triton.next_power_of_2(splits)), BLOCK_N=_block_n(page_size),
-                MIN_SPLIT=_MIN_SPLIT)
+                MIN_SPLIT=_MIN_SPLIT, PDL=launch_pdl, launch_pdl=launch_pdl)
         return out
     block_m = 64 if max_query_len >= 64 else 16
     _extend_kernel[(batch, num_heads, triton.cdiv(max_query_len, block_m))](

@@ -7,9 +7,14 @@ import torch
 import triton
 import triton.language as tl
 
+from frugal.ops.triton.launch import pdl
+
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, eps, N: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, eps, N: tl.constexpr, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
@@ -28,7 +33,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x = x.reshape(-1, shape[-1]).contiguous()
     out = torch.empty_like(x)
     n = shape[-1]
-    _rms_norm_kernel[(x.shape[0],)](x, weight, out, eps, N=n, BLOCK=triton.next_power_of_2(n))
+    _rms_norm_kernel[(x.shape[0],)](x, weight, out, eps, N=n, BLOCK=triton.next_power_of_2(n),
+                                    PDL=pdl(x.device), launch_pdl=pdl(x.device))
     return out.reshape(shape)
 
 

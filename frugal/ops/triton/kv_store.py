@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from frugal.ops.triton.launch import pdl
+
 
 @triton.jit
 def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, ROW: tl.constexpr,
@@ -35,9 +37,11 @@ def _rotary_store_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, slot_ptr, q_
                          k_cache_ptr, v_cache_ptr, q_stride, k_stride, v_stride,
                          NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                          HEADS_PAD: tl.constexpr, KV_PAD: tl.constexpr, HALF: tl.constexpr,
-                         HALF_PAD: tl.constexpr):
+                         HALF_PAD: tl.constexpr, PDL: tl.constexpr):
     """One program per token: rotate its q heads into q_out, rotate its k heads and store them
     with its v heads at its slot (unless the slot is negative)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     t = tl.program_id(0)
     pos = tl.load(pos_ptr + t)
     i = tl.arange(0, HALF_PAD)
@@ -95,5 +99,6 @@ def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
         q, k, v, positions, cos_sin, slot_mapping, out, k_cache, v_cache, q.stride(0),
         k.stride(0), v.stride(0), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
         HEADS_PAD=triton.next_power_of_2(num_heads), KV_PAD=triton.next_power_of_2(num_kv_heads),
-        HALF=head_dim // 2, HALF_PAD=triton.next_power_of_2(head_dim // 2))
+        HALF=head_dim // 2, HALF_PAD=triton.next_power_of_2(head_dim // 2),
+        PDL=pdl(q.device), launch_pdl=pdl(q.device))
     return out

@@ -1,11 +1,12 @@
 """Matmuls with their neighbours fused. Same signature as frugal.ops.torch_ref.linear.
 
-Many tokens (prefill): cuBLAS, with the RMSNorm before it as its own kernel and the residual add
-as cuBLAS's epilogue (addmm). One token (decode at batch 1): a Triton GEMV that streams the weight
-once and fuses the rest: the RMSNorm of x is folded in (x·g is accumulated with Σx² and the
-row's 1/rms multiplies the result), as are the bias, SiLU(gate)·up (gate and up rows of one output
-read side by side) and the residual add. A decode layer is then four matmul kernels and nothing
-between them but attention; cuBLAS at one row also adds a split-K reduction kernel per matmul.
+Many tokens (prefill, decode batches): cuBLAS, with the RMSNorm before it as its own kernel and
+the residual add as cuBLAS's epilogue (addmm, in place). One token (decode at batch 1): a Triton
+GEMV that streams the weight once and fuses the rest: the RMSNorm of x is folded in (x·g is
+accumulated with Σx² and the row's 1/rms multiplies the result), as are the bias, SiLU(gate)·up
+(gate and up rows of one output read side by side) and the residual add. A decode layer is then
+four matmul kernels and nothing between them but attention; cuBLAS at one row also adds a
+split-K reduction kernel per matmul.
 """
 
 from __future__ import annotations
@@ -16,40 +17,44 @@ import triton
 import triton.language as tl
 
 from frugal.ops.triton.elementwise import rms_norm, silu_and_mul
+from frugal.ops.triton.launch import pdl
 
 # Rows of x up to which the GEMV runs (it reads the weight once per row beyond that).
 GEMV_MAX_M = 1
 
 
-def _gemv_config(n: int, k: int, gated: bool) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages): the best of benchmarks/linear.py --sweep on
-    the H200 for each kind of matmul of a Llama-3.1-8B layer."""
+def _gemv_config(n: int, k: int, gated: bool) -> tuple[int, int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages, UNROLL): the best of `benchmarks/linear.py
+    --sweep` on the H200 for each kind of matmul of a Llama-3.1-8B layer."""
     if gated:
-        return 8, 256, 4, 1  # gate_up
-    if k >= 8192:
-        return 4, 1024, 4, 1  # down
-    if n >= 65536:
-        return 4, 512, 4, 3  # lm_head
+        return 4, 1024, 4, 1, 4  # gate_up
     if n * k <= 4096 * 4096:
-        return 4, 512, 4, 1  # o
-    return 16, 512, 4, 1  # qkv
+        return 4, 512, 4, 1, 4  # o
+    if n * k <= 6144 * 4096:
+        return 16, 512, 4, 1, 2  # qkv
+    return 2, 1024, 4, 1, 4  # down, lm_head
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, g_ptr, r_ptr, out_ptr, N, K, eps,
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, g_ptr, r_ptr, out_ptr, N, eps, K: tl.constexpr,
                  NORM: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 UNROLL: tl.constexpr, PDL: tl.constexpr):
     """out[n] = epilogue(Σ_k w[n, k] · prologue(x)[k]) for one block of BLOCK_N outputs.
 
     x: [K]; w: [N, K] row-major ([2N, K], gate rows then up rows, if GATED); out: [N].
+    UNROLL: blocks of the K loop unrolled into one step, so their loads are in flight together
+    (a small matrix is latency-bound otherwise: one memory round trip per block).
     """
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     rows = offs_n.to(tl.int64)[:, None] * K
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     sumsq = tl.zeros([BLOCK_K], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in tl.range(0, K, BLOCK_K, loop_unroll_factor=UNROLL):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
         x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
@@ -81,18 +86,20 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, g_ptr, r_ptr, out_ptr, N, K, eps,
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          norm: torch.Tensor | None = None, eps: float = 0.0, gated: bool = False,
-         residual: torch.Tensor | None = None, config: tuple[int, int, int, int] | None = None
+         residual: torch.Tensor | None = None, config: tuple[int, ...] | None = None
          ) -> torch.Tensor:
     """x: [1, K]; weight: [N (2N if gated), K] -> [1, N]. See linear for the fused parts."""
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     k = weight.shape[1]
-    block_n, block_k, num_warps, num_stages = config or _gemv_config(n, k, gated)
+    block_n, block_k, num_warps, num_stages, unroll = config or _gemv_config(n, k, gated)
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    launch_pdl = pdl(x.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, bias, norm, residual, out, n, k, eps,
+        x, weight, bias, norm, residual, out, n, eps, K=k,
         NORM=norm is not None, GATED=gated, HAS_BIAS=bias is not None,
-        HAS_RESIDUAL=residual is not None, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=num_warps, num_stages=num_stages)
+        HAS_RESIDUAL=residual is not None, BLOCK_N=block_n, BLOCK_K=block_k, UNROLL=unroll,
+        PDL=launch_pdl,
+        num_warps=num_warps, num_stages=num_stages, launch_pdl=launch_pdl)
     return out
 
 
@@ -101,7 +108,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            residual: torch.Tensor | None = None) -> torch.Tensor:
     """x: [num_tokens, in]; weight: [out, in] -> [num_tokens, out], as torch_ref.linear:
     rms_norm(x)·norm first if norm is given, silu(gate)·up of the two output halves if gated,
-    plus residual ([num_tokens, out]) last."""
+    plus residual ([num_tokens, out]) last. The residual is handed over: the sum may be written
+    into its storage (cuBLAS then adds in place instead of copying it first)."""
     if x.shape[0] <= GEMV_MAX_M and x.dtype != torch.float32 and x.is_contiguous():
         return gemv(x, weight, bias, norm, eps, gated, residual)
     if norm is not None:
@@ -109,7 +117,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if gated:
         return _add(silu_and_mul(F.linear(x, weight, bias)), residual)
     if residual is not None and bias is None:
-        return torch.addmm(residual, x, weight.t())
+        return torch.addmm(residual, x, weight.t(), out=residual)
     return _add(F.linear(x, weight, bias), residual)
 
 
