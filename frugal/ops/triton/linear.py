@@ -110,7 +110,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     rms_norm(x)·norm first if norm is given, silu(gate)·up of the two output halves if gated,
     plus residual ([num_tokens, out]) last. The residual is handed over: the sum may be written
     into its storage (cuBLAS then adds in place instead of copying it first)."""
-    if x.shape[0] <= GEMV_MAX_M and x.dtype != torch.float32 and x.is_contiguous():
+    if 0 < x.shape[0] <= GEMV_MAX_M and x.dtype != torch.float32 and x.is_contiguous():
         return gemv(x, weight, bias, norm, eps, gated, residual)
     if norm is not None:
         x = rms_norm(x, norm, eps)
