@@ -21,6 +21,8 @@ DTYPES = {
     "fp16": torch.float16,
     "half": torch.float16,
 }
+# KV cache dtypes beyond the activation dtypes: FP8 e4m3 with per-layer, per-head scales
+KV_DTYPES = {**DTYPES, "fp8_e4m3": torch.float8_e4m3fn, "fp8": torch.float8_e4m3fn}
 
 
 @dataclass(frozen=True)
@@ -156,12 +158,18 @@ class CacheConfig:
     The pool takes kv_cache_memory when given (bytes, or a fraction of free memory). Otherwise,
     on a GPU, it takes what is left of gpu_memory_utilization x total memory after the weights,
     the peak activations of a profiled step and the CUDA graphs; on the CPU, 2 GiB.
+
+    kv_cache_dtype fp8_e4m3 (alias fp8) stores K and V as FP8 with a scale per layer, KV head
+    and K/V, taken from the checkpoint, else from kv_scales_path (`frugal calibrate-kv`), else
+    calibrated at start-up on text the model writes (or on calibration_file).
     """
 
     page_size: int = 16
     kv_cache_memory: int | float | None = None
     gpu_memory_utilization: float = 0.9
     kv_cache_dtype: str = "auto"
+    kv_scales_path: str | None = None
+    calibration_file: str | None = None
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
@@ -171,8 +179,18 @@ class CacheConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization: must be in (0, 1], got "
                              f"{self.gpu_memory_utilization}")
-        if self.kv_cache_dtype not in ("auto", *DTYPES):
-            raise ValueError(f"kv_cache_dtype: unsupported {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype not in ("auto", *KV_DTYPES):
+            raise ValueError(f"kv_cache_dtype: unsupported {self.kv_cache_dtype!r} "
+                             f"(auto, {', '.join(KV_DTYPES)})")
+        if self.kv_cache_dtype == "fp8":
+            object.__setattr__(self, "kv_cache_dtype", "fp8_e4m3")
+        if not self.fp8 and (self.kv_scales_path or self.calibration_file):
+            raise ValueError("kv_scales_path / calibration_file: only with kv_cache_dtype "
+                             "fp8_e4m3")
+
+    @property
+    def fp8(self) -> bool:
+        return self.kv_cache_dtype == "fp8_e4m3"
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ class LLM:
                  page_size: int = 16,
                  kv_cache_memory: str | int | float | None = None,
                  gpu_memory_utilization: float = 0.9, kv_cache_dtype: str = "auto",
+                 kv_scales_path: str | None = None, calibration_file: str | None = None,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
                  max_model_len: int | None = None, enforce_eager: bool = False) -> None:
         config = EngineConfig(
@@ -30,7 +31,8 @@ class LLM:
             ops_backend=ops_backend, seed=seed, enforce_eager=enforce_eager,
             cache=CacheConfig(page_size=page_size, kv_cache_memory=kv_cache_memory,
                               gpu_memory_utilization=gpu_memory_utilization,
-                              kv_cache_dtype=kv_cache_dtype),
+                              kv_cache_dtype=kv_cache_dtype, kv_scales_path=kv_scales_path,
+                              calibration_file=calibration_file),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len))

@@ -34,7 +34,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="wait for each step's tokens before launching the next decode step")
     g.add_argument("--cuda-graph-max-bs", type=int, default=256,
                    help="largest decode batch run from a CUDA graph")
-    g.add_argument("--kv-cache-dtype", default="auto")
+    g.add_argument("--kv-cache-dtype", default="auto",
+                   help="auto (the activation dtype), bfloat16, float16, float32, fp8_e4m3 "
+                        "(alias fp8: half the bytes per token, scaled per layer and KV head)")
+    g.add_argument("--kv-scales-path", default=None,
+                   help="FP8 KV scales from `frugal calibrate-kv` (default: the checkpoint's, "
+                        "else calibrated at start-up)")
+    g.add_argument("--calibration-file", default=None,
+                   help="text to calibrate FP8 KV scales on at start-up (default: text the "
+                        "model writes from built-in prompts)")
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="token budget of one step (prefill chunks + decodes)")
@@ -49,7 +57,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         overlap_schedule=not args.disable_overlap_schedule,
         cache=CacheConfig(page_size=args.page_size, kv_cache_memory=args.kv_cache_memory,
                           gpu_memory_utilization=args.gpu_memory_utilization,
-                          kv_cache_dtype=args.kv_cache_dtype),
+                          kv_cache_dtype=args.kv_cache_dtype,
+                          kv_scales_path=args.kv_scales_path,
+                          calibration_file=args.calibration_file),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_model_len=args.max_model_len))

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 import torch
 
 from frugal import ops
-from frugal.config import DTYPES, EngineConfig
+from frugal.config import KV_DTYPES, EngineConfig
+from frugal.engine import kv_scales
 from frugal.engine.cuda_graph import DecodeGraphs
 from frugal.engine.memory import LOGITS_ROWS, kv_budget
 from frugal.engine.sampler import Sampler, token_logprobs
@@ -74,6 +75,7 @@ class ModelRunner:
     """Owns the model, the KV pool and the sampler on one device."""
 
     def __init__(self, config: EngineConfig, checkpoint: Checkpoint) -> None:
+        self.config = config
         self.device = config.resolved_device()
         self.model_config = mc = checkpoint.config
         self.dtype = config.resolved_dtype(mc)
@@ -90,8 +92,16 @@ class ModelRunner:
                     type(checkpoint).__name__, mc.num_layers, time.perf_counter() - start,
                     str(self.dtype).removeprefix("torch."), self.device,
                     self.backend.__name__.rsplit(".", 1)[-1])
+        tokenizer = checkpoint.tokenizer
+        eos = tokenizer.eos_token_ids if tokenizer is not None else list(mc.eos_token_ids)
+        self.sampler = Sampler(self.device, config.seed, eos)
+        self.graphs: DecodeGraphs | None = None
         cache = config.cache
-        kv_dtype = self.dtype if cache.kv_cache_dtype == "auto" else DTYPES[cache.kv_cache_dtype]
+        kv_dtype = self.dtype if cache.kv_cache_dtype == "auto" else KV_DTYPES[cache.kv_cache_dtype]
+        scales = None
+        if cache.fp8:
+            scales = kv_scales.resolve(self, getattr(self.model, "kv_scales_found", {}),
+                                       tokenizer)
         page_bytes = KVPool.page_bytes(mc.num_layers, cache.page_size, mc.num_kv_heads,
                                        mc.head_dim, kv_dtype)
         self.use_graphs = (self.device.startswith("cuda") and not config.enforce_eager
@@ -103,11 +113,16 @@ class ModelRunner:
                              f"({page_bytes} bytes)")
         self.pool = KVPool(mc.num_layers, num_pages, cache.page_size, mc.num_kv_heads,
                            mc.head_dim, kv_dtype, self.device)
+        if scales is not None:
+            self.pool.scales = scales.values.to(self.device)
+            self.pool.scales_source = scales.source
         self.bind_cache(self.pool)
-        logger.info("KV cache: %d pages x %d tokens = %d tokens (%.2f GiB, %s)", num_pages,
-                    cache.page_size, self.pool.capacity_tokens, self.pool.num_bytes / 2**30,
-                    str(kv_dtype).removeprefix("torch."))
-        self.graphs: DecodeGraphs | None = None
+        vs_activation = page_bytes / KVPool.page_bytes(mc.num_layers, cache.page_size,
+                                                       mc.num_kv_heads, mc.head_dim, self.dtype)
+        logger.info("KV cache: %d pages x %d tokens = %d tokens (%.2f GiB, %s: %.2fx the tokens "
+                    "of %s)", num_pages, cache.page_size, self.pool.capacity_tokens,
+                    self.pool.num_bytes / 2**30, str(kv_dtype).removeprefix("torch."),
+                    1 / vs_activation, str(self.dtype).removeprefix("torch."))
         self.max_model_len = min(config.scheduler.max_model_len or mc.max_position_embeddings,
                                  mc.max_position_embeddings, self.pool.capacity_tokens)
         if self.use_graphs:
@@ -115,13 +130,11 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, self.backend, max_bs, self.max_model_len,
                                        cache.page_size, mc.vocab_size, self.dtype,
                                        self.device)
-        tokenizer = checkpoint.tokenizer
-        eos = tokenizer.eos_token_ids if tokenizer is not None else list(mc.eos_token_ids)
-        self.sampler = Sampler(self.device, config.seed, eos)
 
     def bind_cache(self, pool: KVPool) -> None:
         for i, attn in enumerate(self.model.attention_layers()):
             attn.k_cache, attn.v_cache = pool.k[i], pool.v[i]
+            attn.kv_scales = None if pool.scales is None else pool.scales[i]
 
     def prepare(self, out: SchedulerOutput) -> StepInputs:
         return prepare(out, self.pool.page_size, self.device)

@@ -14,19 +14,24 @@ class KVPool:
 
     k[layer], v[layer]: [num_pages, page_size, num_kv_heads, head_dim] of `dtype`. A token's slot is
     page_id * page_size + offset; `k[layer].view(-1, num_kv_heads, head_dim)[slot]` is its key.
+    An FP8 pool also has scales: [num_layers, 2, num_kv_heads] fp32 (K, V), set by its owner
+    before use, and scales_source saying where they came from.
     """
 
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: str) -> None:
+                 head_dim: int, dtype: torch.dtype, device: str, zeroed: bool = False) -> None:
         self.num_pages = num_pages
         self.page_size = page_size
         shape = (num_layers, 2, num_pages, page_size, num_kv_heads, head_dim)
         # The CPU path reads only slots it wrote, and touching gigabytes up front costs seconds;
         # GPU kernels load whole pages under masks, so there no stale NaN may sit in the pool.
-        alloc = torch.empty if torch.device(device).type == "cpu" else torch.zeros
+        alloc = torch.empty if torch.device(device).type == "cpu" and not zeroed else torch.zeros
         self._storage = alloc(shape, dtype=dtype, device=device)
         self.k = [self._storage[i, 0] for i in range(num_layers)]
         self.v = [self._storage[i, 1] for i in range(num_layers)]
+        self.dtype = dtype
+        self.scales: torch.Tensor | None = None
+        self.scales_source: str | None = None
 
     @property
     def capacity_tokens(self) -> int:

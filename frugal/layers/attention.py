@@ -31,7 +31,8 @@ class AttentionMetadata:
 class Attention(nn.Module):
     """Rotates q and k, stores this step's K/V, then attends over each request's cached context.
 
-    k_cache, v_cache: [num_pages, page_size, num_kv_heads, head_dim], bound by the model runner.
+    k_cache, v_cache: [num_pages, page_size, num_kv_heads, head_dim], bound by the model runner,
+    with kv_scales ([2, num_kv_heads] fp32, K then V) when the cache is FP8, else None.
     rotary: the model's shared RotaryEmbedding (its cos_sin table).
     """
 
@@ -43,13 +44,14 @@ class Attention(nn.Module):
         self.scale = head_dim ** -0.5
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        self.kv_scales: torch.Tensor | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
         (views of a fused projection are fine); positions: [num_tokens] int64."""
         q = ops.rotary_store_kv(q, k, v, positions, self.rotary.cos_sin, self.k_cache,
-                                self.v_cache, meta.slot_mapping)
+                                self.v_cache, meta.slot_mapping, self.kv_scales)
         return ops.paged_attention(q, self.k_cache, self.v_cache, meta.page_table,
                                    meta.cu_seqlens_q, meta.seq_lens, self.scale,
-                                   meta.max_query_len, meta.max_seq_len)
+                                   meta.max_query_len, meta.max_seq_len, self.kv_scales)

@@ -6,6 +6,7 @@ into one matmul each and filled shard by shard (packed_modules).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 import torch
@@ -89,6 +90,10 @@ class LlamaModel(nn.Module):
         return self.norm(h)
 
 
+# model.layers.N.self_attn.k_scale (compressed-tensors), ...self_attn.k_proj.k_scale (ModelOpt)
+_KV_SCALE = re.compile(r"layers\.(\d+)\.self_attn\.(?:\w+\.)?([kv])_scale$")
+
+
 class LlamaForCausalLM(nn.Module):
     """forward -> final hidden states [num_tokens, hidden]; compute_logits -> [n, vocab] fp32."""
 
@@ -101,6 +106,8 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config)
+        # FP8-KV checkpoints' k_scale / v_scale tensors, (layer, "k" | "v") -> tensor
+        self.kv_scales_found: dict[tuple[int, str], torch.Tensor] = {}
         self.lm_head = Linear(config.hidden_size, config.vocab_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -124,6 +131,10 @@ class LlamaForCausalLM(nn.Module):
         pending = {name: set(getattr(self.get_submodule(name.rsplit(".", 1)[0]), "shards", [None]))
                    for name in params}
         for name, tensor in weights:
+            scale = _KV_SCALE.search(name)
+            if scale:
+                self.kv_scales_found[int(scale.group(1)), scale.group(2)] = tensor
+                continue
             if "rotary_emb" in name or (name == "lm_head.weight"
                                         and self.config.tie_word_embeddings):
                 continue

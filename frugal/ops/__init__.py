@@ -14,7 +14,7 @@ from types import ModuleType
 
 from frugal.ops import torch_ref
 
-OPS = ("linear", "rms_norm", "silu_and_mul", "store_kv", "rotary_store_kv", "paged_attention")
+OPS = ("linear", "rms_norm", "silu_and_mul", "rotary_store_kv", "paged_attention")
 BACKENDS = {"torch_ref": "frugal.ops.torch_ref", "triton": "frugal.ops.triton"}
 
 
@@ -40,6 +40,5 @@ def use(backend: ModuleType) -> Iterator[None]:
 linear = torch_ref.linear
 rms_norm = torch_ref.rms_norm
 silu_and_mul = torch_ref.silu_and_mul
-store_kv = torch_ref.store_kv
 rotary_store_kv = torch_ref.rotary_store_kv
 paged_attention = torch_ref.paged_attention

@@ -12,12 +12,21 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 2e-3, torch.bfloat16: 3e-2}
 
 
-def make_case(seq_lens, num_new, num_heads, num_kv_heads, head_dim, page_size, dtype, seed):
-    """A NaN-poisoned pool with each request's K/V in shuffled pages, and the step's q."""
+FP8 = torch.float8_e4m3fn
+
+
+def make_case(seq_lens, num_new, num_heads, num_kv_heads, head_dim, page_size, dtype, seed,
+              scales=None):
+    """A NaN-poisoned pool with each request's K/V in shuffled pages, and the step's q.
+    scales ([2, num_kv_heads]): the pool is FP8, K/V quantized with them."""
     g = torch.Generator().manual_seed(seed)
     pages_per = [-(-n // page_size) for n in seq_lens]
     num_pages = sum(pages_per) + 2
-    k_cache = torch.full((num_pages, page_size, num_kv_heads, head_dim), float("nan"), dtype=dtype)
+    shape = (num_pages, page_size, num_kv_heads, head_dim)
+    if scales is None:
+        k_cache = torch.full(shape, float("nan"), dtype=dtype)
+    else:
+        k_cache = torch.full(shape, 0x7F, dtype=torch.uint8).view(FP8)  # e4m3fn NaN
     v_cache = k_cache.clone()
     order = torch.randperm(num_pages, generator=g).tolist()
     tables = []
@@ -27,7 +36,7 @@ def make_case(seq_lens, num_new, num_heads, num_kv_heads, head_dim, page_size, d
                               for i in range(n)])
         k = torch.randn(n, num_kv_heads, head_dim, generator=g).to(dtype)
         v = torch.randn(n, num_kv_heads, head_dim, generator=g).to(dtype)
-        torch_ref.store_kv(k, v, k_cache, v_cache, slots)
+        torch_ref.store_kv(k * 3, v * 3, k_cache, v_cache, slots, scales)
         tables.append(table)
     width = max(pages_per) + 1  # a padded tail, as the runner builds it
     page_table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
@@ -35,6 +44,12 @@ def make_case(seq_lens, num_new, num_heads, num_kv_heads, head_dim, page_size, d
     cu = torch.tensor([0] + torch.tensor(num_new).cumsum(0).tolist(), dtype=torch.int32)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     return [t.to(DEVICE) for t in (q, k_cache, v_cache, page_table, cu, lens)]
+
+
+def fp8_scales(num_kv_heads, seed):
+    """Per-head K and V scales around what |x| <= 12 needs (amax / 448)."""
+    g = torch.Generator().manual_seed(seed)
+    return (12 / 448) * (0.5 + torch.rand(2, num_kv_heads, generator=g))
 
 
 CASES = [  # (seq_lens, num_new, heads, kv_heads, head_dim, page_size)
@@ -56,6 +71,24 @@ def test_paged_attention_matches_torch_ref(case, dtype):
     ref = torch_ref.paged_attention(*args)
     assert torch.isfinite(ours).all()
     torch.testing.assert_close(ours.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_paged_attention_fp8_cache_matches_torch_ref(case, dtype):
+    """FP8 K/V widened in registers, K scale in the softmax scale, V scale on the output: the
+    same as dequantizing the cache first."""
+    seq_lens, num_new, heads, kv_heads, dim, page = CASES[case]
+    scales = fp8_scales(kv_heads, seed=case)
+    q, k_cache, v_cache, table, cu, lens = make_case(seq_lens, num_new, heads, kv_heads, dim,
+                                                     page, dtype, seed=case, scales=scales)
+    args = (q, k_cache, v_cache, table, cu, lens, dim ** -0.5, max(num_new), max(seq_lens))
+    ours = triton_attention.paged_attention(*args, scales.to(DEVICE))
+    ref = torch_ref.paged_attention(*args, scales.to(DEVICE))
+    assert torch.isfinite(ours).all()
+    torch.testing.assert_close(ours.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    with pytest.raises(ValueError, match="kv_scales"):
+        triton_attention.paged_attention(*args)
 
 
 @pytest.mark.parametrize("splits", [1, 3, 7])
@@ -102,16 +135,32 @@ def test_rotary_store_kv_matches_torch_ref(dtype, qk_norm):
     assert torch.equal(v_cache.cpu(), ref_v)
 
 
-def test_store_kv_matches_and_skips_negative_slots():
-    g = torch.Generator().manual_seed(3)
-    k, v = torch.randn(5, 2, 8, generator=g), torch.randn(5, 2, 8, generator=g)
-    slots = torch.tensor([3, 0, -1, 9, 12])
-    ref_k, ref_v = torch.zeros(4, 4, 2, 8), torch.zeros(4, 4, 2, 8)
-    keep = slots >= 0
-    torch_ref.store_kv(k[keep], v[keep], ref_k, ref_v, slots[keep])
+def test_rotary_store_kv_fp8_quantizes_and_saturates():
+    """The FP8 store divides by each head's scale and saturates at ±448 (never NaN)."""
+    g = torch.Generator().manual_seed(5)
+    heads, kv_heads, dim, tokens = 4, 2, 16, 3
+    q = torch.randn(tokens, heads, dim, generator=g).to(torch.bfloat16)
+    k = torch.randn(tokens, kv_heads, dim, generator=g).to(torch.bfloat16)
+    v = torch.randn(tokens, kv_heads, dim, generator=g).to(torch.bfloat16)
+    k[0, 1, 3], v[2, 0, 5] = 1e4, -1e4  # far beyond 448 · scale
+    positions, slots = torch.tensor([0, 3, 9]), torch.tensor([5, 0, 2])
+    freqs = torch.arange(16).float()[:, None] * (1.0 / (10000 ** (torch.arange(0, dim, 2) / dim)))
+    cos_sin = torch.cat([freqs.cos(), freqs.sin()], -1)
+    scales = fp8_scales(kv_heads, seed=1)
+    ref_k = torch.zeros(2, 4, kv_heads, dim, dtype=FP8)
+    ref_v = torch.zeros_like(ref_k)
+    torch_ref.rotary_store_kv(q, k, v, positions, cos_sin, ref_k, ref_v, slots, scales)
     k_cache, v_cache = torch.zeros_like(ref_k).to(DEVICE), torch.zeros_like(ref_v).to(DEVICE)
-    kv_store.store_kv(k.to(DEVICE), v.to(DEVICE), k_cache, v_cache, slots.to(DEVICE))
-    assert torch.equal(k_cache.cpu(), ref_k) and torch.equal(v_cache.cpu(), ref_v)
+    kv_store.rotary_store_kv(*(t.to(DEVICE) for t in (q, k, v, positions, cos_sin)), k_cache,
+                             v_cache, slots.to(DEVICE), scales.to(DEVICE))
+    for ours, ref in ((k_cache, ref_k), (v_cache, ref_v)):
+        ours, ref = ours.cpu().float(), ref.float()
+        assert torch.isfinite(ours).all() and torch.isfinite(ref).all()
+        assert ref.abs().max() == 448
+        # within one FP8 step (1/8 relative); Triton's CPU interpreter converts fp32 -> fp8
+        # wrongly for some values, so there a few may be further off
+        off = ~torch.isclose(ours, ref, atol=2e-2, rtol=0.13)
+        assert off.sum() <= (0 if DEVICE == "cuda" else ours.numel() // 100), ours[off]
 
 
 @pytest.mark.gpu

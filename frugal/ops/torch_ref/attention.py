@@ -3,6 +3,9 @@
 Single-token (decode) requests are attended together in one padded batch; requests with several
 new tokens (prefill chunks) one at a time. Grouped-query attention is done by folding each KV
 head's query group into the query axis, so K/V are never repeated.
+
+An FP8 cache (float8_e4m3fn) comes with kv_scales: [2, num_kv_heads] fp32, row 0 for K, row 1
+for V; the cache holds x / scale, saturated to ±448 (never NaN), and reads back as fp8 · scale.
 """
 
 from __future__ import annotations
@@ -12,34 +15,52 @@ import torch.nn.functional as F
 
 from frugal.ops.torch_ref.rotary import apply_rotary
 
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x: [num_tokens, num_kv_heads, head_dim] -> the cache's dtype; for FP8, x / scale ([heads])
+    saturated to the FP8 range."""
+    if dtype != torch.float8_e4m3fn:
+        return x.to(dtype)
+    if scale is None:
+        raise ValueError("an FP8 KV cache needs kv_scales")
+    return (x.float() / scale[None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(dtype)
+
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, kv_scales: torch.Tensor | None = None) -> None:
     """Write new keys/values into their slots.
 
     k, v: [num_tokens, num_kv_heads, head_dim]; k_cache, v_cache: [num_pages, page_size,
     num_kv_heads, head_dim]; slot_mapping: [num_tokens] int64, slot = page_id * page_size + offset.
+    kv_scales: [2, num_kv_heads] for an FP8 cache (see the module docstring).
     """
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    for x, cache, row in ((k, k_cache, 0), (v, v_cache, 1)):
+        x = quantize(x, kv_scales[row] if kv_scales is not None else None, cache.dtype)
+        if cache.element_size() == 1:  # (CPU index_copy_ has no FP8 kernel: copy the bytes)
+            cache, x = cache.view(torch.uint8), x.view(torch.uint8)
+        cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, x)
 
 
 def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                     cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    slot_mapping: torch.Tensor) -> torch.Tensor:
+                    slot_mapping: torch.Tensor, kv_scales: torch.Tensor | None = None
+                    ) -> torch.Tensor:
     """Rotate q and k (see apply_rotary), store the rotated k and v (see store_kv; a negative
     slot skips its token) and return the rotated q: [num_tokens, num_heads, head_dim]."""
     q, k = apply_rotary(q, k, positions, cos_sin)
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
-    store_kv(k, v, k_cache, v_cache, slot_mapping)
+    store_kv(k, v, k_cache, v_cache, slot_mapping, kv_scales)
     return q
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     page_table: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
-                    scale: float, max_query_len: int, max_seq_len: int) -> torch.Tensor:
+                    scale: float, max_query_len: int, max_seq_len: int,
+                    kv_scales: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of each request's new tokens over its whole cached context.
 
     q: [num_tokens, num_heads, head_dim], the new tokens of all requests back to back;
@@ -49,7 +70,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     K/V must already be stored). New token i of request b sits at position seq_lens[b] - n_b + i and
     attends to positions <= its own. max_query_len, max_seq_len: host-side bounds of n_b and
     seq_lens (GPU kernels size their grids with them). Returns [num_tokens, num_heads, head_dim]
-    in q's dtype.
+    in q's dtype. kv_scales: [2, num_kv_heads] for an FP8 cache.
     """
     out = torch.empty_like(q)
     starts = cu_seqlens_q.tolist()
@@ -60,18 +81,19 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         rows = torch.tensor([starts[b] for b in single], device=q.device)
         index = torch.tensor(single, device=q.device)
         out[rows] = _attend(q[rows].unsqueeze(1), k_cache, v_cache, page_table[index],
-                            seq_lens[index], max(lens[b] for b in single), scale).squeeze(1)
+                            seq_lens[index], max(lens[b] for b in single), scale,
+                            kv_scales).squeeze(1)
     for b, n in enumerate(num_new):
         if n > 1:
             s, e = starts[b], starts[b + 1]
             out[s:e] = _attend(q[s:e].unsqueeze(0), k_cache, v_cache, page_table[b:b + 1],
-                               seq_lens[b:b + 1], lens[b], scale).squeeze(0)
+                               seq_lens[b:b + 1], lens[b], scale, kv_scales).squeeze(0)
     return out
 
 
 def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             page_table: torch.Tensor, seq_lens: torch.Tensor, max_len: int,
-            scale: float) -> torch.Tensor:
+            scale: float, kv_scales: torch.Tensor | None) -> torch.Tensor:
     """q: [B, n, num_heads, head_dim], every request with the same n new tokens (the last n of its
     context). Returns [B, n, num_heads, head_dim], computed in fp32."""
     batch, n, num_heads, head_dim = q.shape
@@ -86,10 +108,9 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     slots = torch.where(valid, pages * page_size + positions % page_size,
                         page_table[:, :1].long() * page_size)
     flat = slots.flatten()  # index_select: several times faster than advanced indexing on CPU
-    k = k_cache.view(-1, num_kv_heads, head_dim).index_select(0, flat)
-    v = v_cache.view(-1, num_kv_heads, head_dim).index_select(0, flat)
-    k = k.view(batch, max_len, num_kv_heads, head_dim).float()  # [B, L, Hkv, D]
-    v = v.view(batch, max_len, num_kv_heads, head_dim).float()
+    k, v = (_gather(cache, flat, None if kv_scales is None else kv_scales[row])
+            .view(batch, max_len, num_kv_heads, head_dim)  # [B, L, Hkv, D] fp32
+            for cache, row in ((k_cache, 0), (v_cache, 1)))
     q_pos = lengths - n + torch.arange(n, device=q.device)  # [B, n]
     allowed = valid[:, None, :] & (positions[None, None, :] <= q_pos[:, :, None])  # [B, n, L]
     # GQA: a KV head's whole query group becomes group * n query rows attending to that head
@@ -101,3 +122,12 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                          scale=scale)  # [B, Hkv, group * n, D]
     out = out.reshape(batch, num_kv_heads, group, n, head_dim).permute(0, 3, 1, 2, 4)
     return out.reshape(batch, n, num_heads, head_dim).to(q.dtype)
+
+
+def _gather(cache: torch.Tensor, slots: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """Rows of cache [num_pages, page_size, heads, dim] at slots, in fp32 (FP8 times scale)."""
+    rows = cache.view(-1, *cache.shape[2:])
+    if cache.element_size() != 1:
+        return rows.index_select(0, slots).float()
+    picked = rows.view(torch.uint8).index_select(0, slots).view(cache.dtype)
+    return picked.float() * scale[None, :, None]

@@ -6,7 +6,7 @@ neighbours fused, attention over the paged cache, the KV store and the small ops
 
 from frugal.ops.triton.attention import paged_attention
 from frugal.ops.triton.elementwise import rms_norm, silu_and_mul
-from frugal.ops.triton.kv_store import rotary_store_kv, store_kv
+from frugal.ops.triton.kv_store import rotary_store_kv
 from frugal.ops.triton.linear import linear
 
-__all__ = ["linear", "paged_attention", "rms_norm", "rotary_store_kv", "silu_and_mul", "store_kv"]
+__all__ = ["linear", "paged_attention", "rms_norm", "rotary_store_kv", "silu_and_mul"]

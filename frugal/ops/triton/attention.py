@@ -74,14 +74,16 @@ def _split_len(seq_len, num_splits, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constex
 
 
 @triton.jit(do_not_specialize=["pages_stride", "num_splits"])
-def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, seq_lens_ptr, cu_ptr,
-                   partial_ptr, lse_ptr, out_ptr, scale, pages_stride, num_splits,
+def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, scales_ptr, page_table_ptr, seq_lens_ptr,
+                   cu_ptr, partial_ptr, lse_ptr, out_ptr, scale, pages_stride, num_splits,
                    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
                    GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
                    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
                    PRECISION: tl.constexpr, DIRECT: tl.constexpr, MIN_SPLIT: tl.constexpr,
-                   PDL: tl.constexpr):
-    """DIRECT (one split): write the normalized output itself, no partials to merge."""
+                   FP8: tl.constexpr, PDL: tl.constexpr):
+    """DIRECT (one split): write the normalized output itself, no partials to merge.
+    FP8: K/V are read as FP8 and widened in registers; the head's K scale joins the softmax
+    scale and its V scale multiplies the output (scales_ptr: [2, NUM_KV_HEADS])."""
     if PDL:
         tl.extra.cuda.gdc_wait()
     b = tl.program_id(0)
@@ -104,6 +106,10 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, seq_lens_ptr
     if DOT_F32:
         q = q.to(tl.float32)
     qk_scale = scale * 1.4426950408889634
+    v_scale = 1.0
+    if FP8:
+        qk_scale = qk_scale * tl.load(scales_ptr + kv_head)
+        v_scale = tl.load(scales_ptr + NUM_KV_HEADS + kv_head)
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
@@ -116,7 +122,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, seq_lens_ptr
         m_i, l_i, acc = _softmax_step(q, k, v, n_mask[None, :], m_i, l_i, acc, qk_scale,
                                       PRECISION)
     has_work = l_i > 0
-    normed = acc / tl.where(has_work, l_i, 1.0)[:, None]
+    normed = acc * (v_scale / tl.where(has_work, l_i, 1.0))[:, None]
     if DIRECT:
         tl.store(out_ptr + (row * NUM_HEADS + heads)[:, None] * HEAD_DIM + d[None, :],
                  normed.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
@@ -158,11 +164,13 @@ def _merge_kernel(partial_ptr, lse_ptr, out_ptr, cu_ptr, seq_lens_ptr, num_split
 
 
 @triton.jit(do_not_specialize=["pages_stride"])
-def _extend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, seq_lens_ptr, cu_ptr,
-                   out_ptr, scale, pages_stride, NUM_HEADS: tl.constexpr,
+def _extend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, scales_ptr, page_table_ptr, seq_lens_ptr,
+                   cu_ptr, out_ptr, scale, pages_stride, NUM_HEADS: tl.constexpr,
                    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                    DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
+                   BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
+                   FP8: tl.constexpr):
+    """FP8: as in _decode_kernel."""
     b = tl.program_id(0)
     head = tl.program_id(1)
     block = tl.program_id(2)
@@ -181,6 +189,10 @@ def _extend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, seq_lens_ptr
         if DOT_F32:
             q = q.to(tl.float32)
         qk_scale = scale * 1.4426950408889634
+        v_scale = 1.0
+        if FP8:
+            qk_scale = qk_scale * tl.load(scales_ptr + kv_head)
+            v_scale = tl.load(scales_ptr + NUM_KV_HEADS + kv_head)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
@@ -195,7 +207,7 @@ def _extend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, seq_lens_ptr
                             DOT_F32)
             allowed = (pos[None, :] <= q_pos[:, None]) & n_mask[None, :]
             m_i, l_i, acc = _softmax_step(q, k, v, allowed, m_i, l_i, acc, qk_scale, PRECISION)
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        out = acc * (v_scale / tl.where(l_i > 0, l_i, 1.0))[:, None]
         tl.store(out_ptr + ((start + i) * NUM_HEADS + head)[:, None] * HEAD_DIM + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=i_mask[:, None] & d_mask[None, :])
 
@@ -216,9 +228,14 @@ def num_decode_splits(num_requests: int, num_kv_heads: int, max_seq_len: int,
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     page_table: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
-                    scale: float, max_query_len: int, max_seq_len: int) -> torch.Tensor:
+                    scale: float, max_query_len: int, max_seq_len: int,
+                    kv_scales: torch.Tensor | None = None) -> torch.Tensor:
     """See torch_ref.paged_attention. max_query_len / max_seq_len: host-side upper bounds of the
     new tokens and the context length of any request (they size the launch grid)."""
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if fp8 and kv_scales is None:
+        raise ValueError("an FP8 KV cache needs kv_scales")
+    scales = kv_scales if fp8 else seq_lens  # (any tensor: not read unless FP8)
     num_tokens, num_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -235,11 +252,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         partial = torch.empty(rows, head_dim, dtype=torch.float32, device=q.device)
         lse = torch.empty(rows, dtype=torch.float32, device=q.device)
         _decode_kernel[(batch, num_kv_heads, splits)](
-            q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, partial, lse, out, scale,
+            q, k_cache, v_cache, scales, page_table, seq_lens, cu_seqlens_q, partial, lse, out,
+            scale,
             page_table.stride(0), splits, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
             GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
             DIM_PAD=dim_pad, PAGE_SIZE=page_size, BLOCK_N=_block_n(page_size), DOT_F32=_DOT_F32,
-            PRECISION=precision, DIRECT=splits == 1, MIN_SPLIT=_MIN_SPLIT, PDL=launch_pdl,
+            PRECISION=precision, DIRECT=splits == 1, MIN_SPLIT=_MIN_SPLIT, FP8=fp8, PDL=launch_pdl,
             launch_pdl=launch_pdl, **_DECODE_LAUNCH)
         if splits > 1:
             _merge_kernel[(batch, num_heads)](
@@ -250,8 +268,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         return out
     block_m = 64 if max_query_len >= 64 else 16
     _extend_kernel[(batch, num_heads, triton.cdiv(max_query_len, block_m))](
-        q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, out, scale,
+        q, k_cache, v_cache, scales, page_table, seq_lens, cu_seqlens_q, out, scale,
         page_table.stride(0), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group,
         HEAD_DIM=head_dim, DIM_PAD=dim_pad, PAGE_SIZE=page_size, BLOCK_M=block_m,
-        BLOCK_N=_block_n(page_size), DOT_F32=_DOT_F32, PRECISION=precision)
+        BLOCK_N=_block_n(page_size), DOT_F32=_DOT_F32, PRECISION=precision, FP8=fp8)
     return out

@@ -1,4 +1,5 @@
-"""Writing new keys and values into the paged cache, alone or fused with the rotary embedding."""
+"""Writing new keys and values into the paged cache, fused with the rotary embedding (and, for an
+FP8 cache, with the quantization: x / scale, saturated to the FP8 range)."""
 
 from __future__ import annotations
 
@@ -10,36 +11,14 @@ from frugal.ops.triton.launch import pdl
 
 
 @triton.jit
-def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, ROW: tl.constexpr,
-                     BLOCK: tl.constexpr):
-    token = tl.program_id(0)
-    slot = tl.load(slot_ptr + token)
-    if slot >= 0:  # -1 marks padding (a CUDA graph's unused rows)
-        offs = tl.arange(0, BLOCK)
-        mask = offs < ROW
-        k = tl.load(k_ptr + token * ROW + offs, mask=mask)
-        v = tl.load(v_ptr + token * ROW + offs, mask=mask)
-        tl.store(k_cache_ptr + slot * ROW + offs, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(v_cache_ptr + slot * ROW + offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
-
-
-def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """k, v: [num_tokens, num_kv_heads, head_dim]; caches [num_pages, page_size, kv_heads, dim];
-    slot_mapping: [num_tokens] int64 (a negative slot skips the token)."""
-    row = k.shape[1] * k.shape[2]
-    _store_kv_kernel[(k.shape[0],)](k.contiguous(), v.contiguous(), k_cache, v_cache,
-                                    slot_mapping, ROW=row, BLOCK=triton.next_power_of_2(row))
-
-
-@triton.jit
 def _rotary_store_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, slot_ptr, q_out_ptr,
-                         k_cache_ptr, v_cache_ptr, q_stride, k_stride, v_stride,
+                         k_cache_ptr, v_cache_ptr, scales_ptr, q_stride, k_stride, v_stride,
                          NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                          HEADS_PAD: tl.constexpr, KV_PAD: tl.constexpr, HALF: tl.constexpr,
-                         HALF_PAD: tl.constexpr, PDL: tl.constexpr):
+                         HALF_PAD: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr):
     """One program per token: rotate its q heads into q_out, rotate its k heads and store them
-    with its v heads at its slot (unless the slot is negative)."""
+    with its v heads at its slot (unless the slot is negative). FP8: divided by the head's scale
+    (scales_ptr: [2, NUM_KV_HEADS], K then V) and saturated."""
     if PDL:
         tl.extra.cuda.gdc_wait()
     t = tl.program_id(0)
@@ -66,18 +45,31 @@ def _rotary_store_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, slot_ptr, q_
         k1 = tl.load(k_src, mask=kv_mask, other=0.0).to(tl.float32)
         k2 = tl.load(k_src + HALF, mask=kv_mask, other=0.0).to(tl.float32)
         kv_dst = (slot * NUM_KV_HEADS + j) * 2 * HALF + i[None, :]
-        cache_ty = k_cache_ptr.dtype.element_ty
         # round to the activation dtype first, as the unfused path stores a rotated k tensor
         x_ty = k_ptr.dtype.element_ty
-        tl.store(k_cache_ptr + kv_dst, (k1 * cos - k2 * sin).to(x_ty).to(cache_ty),
-                 mask=kv_mask)
-        tl.store(k_cache_ptr + kv_dst + HALF, (k2 * cos + k1 * sin).to(x_ty).to(cache_ty),
-                 mask=kv_mask)
+        k_scale = 1.0
+        v_scale = 1.0
+        if FP8:
+            k_scale = tl.load(scales_ptr + j, mask=j < NUM_KV_HEADS, other=1.0)
+            v_scale = tl.load(scales_ptr + NUM_KV_HEADS + j, mask=j < NUM_KV_HEADS, other=1.0)
+        _store(k_cache_ptr + kv_dst, (k1 * cos - k2 * sin).to(x_ty), k_scale, kv_mask, FP8)
+        _store(k_cache_ptr + kv_dst + HALF, (k2 * cos + k1 * sin).to(x_ty), k_scale, kv_mask,
+               FP8)
         v_src = v_ptr + t * v_stride + j * 2 * HALF + i[None, :]
-        tl.store(v_cache_ptr + kv_dst, tl.load(v_src, mask=kv_mask, other=0.0).to(cache_ty),
-                 mask=kv_mask)
-        tl.store(v_cache_ptr + kv_dst + HALF,
-                 tl.load(v_src + HALF, mask=kv_mask, other=0.0).to(cache_ty), mask=kv_mask)
+        _store(v_cache_ptr + kv_dst, tl.load(v_src, mask=kv_mask, other=0.0), v_scale, kv_mask,
+               FP8)
+        _store(v_cache_ptr + kv_dst + HALF, tl.load(v_src + HALF, mask=kv_mask, other=0.0),
+               v_scale, kv_mask, FP8)
+
+
+@triton.jit
+def _store(ptr, x, scale, mask, FP8: tl.constexpr):
+    """Store x in the cache's dtype; FP8: x / scale, saturated to ±448."""
+    if FP8:
+        y = tl.clamp(x.to(tl.float32) / scale, -448.0, 448.0)
+        tl.store(ptr, y.to(ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(ptr, x.to(ptr.dtype.element_ty), mask=mask)
 
 
 def _heads_packed(x: torch.Tensor) -> torch.Tensor:
@@ -87,8 +79,12 @@ def _heads_packed(x: torch.Tensor) -> torch.Tensor:
 
 def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                     cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    slot_mapping: torch.Tensor) -> torch.Tensor:
+                    slot_mapping: torch.Tensor, kv_scales: torch.Tensor | None = None
+                    ) -> torch.Tensor:
     """See torch_ref.rotary_store_kv. q, k, v may be views of one fused qkv projection."""
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if fp8 and kv_scales is None:
+        raise ValueError("an FP8 KV cache needs kv_scales")
     q, k, v = _heads_packed(q), _heads_packed(k), _heads_packed(v)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
@@ -96,9 +92,10 @@ def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
     if num_tokens == 0:
         return out
     _rotary_store_kernel[(num_tokens,)](
-        q, k, v, positions, cos_sin, slot_mapping, out, k_cache, v_cache, q.stride(0),
+        q, k, v, positions, cos_sin, slot_mapping, out, k_cache, v_cache,
+        kv_scales if fp8 else k_cache, q.stride(0),
         k.stride(0), v.stride(0), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
         HEADS_PAD=triton.next_power_of_2(num_heads), KV_PAD=triton.next_power_of_2(num_kv_heads),
-        HALF=head_dim // 2, HALF_PAD=triton.next_power_of_2(head_dim // 2),
+        HALF=head_dim // 2, HALF_PAD=triton.next_power_of_2(head_dim // 2), FP8=fp8,
         PDL=pdl(q.device), launch_pdl=pdl(q.device))
     return out

@@ -1,0 +1,195 @@
+"""Scales of an FP8 KV cache: one per layer, KV head and K/V, values [num_layers, 2, num_kv_heads].
+
+The cache stores x / scale saturated to ±448 (float8_e4m3fn's largest value), so a scale is the
+amax of what it covers over 448. Where they come from, in order: the checkpoint's k_scale /
+v_scale tensors (compressed-tensors and ModelOpt write them per tensor or per head); a file from
+`frugal calibrate-kv` (--kv-scales-path); else a calibration at start-up: the model writes text
+from built-in prompts (or reads --calibration-file) into a small cache in its activation dtype,
+and the amax of every head's K and V there sets its scales. Never a silent 1.0.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from frugal.config import ModelConfig
+from frugal.engine.scheduler import SchedulerOutput
+from frugal.kv_cache.page_allocator import PageRef
+from frugal.kv_cache.pool import KVPool
+from frugal.ops.torch_ref.attention import FP8_MAX
+from frugal.request import Request, SamplingParams
+
+if TYPE_CHECKING:
+    from frugal.engine.model_runner import ModelRunner
+
+logger = logging.getLogger("frugal")
+FORMAT = "frugal-kv-scales/1"
+# Varied registers: chat, code, arithmetic, lists, prose. The model continues each one.
+PROMPTS = [
+    "Explain in a few paragraphs how a refrigerator keeps food cold.",
+    "Write a Python function that returns the n-th Fibonacci number, with a docstring.",
+    "What is 17 multiplied by 23? Show the steps.",
+    "List ten animals that live in the ocean and one fact about each.",
+    "Once upon a time, in a village at the edge of a great forest,",
+    "Summarize the causes of the French Revolution for a high-school student.",
+    "Translate to French: The weather is nice today and we are going to the market.",
+    "Give three tips for writing clear technical documentation.",
+]
+GENERATED_TOKENS = 64  # per built-in prompt
+FILE_CHUNK, FILE_CHUNKS = 512, 8  # --calibration-file: up to 8 windows of 512 tokens
+
+
+@dataclass
+class KVScales:
+    values: torch.Tensor  # [num_layers, 2, num_kv_heads] fp32, > 0; [:, 0] K, [:, 1] V
+    source: str
+
+    def describe(self) -> str:
+        k, v = self.values[:, 0], self.values[:, 1]
+        return (f"{self.source}; K scales {k.min().item():.3g}..{k.max().item():.3g}, "
+                f"V scales {v.min().item():.3g}..{v.max().item():.3g}")
+
+    def save(self, path: str, model: str) -> None:
+        data = {"format": FORMAT, "model": model, "source": self.source,
+                "num_layers": self.values.shape[0], "num_kv_heads": self.values.shape[2],
+                "k_scale": self.values[:, 0].tolist(), "v_scale": self.values[:, 1].tolist()}
+        with open(path, "w") as f:
+            json.dump(data, f, indent=1)
+
+
+def load(path: str, mc: ModelConfig) -> KVScales:
+    """Scales written by `frugal calibrate-kv`, checked against the model's shape."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"kv_scales_path: cannot read {path!r}: {e}") from e
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise ValueError(f"kv_scales_path: {path!r} is not a {FORMAT} file")
+    try:
+        values = torch.tensor([data["k_scale"], data["v_scale"]], dtype=torch.float32)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"kv_scales_path: {path!r}: bad k_scale/v_scale ({e})") from e
+    want = (2, mc.num_layers, mc.num_kv_heads)
+    if tuple(values.shape) != want:
+        raise ValueError(f"kv_scales_path: {path!r} has scales of shape {tuple(values.shape)}, "
+                         f"the model needs [k, v] x {mc.num_layers} layers x "
+                         f"{mc.num_kv_heads} KV heads")
+    return _checked(values.transpose(0, 1).contiguous(), f"file {path}")
+
+
+def from_checkpoint(found: dict[tuple[int, str], torch.Tensor],
+                    mc: ModelConfig) -> KVScales | None:
+    """found: (layer, 'k' | 'v') -> the checkpoint's scale (one value, or one per KV head)."""
+    if not found:
+        return None
+    values = torch.empty(mc.num_layers, 2, mc.num_kv_heads)
+    for layer in range(mc.num_layers):
+        for row, kind in enumerate("kv"):
+            t = found.get((layer, kind))
+            if t is None:
+                raise ValueError(f"checkpoint: layer {layer} has no {kind}_scale while other "
+                                 "layers have FP8 KV scales")
+            if t.numel() not in (1, mc.num_kv_heads):
+                raise ValueError(f"checkpoint: layer {layer} {kind}_scale has {t.numel()} "
+                                 f"values (1 or {mc.num_kv_heads} expected)")
+            values[layer, row] = t.float().flatten()
+    return _checked(values, "checkpoint")
+
+
+def _checked(values: torch.Tensor, source: str) -> KVScales:
+    if not bool(torch.isfinite(values).all()) or not bool((values > 0).all()):
+        raise ValueError(f"FP8 KV scales from {source}: every scale must be finite and > 0")
+    return KVScales(values, source)
+
+
+def calibration_prompts(runner: ModelRunner, tokenizer, path: str | None
+                        ) -> tuple[list[list[int]], int, str]:
+    """(token ids of each prompt, tokens to generate after each, description)."""
+    if path is not None:
+        if tokenizer is None:
+            raise ValueError("calibration_file: the model has no tokenizer")
+        try:
+            with open(path) as f:
+                ids = tokenizer.encode(f.read())
+        except OSError as e:
+            raise ValueError(f"calibration_file: cannot read {path!r}: {e}") from e
+        if len(ids) < 2:
+            raise ValueError(f"calibration_file: {path!r} holds no text")
+        chunks = [ids[i:i + FILE_CHUNK] for i in range(0, len(ids), FILE_CHUNK)][:FILE_CHUNKS]
+        return chunks, 1, f"{sum(map(len, chunks))} tokens of {path}"
+    if tokenizer is not None:
+        prompts = [tokenizer.encode(p) for p in PROMPTS]
+    else:  # dummy weights: no text, so prompts of fixed random token ids
+        g = torch.Generator().manual_seed(0)
+        vocab = runner.model_config.vocab_size
+        prompts = [torch.randint(vocab, (24,), generator=g).tolist() for _ in PROMPTS]
+    return prompts, GENERATED_TOKENS, f"{len(prompts)} built-in prompts"
+
+
+@torch.inference_mode()
+def calibrate(runner: ModelRunner, prompts: list[list[int]], generate: int,
+              what: str) -> KVScales:
+    """Run prompts (then `generate` greedy tokens each) through the runner's model into a
+    zeroed cache of its activation dtype; scales = per-head amax / 448. The runner's own pool,
+    if any, is bound again afterwards; its CUDA graphs are not used meanwhile."""
+    mc, page_size = runner.model_config, runner.config.cache.page_size
+    lengths = [len(p) + generate for p in prompts]
+    pages = [-(-n // page_size) for n in lengths]
+    pool = KVPool(mc.num_layers, sum(pages), page_size, mc.num_kv_heads, mc.head_dim,
+                  runner.dtype, runner.device, zeroed=True)
+    saved_pool, saved_graphs = getattr(runner, "pool", None), runner.graphs
+    runner.pool, runner.graphs = pool, None
+    runner.bind_cache(pool)
+    try:
+        requests, first = [], 0
+        params = SamplingParams(max_tokens=generate, temperature=0.0, ignore_eos=True)
+        for i, (ids, n) in enumerate(zip(prompts, pages)):
+            request = Request(f"calibrate-{i}", None, list(ids), params, len(ids) + generate)
+            request.page_table = [PageRef(p, 0) for p in range(first, first + n)]
+            requests.append(request)
+            first += n
+        todo = [len(ids) for ids in prompts]
+        for _ in range(generate):
+            _step(runner, requests, todo)
+            todo = [1] * len(requests)
+        written = sum(r.num_computed_tokens for r in requests)
+        amax = torch.stack([torch.stack([pool.k[i].abs().amax(dim=(0, 1, 3)),
+                                         pool.v[i].abs().amax(dim=(0, 1, 3))])
+                            for i in range(mc.num_layers)]).float().cpu()
+    finally:
+        runner.pool, runner.graphs = saved_pool, saved_graphs
+        if saved_pool is not None:
+            runner.bind_cache(saved_pool)
+        del pool
+        if runner.device.startswith("cuda"):
+            torch.cuda.empty_cache()  # the pool sizing that follows counts cached blocks as used
+    # a head that saw only zeros could take any scale: give it a tiny one, not 1.0
+    source = f"calibrated at start-up on {what} ({written} tokens)"
+    return _checked(amax.clamp(min=1e-4) / FP8_MAX, source)
+
+
+def _step(runner: ModelRunner, requests: list[Request], num_new: list[int]) -> None:
+    result = runner.execute(SchedulerOutput(requests, num_new))
+    for request, n, token in zip(requests, num_new, result.tokens):
+        request.num_computed_tokens += n
+        request.output_token_ids.append(token)
+
+
+def resolve(runner: ModelRunner, found: dict[tuple[int, str], torch.Tensor],
+            tokenizer) -> KVScales:
+    """The FP8 KV scales to use (see the module docstring for the order)."""
+    cache = runner.config.cache
+    scales = from_checkpoint(found, runner.model_config)
+    if scales is None and cache.kv_scales_path:
+        scales = load(cache.kv_scales_path, runner.model_config)
+    if scales is None:
+        scales = calibrate(runner, *calibration_prompts(runner, tokenizer,
+                                                         cache.calibration_file))
+    logger.info("FP8 KV scales: %s", scales.describe())
+    return scales
