@@ -1,8 +1,9 @@
 """Micro-benchmark: paged decode attention (Triton) vs SDPA on contiguous KV, on one GPU.
 
-Prints time and achieved KV read bandwidth per shape; SDPA (unpaged, contiguous) is the peer
-measured in the same run. Llama-3.1-8B attention: 32 query heads, 8 KV heads, d=128, bf16,
-page 16.   python benchmarks/decode_attention.py
+Prints time and achieved KV read bandwidth per shape for a bf16 and an FP8 (e4m3, per-head
+scales) cache; SDPA (unpaged, contiguous, bf16) is the peer measured in the same run.
+Llama-3.1-8B attention: 32 query heads, 8 KV heads, d=128, page 16.
+   python benchmarks/decode_attention.py
 
 Times are medians of CUDA-graph replays of 20 calls (as the engine runs decode, and without the
 host's launch cost), each call on its own copy of the KV when one copy would fit in L2.
@@ -16,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from timing import graph_time
 
+from frugal.ops.triton import attention
 from frugal.ops.triton.attention import paged_attention
 
 SHAPES = [(1, 4096), (1, 32768), (8, 4096), (32, 4096), (64, 4096), (64, 16384)]
@@ -29,22 +31,32 @@ def bench(batch: int, seq_len: int, heads: int, kv_heads: int, dim: int, page: i
     q = torch.randn(batch, heads, dim, device=dev, dtype=dt)
     cu = torch.arange(batch + 1, device=dev, dtype=torch.int32)
     lens = torch.full((batch,), seq_len, device=dev, dtype=torch.int32)
-    ours, sdpa = [], []
+    scales = torch.full((2, kv_heads), 4.0 / 448, device=dev)
+    ours, fp8, sdpa = [], [], []
     for _ in range(copies):
         k_cache = torch.randn(batch * pages_per, page, kv_heads, dim, device=dev, dtype=dt)
         v_cache = torch.randn_like(k_cache)
         table = torch.randperm(batch * pages_per, device=dev).to(torch.int32).view(batch, -1)
         ours.append(lambda k=k_cache, v=v_cache, t=table: paged_attention(
             q, k, v, t, cu, lens, dim ** -0.5, 1, seq_len))
+        k8, v8 = ((x / scales[0, 0]).to(torch.float8_e4m3fn) for x in (k_cache, v_cache))
+        fp8.append(lambda k=k8, v=v8, t=table: paged_attention(
+            q, k, v, t, cu, lens, dim ** -0.5, 1, seq_len, scales))
         kc = torch.randn(batch, kv_heads, seq_len, dim, device=dev, dtype=dt)
         vc = torch.randn_like(kc)
         sdpa.append(lambda k=kc, v=vc: F.scaled_dot_product_attention(
             q.view(batch, heads, 1, dim), k, v, enable_gqa=True))
     calls = 20
     ours_ms = graph_time([ours[i % copies] for i in range(calls)])
+    fp8_ms = graph_time([fp8[i % copies] for i in range(calls)])
+    default, attention._FP8_BLOCK_N = attention._FP8_BLOCK_N, 64  # the bf16 block, for contrast
+    fp8_64_ms = graph_time([fp8[i % copies] for i in range(calls)])
+    attention._FP8_BLOCK_N = default
     sdpa_ms = graph_time([sdpa[i % copies] for i in range(calls)])
     return {"batch": batch, "seq_len": seq_len, "ours_us": ours_ms * 1e3, "sdpa_us": sdpa_ms * 1e3,
-            "ours_tbs": kv_bytes / ours_ms / 1e9, "sdpa_tbs": kv_bytes / sdpa_ms / 1e9}
+            "ours_tbs": kv_bytes / ours_ms / 1e9, "sdpa_tbs": kv_bytes / sdpa_ms / 1e9,
+            "fp8_us": fp8_ms * 1e3, "fp8_tbs": kv_bytes / 2 / fp8_ms / 1e9,
+            "fp8_64_us": fp8_64_ms * 1e3}
 
 
 def main() -> None:
@@ -55,13 +67,18 @@ def main() -> None:
     p.add_argument("--page-size", type=int, default=16)
     a = p.parse_args()
     print(f"{torch.cuda.get_device_name()} | {a.heads}/{a.kv_heads} heads, d={a.head_dim}, "
-          f"page {a.page_size}, bf16 | CUDA-graph replay medians\n")
-    print("| batch | seq_len | frugal µs | frugal TB/s | SDPA contiguous µs | SDPA TB/s | ratio |")
-    print("|---|---|---|---|---|---|---|")
+          f"page {a.page_size}, bf16 queries | CUDA-graph replay medians\n")
+    print("| batch | seq_len | frugal bf16 µs | TB/s | SDPA contiguous µs | SDPA TB/s | "
+          "SDPA / frugal | frugal FP8 µs | FP8 TB/s | FP8 speed-up over bf16 | "
+          "FP8 with 64-key blocks µs |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for batch, seq_len in SHAPES:
         r = bench(batch, seq_len, a.heads, a.kv_heads, a.head_dim, a.page_size)
         print(f"| {batch} | {seq_len} | {r['ours_us']:.1f} | {r['ours_tbs']:.2f} | "
-              f"{r['sdpa_us']:.1f} | {r['sdpa_tbs']:.2f} | {r['sdpa_us'] / r['ours_us']:.2f}x |")
+              f"{r['sdpa_us']:.1f} | {r['sdpa_tbs']:.2f} | {r['sdpa_us'] / r['ours_us']:.2f}x | "
+              f"{r['fp8_us']:.1f} | {r['fp8_tbs']:.2f} | {r['ours_us'] / r['fp8_us']:.2f}x | "
+              f"{r['fp8_64_us']:.1f} |",
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,8 @@ class Result:
     itl_p99_ms: float
     decode_itl_ms: float  # mean inter-token latency once every request has its first token
     kv_pages: int = 0  # most KV pages in use at once
+    max_running: int = 0  # most requests running at once (fewer than asked: the KV cache is full)
+    preempted: int = 0  # preemptions for KV space during the run
     bound_tok_s: float = float("nan")  # roofline of output_tok_s
     bound_itl_ms: float = float("nan")  # roofline of decode_itl_ms
 
@@ -76,11 +78,13 @@ def measure_engine(engine: LLMEngine, prompts: list[list[int]], output_len: int)
     allocator = engine.scheduler.allocator
     start = time.perf_counter()
     times: dict[str, list[float]] = {engine.add_request(p, params): [] for p in prompts}
-    pages = 0
+    pages = running = 0
+    preemptions = engine.num_preemptions
     while engine.has_unfinished_requests():
         outputs = engine.step()
         now = time.perf_counter()
         pages = max(pages, allocator.num_pages - allocator.num_free)
+        running = max(running, len(engine.scheduler.running))
         for out in outputs:
             if out.request_id in times:
                 times[out.request_id].append(now)
@@ -98,7 +102,7 @@ def measure_engine(engine: LLMEngine, prompts: list[list[int]], output_len: int)
         itl_ms=1e3 * statistics.mean(gaps) if gaps else 0.0,
         itl_p99_ms=1e3 * _percentile(gaps, 99) if gaps else 0.0,
         decode_itl_ms=1e3 * statistics.mean(decode_gaps) if decode_gaps else 0.0,
-        kv_pages=pages,
+        kv_pages=pages, max_running=running, preempted=engine.num_preemptions - preemptions,
     )
 
 
@@ -159,7 +163,9 @@ def median_result(runs: list[Result]) -> Result:
     """Each metric's median over repeated runs of one (system, concurrency)."""
     fields = {k: statistics.median(getattr(r, k) for r in runs) for k in _METRICS}
     return Result(system=runs[0].system, concurrency=runs[0].concurrency,
-                  kv_pages=max(r.kv_pages for r in runs), **fields)
+                  kv_pages=max(r.kv_pages for r in runs),
+                  max_running=min(r.max_running for r in runs),
+                  preempted=max(r.preempted for r in runs), **fields)
 
 
 def _fmt(value: float, digits: int = 1) -> str:
@@ -177,11 +183,14 @@ def format_table(results: list[Result], engine: LLMEngine, device: Device,
         f"{torch.get_num_threads()} threads | median of {args.repeats} run(s)",
         f"measured: copy bandwidth {device.bandwidth / 1e12:.2f} TB/s, matmul "
         f"{device.matmul_flops / 1e12:.1f} TFLOP/s | KV pool {runner.pool.num_pages} pages of "
-        f"{runner.pool.page_size} tokens | CUDA graphs: {'on' if runner.graphs else 'off'}",
+        f"{runner.pool.page_size} tokens, {runner.pool.describe()['kv_cache_dtype']} "
+        f"({runner.pool.capacity_tokens} tokens) | CUDA graphs: "
+        f"{'on' if runner.graphs else 'off'}",
         "",
         "| system | concurrency | output tok/s | bound tok/s | of bound | prompt tok/s "
-        "| mean TTFT ms | mean ITL ms | p99 ITL ms | decode ITL ms | bound ITL ms | KV pages |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| mean TTFT ms | mean ITL ms | p99 ITL ms | decode ITL ms | bound ITL ms | KV pages "
+        "| max running | preempted |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         mine = r.system == "frugal"
@@ -189,7 +198,8 @@ def format_table(results: list[Result], engine: LLMEngine, device: Device,
             f"| {r.system} | {r.concurrency} | {r.output_tok_s:.1f} | {_fmt(r.bound_tok_s)} "
             f"| {r.output_tok_s / r.bound_tok_s:.0%} | {r.prompt_tok_s:.0f} | {r.ttft_ms:.1f} "
             f"| {r.itl_ms:.2f} | {_fmt(r.itl_p99_ms, 2)} | {r.decode_itl_ms:.2f} "
-            f"| {_fmt(r.bound_itl_ms, 2)} | {r.kv_pages if mine else 'n/a'} |")
+            f"| {_fmt(r.bound_itl_ms, 2)} | {r.kv_pages if mine else 'n/a'} "
+            f"| {r.max_running if mine else 'n/a'} | {r.preempted if mine else 'n/a'} |")
     ours = {r.concurrency: r for r in results if r.system == "frugal"}
     peers = [r for r in results if r.system != "frugal"]
     if peers:

@@ -1,4 +1,4 @@
-"""`frugal` command line: serve, generate, chat, eval, bench."""
+"""`frugal` command line: serve, generate, chat, eval, bench, calibrate-kv."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from frugal import __version__
 
 def build_parser() -> argparse.ArgumentParser:
     from frugal.bench.offline import add_bench_parser
+    from frugal.cli.calibrate import add_calibrate_parser
     from frugal.cli.eval import add_eval_parser
     from frugal.cli.generate import add_chat_parser, add_generate_parser
     from frugal.cli.serve import add_serve_parser
@@ -23,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_chat_parser(sub)
     add_eval_parser(sub)
     add_bench_parser(sub)
+    add_calibrate_parser(sub)
     return parser
 
 

@@ -50,6 +50,8 @@ class AsyncEngine:
             pool = engine.runner.pool
             metrics.pages_total.set(pool.num_pages)
             metrics.kv_tokens.set(pool.capacity_tokens)
+            metrics.kv_ratio.set(engine.runner.kv_capacity_ratio)
+            metrics.kv_info.labels(model_name=metrics.model_name, **pool.describe()).set(1)
 
     @property
     def alive(self) -> bool:

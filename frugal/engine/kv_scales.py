@@ -71,16 +71,20 @@ def load(path: str, mc: ModelConfig) -> KVScales:
         raise ValueError(f"kv_scales_path: cannot read {path!r}: {e}") from e
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise ValueError(f"kv_scales_path: {path!r} is not a {FORMAT} file")
-    try:
-        values = torch.tensor([data["k_scale"], data["v_scale"]], dtype=torch.float32)
-    except (KeyError, TypeError, ValueError) as e:
-        raise ValueError(f"kv_scales_path: {path!r}: bad k_scale/v_scale ({e})") from e
-    want = (2, mc.num_layers, mc.num_kv_heads)
-    if tuple(values.shape) != want:
-        raise ValueError(f"kv_scales_path: {path!r} has scales of shape {tuple(values.shape)}, "
-                         f"the model needs [k, v] x {mc.num_layers} layers x "
-                         f"{mc.num_kv_heads} KV heads")
-    return _checked(values.transpose(0, 1).contiguous(), f"file {path}")
+    want = (mc.num_layers, mc.num_kv_heads)
+    rows = []
+    for kind in ("k_scale", "v_scale"):
+        try:
+            row = torch.tensor(data[kind], dtype=torch.float32)
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"kv_scales_path: {path!r}: bad {kind} ({e})") from e
+        if tuple(row.shape) != want:
+            raise ValueError(f"kv_scales_path: {path!r}: {kind} has shape {tuple(row.shape)}, "
+                             f"the model needs {mc.num_layers} layers x {mc.num_kv_heads} KV "
+                             "heads")
+        rows.append(row)
+    values = torch.stack(rows, dim=1)  # [layers, 2, heads]
+    return _checked(values, f"file {path} ({data.get('source', 'no source recorded')})")
 
 
 def from_checkpoint(found: dict[tuple[int, str], torch.Tensor],
@@ -170,7 +174,7 @@ def calibrate(runner: ModelRunner, prompts: list[list[int]], generate: int,
         if runner.device.startswith("cuda"):
             torch.cuda.empty_cache()  # the pool sizing that follows counts cached blocks as used
     # a head that saw only zeros could take any scale: give it a tiny one, not 1.0
-    source = f"calibrated at start-up on {what} ({written} tokens)"
+    source = f"calibrated on {what} ({written} tokens)"
     return _checked(amax.clamp(min=1e-4) / FP8_MAX, source)
 
 
@@ -191,5 +195,6 @@ def resolve(runner: ModelRunner, found: dict[tuple[int, str], torch.Tensor],
     if scales is None:
         scales = calibrate(runner, *calibration_prompts(runner, tokenizer,
                                                          cache.calibration_file))
+        scales.source = "start-up: " + scales.source
     logger.info("FP8 KV scales: %s", scales.describe())
     return scales

@@ -117,12 +117,14 @@ class ModelRunner:
             self.pool.scales = scales.values.to(self.device)
             self.pool.scales_source = scales.source
         self.bind_cache(self.pool)
-        vs_activation = page_bytes / KVPool.page_bytes(mc.num_layers, cache.page_size,
-                                                       mc.num_kv_heads, mc.head_dim, self.dtype)
+        # tokens per byte against a cache in the activation dtype (FP8 under bf16: 2.0)
+        self.kv_capacity_ratio = KVPool.page_bytes(mc.num_layers, cache.page_size,
+                                                   mc.num_kv_heads, mc.head_dim,
+                                                   self.dtype) / page_bytes
         logger.info("KV cache: %d pages x %d tokens = %d tokens (%.2f GiB, %s: %.2fx the tokens "
                     "of %s)", num_pages, cache.page_size, self.pool.capacity_tokens,
                     self.pool.num_bytes / 2**30, str(kv_dtype).removeprefix("torch."),
-                    1 / vs_activation, str(self.dtype).removeprefix("torch."))
+                    self.kv_capacity_ratio, str(self.dtype).removeprefix("torch."))
         self.max_model_len = min(config.scheduler.max_model_len or mc.max_position_embeddings,
                                  mc.max_position_embeddings, self.pool.capacity_tokens)
         if self.use_graphs:

@@ -37,6 +37,11 @@ class KVPool:
     def capacity_tokens(self) -> int:
         return self.num_pages * self.page_size
 
+    def describe(self) -> dict:
+        """The pool's dtype and, for FP8, where its scales came from (for /v1/models, /metrics)."""
+        return {"kv_cache_dtype": str(self.dtype).removeprefix("torch."),
+                "kv_scales": self.scales_source or "none (not FP8)"}
+
     @property
     def num_bytes(self) -> int:
         return self._storage.numel() * self._storage.element_size()

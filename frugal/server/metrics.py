@@ -29,6 +29,11 @@ class Metrics:
         self.pages_used = gauge("frugal_kv_cache_pages_used", "KV cache pages in use")
         self.pages_total = gauge("frugal_kv_cache_pages_total", "KV cache pages in the pool")
         self.kv_tokens = gauge("frugal_kv_cache_capacity_tokens", "Tokens the KV pool holds")
+        self.kv_ratio = gauge("frugal_kv_cache_capacity_ratio",
+                              "Tokens the KV pool holds per byte, relative to a pool in the "
+                              "model's activation dtype (FP8 KV under bf16: 2)")
+        self.kv_info = Gauge("frugal_kv_cache_info", "KV cache dtype and FP8 scale source (1)",
+                             ["model_name", "kv_cache_dtype", "kv_scales"], registry=r)
         self.prompt_tokens = counter("frugal_prompt_tokens", "Prompt tokens of finished requests")
         self.generation_tokens = counter("frugal_generation_tokens", "Generated tokens")
         self.preemptions = counter("frugal_preemptions", "Requests preempted for KV space")

@@ -165,11 +165,26 @@ def test_rotary_store_kv_fp8_quantizes_and_saturates():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch, seq_len", [(1, 32768), (64, 4096), (8, 1000)])
-def test_real_shapes_on_gpu(batch, seq_len):
-    """Llama-3.1-8B attention shape (32 q heads, 8 KV heads, d=128), bf16, page 16."""
+@pytest.mark.parametrize("fp8", [False, True])
+def test_real_shapes_on_gpu(batch, seq_len, fp8):
+    """Llama-3.1-8B attention shape (32 q heads, 8 KV heads, d=128), bf16 queries, a bf16 or
+    FP8 cache, page 16."""
     lens = [seq_len - 7 * i for i in range(batch)]
+    scales = fp8_scales(8, seed=batch) if fp8 else None
     q, k_cache, v_cache, table, cu, lens_t = make_case(lens, [1] * batch, 32, 8, 128, 16,
-                                                       torch.bfloat16, seed=batch)
-    args = (q, k_cache, v_cache, table, cu, lens_t, 128 ** -0.5, 1, max(lens))
+                                                       torch.bfloat16, seed=batch, scales=scales)
+    args = (q, k_cache, v_cache, table, cu, lens_t, 128 ** -0.5, 1, max(lens),
+            None if scales is None else scales.to(DEVICE))
+    torch.testing.assert_close(triton_attention.paged_attention(*args).float(),
+                               torch_ref.paged_attention(*args).float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+def test_fp8_prefill_on_gpu():
+    """Extend over an FP8 cache at a real shape: a 1000-token prefill after 300 cached."""
+    scales = fp8_scales(8, seed=3)
+    q, k_cache, v_cache, table, cu, lens_t = make_case([1300], [1000], 32, 8, 128, 16,
+                                                       torch.bfloat16, seed=3, scales=scales)
+    args = (q, k_cache, v_cache, table, cu, lens_t, 128 ** -0.5, 1000, 1300, scales.to(DEVICE))
     torch.testing.assert_close(triton_attention.paged_attention(*args).float(),
                                torch_ref.paged_attention(*args).float(), atol=2e-2, rtol=2e-2)

@@ -154,5 +154,8 @@ def test_tokenizer_routes(server, llm):
 def test_auth(server, key, status):
     got, body = server.request("GET", "/v1/models", key=key)
     assert got == status
+    if status == 200:  # the KV cache's dtype and scale source are part of the model card
+        card = body["data"][0]
+        assert card["kv_cache_dtype"] == "float32" and card["kv_scales"].startswith("none")
     if status == 401:
         assert body["error"]["code"] == "invalid_api_key"

@@ -80,6 +80,7 @@ def test_16_streams_complete_while_one_disconnects(server, async_client, llm):
                     == before["frugal_requests_aborted_total"] + 1)
     after = metrics(server)
     assert after["frugal_kv_cache_pages_used"] == 0
+    assert after["frugal_kv_cache_capacity_ratio"] == 1.0 and after["frugal_kv_cache_info"] == 1
     assert after["frugal_num_requests_running"] == 0
     assert after["frugal_requests_finished_total{length}"] >= (
         before.get("frugal_requests_finished_total{length}", 0) + 16)

@@ -212,18 +212,22 @@ def _extend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, scales_ptr, page_table_ptr, 
                  out.to(out_ptr.dtype.element_ty), mask=i_mask[:, None] & d_mask[None, :])
 
 
-def _block_n(page_size: int) -> int:
-    """Keys per inner step (tokens are gathered one by one, so any page size works)."""
-    return 64
+# Keys per inner step of the decode kernel: 64 of bf16 (32 KB of K and V), and of FP8 the same
+# bytes, 128 keys. Any page size works: tokens are gathered one by one.
+_FP8_BLOCK_N = 128
+
+
+def _block_n(fp8: bool) -> int:
+    return _FP8_BLOCK_N if fp8 else 64
 
 
 def num_decode_splits(num_requests: int, num_kv_heads: int, max_seq_len: int,
-                      page_size: int) -> int:
+                      fp8: bool = False) -> int:
     """Context slices per (request, KV head) so a decode step fills the GPU: few long requests
     get many slices, a big batch one. Depends on host values only (CUDA-graph friendly)."""
     programs = max(num_requests * num_kv_heads, 1)
     wanted = 1 if programs >= _SPLIT_BELOW else triton.cdiv(_SPLIT_TARGET, programs)
-    return max(1, min(wanted, triton.cdiv(max_seq_len, _block_n(page_size)), 64))
+    return max(1, min(wanted, triton.cdiv(max_seq_len, _block_n(fp8)), 64))
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -246,7 +250,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     # fp32 activations get exact fp32 products (no TF32), so GPU and CPU paths agree
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     if max_query_len == 1:
-        splits = num_decode_splits(batch, num_kv_heads, max_seq_len, page_size)
+        splits = num_decode_splits(batch, num_kv_heads, max_seq_len, fp8)
         launch_pdl = pdl(q.device)
         rows = batch * num_heads * splits if splits > 1 else 1  # partials only to merge
         partial = torch.empty(rows, head_dim, dtype=torch.float32, device=q.device)
@@ -256,14 +260,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             scale,
             page_table.stride(0), splits, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
             GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-            DIM_PAD=dim_pad, PAGE_SIZE=page_size, BLOCK_N=_block_n(page_size), DOT_F32=_DOT_F32,
+            DIM_PAD=dim_pad, PAGE_SIZE=page_size, BLOCK_N=_block_n(fp8), DOT_F32=_DOT_F32,
             PRECISION=precision, DIRECT=splits == 1, MIN_SPLIT=_MIN_SPLIT, FP8=fp8, PDL=launch_pdl,
             launch_pdl=launch_pdl, **_DECODE_LAUNCH)
         if splits > 1:
             _merge_kernel[(batch, num_heads)](
                 partial, lse, out, cu_seqlens_q, seq_lens, splits, NUM_HEADS=num_heads,
                 HEAD_DIM=head_dim, DIM_PAD=dim_pad,
-                SPLITS_PAD=max(2, triton.next_power_of_2(splits)), BLOCK_N=_block_n(page_size),
+                SPLITS_PAD=max(2, triton.next_power_of_2(splits)), BLOCK_N=_block_n(fp8),
                 MIN_SPLIT=_MIN_SPLIT, PDL=launch_pdl, launch_pdl=launch_pdl)
         return out
     block_m = 64 if max_query_len >= 64 else 16
@@ -271,5 +275,5 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         q, k_cache, v_cache, scales, page_table, seq_lens, cu_seqlens_q, out, scale,
         page_table.stride(0), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group,
         HEAD_DIM=head_dim, DIM_PAD=dim_pad, PAGE_SIZE=page_size, BLOCK_M=block_m,
-        BLOCK_N=_block_n(page_size), DOT_F32=_DOT_F32, PRECISION=precision, FP8=fp8)
+        BLOCK_N=64, DOT_F32=_DOT_F32, PRECISION=precision, FP8=fp8)
     return out
