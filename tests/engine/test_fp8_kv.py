@@ -10,6 +10,9 @@ from frugal import LLM, SamplingParams
 from frugal.cli.main import main as cli
 from frugal.config import CacheConfig
 from frugal.engine.kv_scales import FORMAT, PROMPTS
+from frugal.eval import multiple_choice as mc
+from frugal.eval.data import load_task, wiki_text
+from frugal.eval.perplexity import perplexity, windows
 from tests.models.test_llama_vs_hf import frugal_logits
 
 transformers = pytest.importorskip("transformers")
@@ -106,6 +109,34 @@ def test_startup_calibration_sets_real_scales(fp8_llm):
     scales = pool.scales
     assert scales.shape == (30, 2, 3) and bool((scales > 0).all())
     assert not bool(torch.isclose(scales, torch.ones_like(scales)).any())  # never a silent 1.0
+
+
+def test_fp8_eval_slice_against_fp32_kv(llm, fp8_llm):
+    """The CI slice of the accuracy check (the full sets are in docs/accuracy.md): paired
+    multiple choice on 40 items and perplexity / KL divergence on two Wikipedia windows."""
+    tok = llm.get_tokenizer()
+    items = load_task("piqa", 20).items + load_task("siqa", 20).items
+    ref = mc.score_items(items, tok, mc.engine_scorer(llm), batch=20)
+    got = mc.score_items(items, tok, mc.engine_scorer(fp8_llm), batch=20)
+    assert sum(a.pred != b.pred for a, b in zip(ref, got)) <= 2
+    s = perplexity(fp8_llm, windows(tok.encode(wiki_text()), 128, 2), reference=llm)
+    assert s.kld_mean < 0.02 and s.top1_agree_pct >= 90 and abs(s.ppl / s.ref_ppl - 1) < 0.03
+
+
+@pytest.mark.parametrize("content", ["", "calibrate on this"])
+def test_calibration_file(tmp_path, content):
+    """--calibration-file: the text's tokens set the scales; an empty file is refused."""
+    text = tmp_path / "calib.txt"
+    text.write_text(content * 40)
+    if not content:
+        with pytest.raises(ValueError, match="holds no text"):
+            LLM(device="cpu", kv_cache_dtype="fp8", kv_cache_memory="64MiB",
+                calibration_file=str(text))
+        return
+    llm = LLM(device="cpu", kv_cache_dtype="fp8", kv_cache_memory="64MiB",
+              calibration_file=str(text))
+    assert llm.engine.runner.pool.scales_source.startswith("start-up: calibrated on ")
+    assert str(text) in llm.engine.runner.pool.scales_source
 
 
 def test_fp8_logits_stay_close_to_fp32_kv(llm, fp8_llm):
