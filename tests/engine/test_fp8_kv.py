@@ -160,8 +160,7 @@ def test_fp8_on_gpu_graphs_equal_eager_and_stay_close_to_bf16(tmp_path):
     model = str(tiny_dir(tmp_path))
     common = dict(device="cuda", dtype="bfloat16", kv_cache_memory="64MiB")
     fp8 = LLM(model, kv_cache_dtype="fp8", **common)
-    eager = LLM(model, kv_cache_dtype="fp8", enforce_eager=True,
-                kv_scales_path=None, **common)
+    eager = LLM(model, kv_cache_dtype="fp8", enforce_eager=True, **common)
     bf16 = LLM(model, **common)
     assert fp8.engine.runner.graphs is not None
     prompts = [torch.randint(0, 320, (n,), generator=torch.Generator().manual_seed(n)).tolist()

@@ -33,8 +33,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x = x.reshape(-1, shape[-1]).contiguous()
     out = torch.empty_like(x)
     n = shape[-1]
+    launch_pdl = pdl(x.device)
     _rms_norm_kernel[(x.shape[0],)](x, weight, out, eps, N=n, BLOCK=triton.next_power_of_2(n),
-                                    PDL=pdl(x.device), launch_pdl=pdl(x.device))
+                                    PDL=launch_pdl, launch_pdl=launch_pdl)
     return out.reshape(shape)
 
 

@@ -91,11 +91,12 @@ def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_tokens == 0:
         return out
+    launch_pdl = pdl(q.device)
     _rotary_store_kernel[(num_tokens,)](
         q, k, v, positions, cos_sin, slot_mapping, out, k_cache, v_cache,
         kv_scales if fp8 else k_cache, q.stride(0),
         k.stride(0), v.stride(0), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
         HEADS_PAD=triton.next_power_of_2(num_heads), KV_PAD=triton.next_power_of_2(num_kv_heads),
         HALF=head_dim // 2, HALF_PAD=triton.next_power_of_2(head_dim // 2), FP8=fp8,
-        PDL=pdl(q.device), launch_pdl=pdl(q.device))
+        PDL=launch_pdl, launch_pdl=launch_pdl)
     return out

@@ -67,15 +67,16 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, g_ptr, r_ptr, out_ptr, N, eps, K: tl.const
         if GATED:
             w_up = tl.load(w_ptr + N * K + rows + offs_k[None, :], mask=mask, other=0.0)
             acc_up += w_up.to(tl.float32) * x[None, :]
+    inv_rms = 1.0 / tl.sqrt(tl.sum(sumsq, 0) / K + eps)  # (used only if NORM)
     y = tl.sum(acc, 1)
     if NORM:
-        y = y / tl.sqrt(tl.sum(sumsq, 0) / K + eps)
+        y = y * inv_rms
     if HAS_BIAS:
         y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     if GATED:
         up = tl.sum(acc_up, 1)
         if NORM:
-            up = up / tl.sqrt(tl.sum(sumsq, 0) / K + eps)
+            up = up * inv_rms
         if HAS_BIAS:
             up += tl.load(b_ptr + N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         y = y / (1.0 + tl.exp(-y)) * up
@@ -98,8 +99,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         x, weight, bias, norm, residual, out, n, eps, K=k,
         NORM=norm is not None, GATED=gated, HAS_BIAS=bias is not None,
         HAS_RESIDUAL=residual is not None, BLOCK_N=block_n, BLOCK_K=block_k, UNROLL=unroll,
-        PDL=launch_pdl,
-        num_warps=num_warps, num_stages=num_stages, launch_pdl=launch_pdl)
+        PDL=launch_pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=launch_pdl)
     return out
 
 
