@@ -67,3 +67,23 @@ def test_gemv_real_shapes(n, k, gated):
     args = make(1, n, k, torch.bfloat16, not gated or k == 4096, False, gated, k == 14336, seed=n)
     ref = reference(args)
     check(tri.linear(**args), ref, torch.bfloat16)
+
+
+@pytest.mark.parametrize("m", [2, 5, 17])
+@pytest.mark.parametrize("norm,bias,gated,residual", FLAGS)
+def test_small_m_matches_torch_ref(m, norm, bias, gated, residual):
+    """The tensor-core kernel for decode batches; N and K off the block multiples."""
+    args = make(m, 40, 96, torch.bfloat16, norm, bias, gated, residual, seed=m + int(gated))
+    ref = reference(args)
+    got = tri.small_m_linear(**args, config=(32, 64, 4, 2))
+    assert got.shape == (m, 40)
+    check(got, ref, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [2, 24, 64])
+@pytest.mark.parametrize("n,k,gated", [(6144, 4096, False), (14336, 4096, True)])
+def test_small_m_real_shapes(m, n, k, gated):
+    args = make(m, n, k, torch.bfloat16, True, False, gated, False, seed=n + m)
+    ref = reference(args)
+    check(tri.linear(**args), ref, torch.bfloat16)

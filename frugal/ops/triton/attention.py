@@ -32,6 +32,18 @@ _DECODE_LAUNCH = {"num_warps": 4, "num_stages": 3}  # Triton's defaults, measure
 
 
 @triton.jit
+def _dot_dtype(q, DOT_F32: tl.constexpr, FP8: tl.constexpr):
+    """q in the dtype the products run in (K/V tiles are cast to it): fp32 in the interpreter;
+    for an FP8 cache fp16, as FP8 widens to fp16 exactly in one instruction per two values
+    (to bf16 it takes several; measured 1.1x faster at B=64, L=4096), q saturated to its range."""
+    if DOT_F32:
+        q = q.to(tl.float32)
+    elif FP8:
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+    return q
+
+
+@triton.jit
 def _load_kv(k_cache_ptr, v_cache_ptr, table_ptr, pos, n_mask, d, d_mask, kv_head, q,
              NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
              DOT_F32: tl.constexpr):
@@ -103,8 +115,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, scales_ptr, page_table_ptr, 
     d_mask = d < HEAD_DIM
     q = tl.load(q_ptr + (row * NUM_HEADS + heads)[:, None] * HEAD_DIM + d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)
-    if DOT_F32:
-        q = q.to(tl.float32)
+    q = _dot_dtype(q, DOT_F32, FP8)
     qk_scale = scale * 1.4426950408889634
     v_scale = 1.0
     if FP8:
@@ -186,8 +197,7 @@ def _extend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, scales_ptr, page_table_ptr, 
         q_pos = seq_len - num_new + i  # absolute position of each new token
         q = tl.load(q_ptr + ((start + i) * NUM_HEADS + head)[:, None] * HEAD_DIM + d[None, :],
                     mask=i_mask[:, None] & d_mask[None, :], other=0.0)
-        if DOT_F32:
-            q = q.to(tl.float32)
+        q = _dot_dtype(q, DOT_F32, FP8)
         qk_scale = scale * 1.4426950408889634
         v_scale = 1.0
         if FP8:

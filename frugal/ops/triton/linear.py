@@ -1,15 +1,20 @@
 """Matmuls with their neighbours fused. Same signature as frugal.ops.torch_ref.linear.
 
-Many tokens (prefill, decode batches): cuBLAS, with the RMSNorm before it as its own kernel and
-the residual add as cuBLAS's epilogue (addmm, in place). One token (decode at batch 1): a Triton
-GEMV that streams the weight once and fuses the rest: the RMSNorm of x is folded in (x·g is
-accumulated with Σx² and the row's 1/rms multiplies the result), as are the bias, SiLU(gate)·up
-(gate and up rows of one output read side by side) and the residual add. A decode layer is then
-four matmul kernels and nothing between them but attention; cuBLAS at one row also adds a
-split-K reduction kernel per matmul.
+One token (decode at batch 1): a Triton GEMV that streams the weight once and fuses the rest:
+the RMSNorm of x is folded in (x·g is accumulated with Σx² and the row's 1/rms multiplies the
+result), as are the bias, SiLU(gate)·up (gate and up rows of one output read side by side) and
+the residual add. A decode layer is then four matmul kernels and nothing between them but
+attention; cuBLAS at one row also adds a split-K reduction kernel per matmul.
+
+A decode batch (2..64 tokens): gate_up runs as a Triton tensor-core kernel with SiLU·mul as its
+epilogue (one program holds all the rows, so there is no split-K to reduce first); the other
+matmuls, and prefill, run on cuBLAS, with the RMSNorm as its own kernel and the residual add as
+cuBLAS's epilogue (addmm, in place).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -19,8 +24,11 @@ import triton.language as tl
 from frugal.ops.triton.elementwise import rms_norm, silu_and_mul
 from frugal.ops.triton.launch import pdl
 
-# Rows of x up to which the GEMV runs (it reads the weight once per row beyond that).
+# Rows of x up to which the GEMV runs (it reads the weight once per row beyond that), and the
+# fused tensor-core kernel (one tile of rows).
 GEMV_MAX_M = 1
+SMALL_M_MAX = 64
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _gemv_config(n: int, k: int, gated: bool) -> tuple[int, int, int, int, int]:
@@ -85,6 +93,95 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, g_ptr, r_ptr, out_ptr, N, eps, K: tl.const
     tl.store(out_ptr + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
+def _small_m_config(n: int, k: int, gated: bool) -> tuple[int, ...] | None:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) of the tensor-core kernel for 2..64 rows, or
+    None where cuBLAS is as fast: `benchmarks/linear.py --tokens 64 --sweep` on the H200."""
+    if not gated:
+        return None  # qkv, o, down: cuBLAS (the residual add is its epilogue)
+    return (64, 128, 4, 4)
+
+
+@triton.jit
+def _small_m_kernel(x_ptr, w_ptr, b_ptr, r_ptr, out_ptr, M, N, K: tl.constexpr,
+                    GATED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                    EVEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr):
+    """out[m, n] = epilogue(Σ_k x[m, k] · w[n, k]) for all M (<= BLOCK_M) rows and one block
+    of BLOCK_N outputs, on tensor cores; weight layout and epilogue as in _gemv_kernel.
+    EVEN: N and K are multiples of the blocks (unmasked weight loads, which pipeline better).
+    DOT_F32: products in fp32 (the CPU interpreter's bf16 dot is wrong)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + offs_m[:, None] * K + offs_k[None, :]
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = (k0 + offs_k) < K
+        x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        if EVEN:
+            w = tl.load(w_ptrs)
+        else:
+            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        if DOT_F32:
+            x = x.to(tl.float32)
+            w = w.to(tl.float32)
+        acc = tl.dot(x, tl.trans(w), acc)
+        if GATED:
+            if EVEN:
+                w_up = tl.load(w_ptrs + N * K)
+            else:
+                w_up = tl.load(w_ptrs + N * K, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            if DOT_F32:
+                w_up = w_up.to(tl.float32)
+            acc_up = tl.dot(x, tl.trans(w_up), acc_up)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    y = acc
+    if HAS_BIAS:
+        y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    if GATED:
+        up = acc_up
+        if HAS_BIAS:
+            up += tl.load(b_ptr + N + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        y = y / (1.0 + tl.exp(-y)) * up
+    out_offs = offs_m[:, None] * N + offs_n[None, :]
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    if HAS_RESIDUAL:
+        y += tl.load(r_ptr + out_offs, mask=out_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + out_offs, y.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                   norm: torch.Tensor | None = None, eps: float = 0.0, gated: bool = False,
+                   residual: torch.Tensor | None = None, config: tuple[int, ...] | None = None
+                   ) -> torch.Tensor:
+    """x: [M <= 64, K]; weight: [N (2N if gated), K] -> [M, N]. See linear (the RMSNorm, if
+    any, runs as its own kernel first: applied inside, it would keep x's loads out of the
+    software pipeline)."""
+    if norm is not None:
+        x = rms_norm(x, norm, eps)
+    x = x.contiguous()
+    m, k = x.shape
+    n = weight.shape[0] // 2 if gated else weight.shape[0]
+    block_n, block_k, num_warps, num_stages = config or _small_m_config(n, k, gated) or (
+        64, 128, 4, 4)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    launch_pdl = pdl(x.device)
+    _small_m_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, bias, residual, out, m, n, K=k, GATED=gated, HAS_BIAS=bias is not None,
+        HAS_RESIDUAL=residual is not None, EVEN=n % block_n == 0 and k % block_k == 0,
+        BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k,
+        DOT_F32=_INTERPRET, PDL=launch_pdl, num_warps=num_warps, num_stages=num_stages,
+        launch_pdl=launch_pdl)
+    return out
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          norm: torch.Tensor | None = None, eps: float = 0.0, gated: bool = False,
          residual: torch.Tensor | None = None, config: tuple[int, ...] | None = None
@@ -110,8 +207,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     rms_norm(x)·norm first if norm is given, silu(gate)·up of the two output halves if gated,
     plus residual ([num_tokens, out]) last. The residual is handed over: the sum may be written
     into its storage (cuBLAS then adds in place instead of copying it first)."""
-    if 0 < x.shape[0] <= GEMV_MAX_M and x.dtype != torch.float32 and x.is_contiguous():
-        return gemv(x, weight, bias, norm, eps, gated, residual)
+    m = x.shape[0]
+    if 0 < m <= SMALL_M_MAX and x.dtype != torch.float32 and x.is_contiguous():
+        if m <= GEMV_MAX_M:
+            return gemv(x, weight, bias, norm, eps, gated, residual)
+        n = weight.shape[0] // 2 if gated else weight.shape[0]
+        config = _small_m_config(n, x.shape[1], gated)
+        if config is not None:
+            return small_m_linear(x, weight, bias, norm, eps, gated, residual, config)
     if norm is not None:
         x = rms_norm(x, norm, eps)
     if gated:
