@@ -162,6 +162,9 @@ class CacheConfig:
     kv_cache_dtype fp8_e4m3 (alias fp8) stores K and V as FP8 with a scale per layer, KV head
     and K/V, taken from the checkpoint, else from kv_scales_path (`frugal calibrate-kv`), else
     calibrated at start-up on text the model writes (or on calibration_file).
+
+    kv_integrity: before every step, check on the device that each request's pages still carry
+    the tags they had when it got them, and abort only the requests whose pages do not.
     """
 
     page_size: int = 16
@@ -170,6 +173,7 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"
     kv_scales_path: str | None = None
     calibration_file: str | None = None
+    kv_integrity: bool = True
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):

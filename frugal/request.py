@@ -15,6 +15,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or max_model_len reached
     ABORT = "abort"  # aborted by the caller
+    ERROR = "error"  # failed by the engine (its KV pages failed the integrity check)
 
     def __str__(self) -> str:
         return self.value
@@ -107,6 +108,7 @@ class CompletionOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, when asked for
+    error: str | None = None  # why, when finish_reason is "error"
 
     @property
     def finished(self) -> bool:
@@ -158,6 +160,7 @@ class Request:
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=lambda: [None])
     prompt_logprobs_rows: list[torch.Tensor] = field(default_factory=list)
     num_prompt_scored: int = 0  # prompt tokens 1..num_prompt_scored have their scores recorded
+    error: str | None = None  # set with FinishReason.ERROR
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -43,6 +43,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--calibration-file", default=None,
                    help="text to calibrate FP8 KV scales on at start-up (default: text the "
                         "model writes from built-in prompts)")
+    g.add_argument("--kv-integrity", default="on", choices=["on", "off"],
+                   help="check before every step that each request's KV pages are still its "
+                        "own (per-page tags); a request that fails is aborted alone")
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="token budget of one step (prefill chunks + decodes)")
@@ -59,7 +62,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                           gpu_memory_utilization=args.gpu_memory_utilization,
                           kv_cache_dtype=args.kv_cache_dtype,
                           kv_scales_path=args.kv_scales_path,
-                          calibration_file=args.calibration_file),
+                          calibration_file=args.calibration_file,
+                          kv_integrity=args.kv_integrity == "on"),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_model_len=args.max_model_len))

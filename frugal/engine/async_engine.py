@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from frugal.engine.llm_engine import LLMEngine
+from frugal.kv_cache.page_allocator import IntegrityError
 from frugal.request import RequestOutput, SamplingParams
 from frugal.server.metrics import Metrics
 
@@ -156,6 +157,14 @@ class AsyncEngine:
         if sink is None:
             return
         m = self.metrics
+        completion = output.outputs[0]
+        if completion.finish_reason == "error":  # the server's fault: a 500 or an error event
+            del self._sinks[output.request_id]
+            if m is not None:
+                m.errored.inc()
+                m.kv_integrity_failures.inc()
+            self._send(sink, IntegrityError(completion.error))
+            return
         if m is not None:
             if sink.last_token is None:
                 m.ttft.observe(now - sink.arrival)

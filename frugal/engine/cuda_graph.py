@@ -4,7 +4,9 @@ A decode step of B requests (one new token each) runs the graph of the smallest 
 >= B. The graph reads static input buffers; rows past B are padding: slot -1 (their K/V is not
 stored) and context length 0 (their attention reads nothing), so they touch no real page. The
 attention launch grid is sized for max_model_len when capturing; the Triton decode kernel finds
-each request's slice of the context from its seq_len at run time.
+each request's slice of the context from its seq_len at run time. With tags (the pool's page
+tags), every graph starts with the KV-cache integrity check (ops.check_kv_pages), so a decode
+step stays one replay.
 """
 
 from __future__ import annotations
@@ -34,14 +36,16 @@ class DecodeGraphs:
     """Captured decode graphs of one model; `run` replays the one that fits a step.
 
     Static buffers (device): input_ids, positions, slots [max_bs] int64; seq_lens [max_bs] int32;
-    cu_seqlens [max_bs + 1] int32 = 0..max_bs; page_table [max_bs, max_pages] int32;
+    cu_seqlens [max_bs + 1] int32 = 0..max_bs; page_table, page_tags [max_bs, max_pages] int32;
     logits [max_bs, vocab] in the model's dtype (as the LM head computes them), the output of
-    every graph.
+    every graph, and with tags each graph's integrity status [bs, 4] int32.
     """
 
     def __init__(self, model: nn.Module, backend: ModuleType, max_bs: int, max_model_len: int,
-                 page_size: int, vocab_size: int, dtype: torch.dtype, device: str) -> None:
+                 page_size: int, vocab_size: int, dtype: torch.dtype, device: str,
+                 tags: torch.Tensor | None = None) -> None:
         self.model, self.backend = model, backend
+        self.page_size, self.tags = page_size, tags
         self.sizes = capture_sizes(max_bs)
         self.max_bs = self.sizes[-1]
         self.max_pages = -(-max_model_len // page_size)
@@ -53,8 +57,10 @@ class DecodeGraphs:
             self.seq_lens = torch.zeros(max_bs, dtype=torch.int32)
             self.cu_seqlens = torch.arange(max_bs + 1, dtype=torch.int32)
             self.page_table = torch.zeros(max_bs, self.max_pages, dtype=torch.int32)
+            self.page_tags = torch.zeros(max_bs, self.max_pages, dtype=torch.int32)
             self.logits = torch.zeros(max_bs, vocab_size, dtype=dtype)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.status: dict[int, torch.Tensor | None] = {}
         start, before = time.perf_counter(), torch.cuda.memory_reserved(device)
         pool = None
         for bs in reversed(self.sizes):  # the largest first: smaller ones reuse its memory
@@ -62,7 +68,7 @@ class DecodeGraphs:
             torch.cuda.synchronize(device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self._forward(bs)
+                self.status[bs] = self._forward(bs)
             pool = graph.pool()
             self.graphs[bs] = graph
         torch.cuda.synchronize(device)
@@ -71,20 +77,27 @@ class DecodeGraphs:
                     len(self.sizes), self.max_bs, time.perf_counter() - start,
                     self.num_bytes / 2**30)
 
-    def _forward(self, bs: int) -> None:
+    def _forward(self, bs: int) -> torch.Tensor | None:
         meta = AttentionMetadata(self.slots[:bs], self.page_table[:bs], self.cu_seqlens[:bs + 1],
                                  self.seq_lens[:bs], max_query_len=1, max_seq_len=self.max_seq_len)
+        status = None
         with ops.use(self.backend):
+            if self.tags is not None:
+                status = ops.check_kv_pages(meta.page_table, self.page_tags[:bs], self.tags,
+                                            meta.seq_lens, meta.cu_seqlens_q, meta.slot_mapping,
+                                            self.page_size)
             hidden = self.model(self.input_ids[:bs], self.positions[:bs], meta)
             self.logits[:bs].copy_(self.model.compute_logits(hidden, upcast=False))
+        return status
 
     def fits(self, inputs: StepInputs) -> bool:
         return (inputs.decode and inputs.num_requests <= self.max_bs
                 and inputs.meta.page_table.shape[1] <= self.max_pages)
 
-    def run(self, inputs: StepInputs) -> torch.Tensor:
+    def run(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits of every request of a decode step: [num_requests, vocab] in the model's dtype,
-        a view of the static output valid until the next run."""
+        and with tags the integrity status [num_requests, 4]: views of static outputs valid
+        until the next run."""
         b = inputs.num_requests
         bs = self.sizes[bisect.bisect_left(self.sizes, b)]
         meta = inputs.meta
@@ -93,8 +106,12 @@ class DecodeGraphs:
         self.slots[:b].copy_(meta.slot_mapping, non_blocking=True)
         self.seq_lens[:b].copy_(meta.seq_lens, non_blocking=True)
         self.page_table[:b, :meta.page_table.shape[1]].copy_(meta.page_table, non_blocking=True)
+        if self.tags is not None:
+            self.page_tags[:b, :meta.page_table.shape[1]].copy_(inputs.page_tags,
+                                                                non_blocking=True)
         if bs > b:
             self.slots[b:bs].fill_(-1)
             self.seq_lens[b:bs].zero_()
         self.graphs[bs].replay()
-        return self.logits[:b]
+        status = self.status[bs]
+        return self.logits[:b], None if status is None else status[:b]

@@ -11,7 +11,6 @@ from frugal.config import EngineConfig
 from frugal.engine.detokenizer import IncrementalDetokenizer, find_stop
 from frugal.engine.model_runner import Launched, ModelRunner, StepResult
 from frugal.engine.scheduler import Scheduler, SchedulerOutput
-from frugal.kv_cache.page_allocator import PageAllocator
 from frugal.loader import open_checkpoint
 from frugal.request import (
     CompletionOutput,
@@ -42,7 +41,7 @@ class LLMEngine:
         if self.max_model_len < wanted:
             logger.warning("max_model_len lowered from %d to %d: the KV cache holds no more",
                            wanted, self.max_model_len)
-        self.scheduler = Scheduler(PageAllocator(pool.num_pages), pool.page_size,
+        self.scheduler = Scheduler(self.runner.allocator, pool.page_size,
                                    config.scheduler.max_num_seqs,
                                    config.scheduler.max_num_batched_tokens)
         self.eos_token_ids = set(self.runner.sampler.eos_token_ids)
@@ -50,6 +49,7 @@ class LLMEngine:
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
         self.num_preemptions = 0  # total, for metrics
+        self.num_integrity_failures = 0  # requests failed by the KV-cache integrity check
         self.overlap = config.overlap_schedule
         self._inflight: Launched | None = None  # a decode step launched ahead (see step)
 
@@ -154,12 +154,13 @@ class LLMEngine:
     def _apply(self, step: Launched, result: StepResult) -> list[RequestOutput]:
         """Record a finished step in its requests (skipping those finished meanwhile)."""
         out = step.out
+        outputs = [self._fail(request, message) for request, message in result.failures
+                   if not request.finished]
         for i, scores in result.prompt_logprobs.items():
             out.requests[i].record_prompt_scores(scores.first, scores.entries, scores.tensor)
         for request, n in zip(out.requests, out.num_new_tokens):
             if not request.finished:
                 request.num_computed_tokens += n
-        outputs = []
         for j, (i, token) in enumerate(zip(result.sampled, result.tokens)):
             request = out.requests[i]
             if request.finished:
@@ -174,6 +175,16 @@ class LLMEngine:
                 self.scheduler.finish(request, reason)
                 outputs.append(self._release(request))
         return outputs
+
+    def _fail(self, request: Request, message: str) -> RequestOutput:
+        """Abort a request whose pages failed the integrity check; nothing else is touched."""
+        pages = [ref.page_id for ref in request.page_table]
+        freed = self.scheduler.fail(request)
+        request.error = message
+        self.num_integrity_failures += 1
+        logger.error("request %s failed: %s (its pages: %s; %d pages back in the free list)",
+                     request.request_id, message, pages, freed)
+        return self._release(request)
 
     def _check_stop(self, request: Request, token: int) -> FinishReason | None:
         params = request.params
@@ -216,7 +227,7 @@ class LLMEngine:
         completion = CompletionOutput(
             0, text, list(request.output_token_ids),
             str(request.finish_reason) if request.finished else None, request.stop_reason,
-            list(request.logprobs) if params.logprobs is not None else None)
+            list(request.logprobs) if params.logprobs is not None else None, request.error)
         prompt_logprobs = prompt_tensor = None
         if request.num_prompt_scored == request.num_prompt_tokens - 1:
             if params.prompt_logprobs is not None:

@@ -17,6 +17,7 @@ from frugal.engine.memory import LOGITS_ROWS, kv_budget
 from frugal.engine.sampler import Sampler, token_logprobs
 from frugal.engine.scheduler import SchedulerOutput
 from frugal.engine.step_inputs import StepInputs, prepare
+from frugal.kv_cache.page_allocator import PageAllocator
 from frugal.kv_cache.pool import KVPool
 from frugal.loader import Checkpoint
 from frugal.models.registry import model_class
@@ -28,18 +29,22 @@ logger = logging.getLogger("frugal")
 @dataclass
 class StepResult:
     """What one step produced. sampled[i] indexes SchedulerOutput.requests and got tokens[i];
-    logprobs and prompt_logprobs are keyed by position in sampled and in requests."""
+    logprobs and prompt_logprobs are keyed by position in sampled and in requests. failures:
+    requests whose pages failed the integrity check (in this step or, for steps that sampled
+    nothing, an earlier one), with the message; their tokens are garbage to be dropped."""
 
     sampled: list[int]
     tokens: list[int] = field(default_factory=list)
     logprobs: dict[int, TokenLogprob] = field(default_factory=dict)
     prompt_logprobs: dict[int, PromptScores] = field(default_factory=dict)
+    failures: list[tuple[Request, str]] = field(default_factory=list)
 
 
 @dataclass
 class Launched:
-    """A step queued on the device: its inputs, its sampled tokens (device; a pinned host copy
-    and an event on CUDA), and what finish() may still need (logits, hidden states)."""
+    """A step queued on the device: its inputs, its sampled tokens and integrity status
+    (device; pinned host copies and an event on CUDA), and what finish() may still need
+    (logits, hidden states)."""
 
     out: SchedulerOutput
     inputs: StepInputs
@@ -47,6 +52,8 @@ class Launched:
     logits: torch.Tensor | None = None
     tokens: torch.Tensor | None = None
     host_tokens: torch.Tensor | None = None
+    status: torch.Tensor | None = None  # [num_requests, 4], see ops.check_kv_pages
+    host_status: torch.Tensor | None = None
     done: torch.cuda.Event | None = None
 
 
@@ -96,6 +103,8 @@ class ModelRunner:
         eos = tokenizer.eos_token_ids if tokenizer is not None else list(mc.eos_token_ids)
         self.sampler = Sampler(self.device, config.seed, eos)
         self.graphs: DecodeGraphs | None = None
+        self.integrity = False  # (the FP8 calibration below runs steps unchecked)
+        self._unread: list[Launched] = []  # steps that sampled nothing, status not yet read
         cache = config.cache
         kv_dtype = self.dtype if cache.kv_cache_dtype == "auto" else KV_DTYPES[cache.kv_cache_dtype]
         scales = None
@@ -113,6 +122,7 @@ class ModelRunner:
                              f"({page_bytes} bytes)")
         self.pool = KVPool(mc.num_layers, num_pages, cache.page_size, mc.num_kv_heads,
                            mc.head_dim, kv_dtype, self.device)
+        self.allocator = PageAllocator(num_pages)
         if scales is not None:
             self.pool.scales = scales.values.to(self.device)
             self.pool.scales_source = scales.source
@@ -127,11 +137,24 @@ class ModelRunner:
                     self.kv_capacity_ratio, str(self.dtype).removeprefix("torch."))
         self.max_model_len = min(config.scheduler.max_model_len or mc.max_position_embeddings,
                                  mc.max_position_embeddings, self.pool.capacity_tokens)
+        self._graph_sets: dict[bool, DecodeGraphs] = {}
+        self.set_integrity(cache.kv_integrity)
+
+    def set_integrity(self, on: bool) -> None:
+        """Turn the integrity check on or off between steps (benchmarks compare the two in one
+        process). Each mode has its own decode graphs, captured on first use."""
+        if on and not self.integrity:  # the device tags went stale while off
+            self.allocator.take_tag_updates()
+            self.pool.tags.copy_(torch.tensor(self.allocator.tags, dtype=torch.int32))
+        self.integrity = on
         if self.use_graphs:
-            max_bs = min(config.cuda_graph_max_bs, config.scheduler.max_num_seqs)
-            self.graphs = DecodeGraphs(self.model, self.backend, max_bs, self.max_model_len,
-                                       cache.page_size, mc.vocab_size, self.dtype,
-                                       self.device)
+            if on not in self._graph_sets:
+                c = self.config
+                self._graph_sets[on] = DecodeGraphs(
+                    self.model, self.backend, min(c.cuda_graph_max_bs, c.scheduler.max_num_seqs),
+                    self.max_model_len, c.cache.page_size, self.model_config.vocab_size,
+                    self.dtype, self.device, self.pool.tags if on else None)
+            self.graphs = self._graph_sets[on]
 
     def bind_cache(self, pool: KVPool) -> None:
         for i, attn in enumerate(self.model.attention_layers()):
@@ -162,27 +185,44 @@ class ModelRunner:
         after: the step still in flight that this decode step follows (see can_follow); its
         sampled tokens become this step's inputs on the device.
         """
+        check = self.integrity
         inputs = prepare(out, self.pool.page_size, self.device,
-                         next_tokens=None if after is None else after.tokens)
+                         next_tokens=None if after is None else after.tokens, check=check,
+                         tag_updates=self.allocator.take_tag_updates() if check else None)
         step = Launched(out, inputs)
+        if inputs.tag_updates is not None:
+            self.pool.tags.index_copy_(0, *inputs.tag_updates)
         if (self.graphs is not None and self.graphs.fits(inputs)
                 and not any(_scores_prompt(r) for r in out.requests)):
-            logits = self.graphs.run(inputs)
+            logits, step.status = self.graphs.run(inputs)
             if len(inputs.sampled) < inputs.num_requests:
                 logits = logits[inputs.logits_indices]
         else:
+            if check:
+                step.status = self._check(inputs)
             step.hidden = self.forward(inputs)
             logits = self.compute_logits(step.hidden[inputs.logits_indices])
         if inputs.sampled:
             step.logits = logits
             step.tokens = self.sampler(logits, [out.requests[i] for i in inputs.sampled])
-            if self.device.startswith("cuda"):  # the one device-to-host copy of a step
-                step.host_tokens = torch.empty(step.tokens.shape, dtype=torch.int64,
-                                               pin_memory=True)
-                step.host_tokens.copy_(step.tokens, non_blocking=True)
-                step.done = torch.cuda.Event()
-                step.done.record()
+        if self.device.startswith("cuda") and (inputs.sampled or step.status is not None):
+            # the device-to-host copies of a step (tokens and integrity status), one event
+            for name in ("tokens", "status"):
+                src = getattr(step, name)
+                if src is not None:
+                    host = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+                    host.copy_(src, non_blocking=True)
+                    setattr(step, "host_" + name, host)
+            step.done = torch.cuda.Event()
+            step.done.record()
         return step
+
+    def _check(self, inputs: StepInputs) -> torch.Tensor:
+        meta = inputs.meta
+        with ops.use(self.backend):
+            return ops.check_kv_pages(meta.page_table, inputs.page_tags, self.pool.tags,
+                                      meta.seq_lens, meta.cu_seqlens_q, meta.slot_mapping,
+                                      self.pool.page_size)
 
     def can_follow(self, step: Launched) -> bool:
         """Whether the next decode step of the same requests may be launched before this one's
@@ -205,6 +245,19 @@ class ModelRunner:
                 result.tokens = step.host_tokens.tolist()
             else:
                 result.tokens = step.tokens.tolist()
+        if step.status is not None:
+            # a step that sampled nothing is not waited for: its status is read once done (at
+            # the latest with the next step that samples, which waits anyway)
+            self._unread.append(step)
+        waited = bool(inputs.sampled) or step.done is None
+        unread = []
+        for earlier in self._unread:
+            if waited or earlier.done.query():
+                result.failures += _failures(earlier)
+            else:
+                unread.append(earlier)
+        self._unread = unread
+        if inputs.sampled:
             requests = [out.requests[i] for i in inputs.sampled]
             wanted = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
             if wanted:
@@ -244,6 +297,14 @@ class ModelRunner:
         if rows:
             scores.tensor = torch.cat(rows)
         return scores
+
+
+def _failures(step: Launched) -> list[tuple[Request, str]]:
+    """The requests of a finished step whose pages failed the integrity check."""
+    status = step.host_status if step.host_status is not None else step.status
+    return [(step.out.requests[i], f"KV cache integrity check failed: page {page} expected tag "
+             f"{expected}, found {found}")
+            for i, (failed, page, expected, found) in enumerate(status.tolist()) if failed]
 
 
 def _scores_prompt(request: Request) -> bool:

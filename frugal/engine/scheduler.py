@@ -132,6 +132,20 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
 
+    def fail(self, request: Request) -> int:
+        """Finish a request whose pages failed the integrity check. Its page table cannot be
+        trusted, so instead of freeing it the allocator recounts every page from the other
+        live tables (see PageAllocator.rebuild). Returns how many pages became free."""
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+        request.page_table = []
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = FinishReason.ERROR
+        self.ahead.discard(request.request_id)
+        return self.allocator.rebuild(r.page_table for r in self.running)
+
     def check_integrity(self) -> None:
         """Walk all bookkeeping between steps; raises IntegrityError on the first contradiction."""
         for request in self.waiting:

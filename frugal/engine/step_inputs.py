@@ -18,6 +18,9 @@ class StepInputs:
     hidden states to sample from (the last new token of each request whose computed tokens reach
     its num_tokens). sampled: indices into SchedulerOutput.requests that sample this step.
     cu_seqlens: host copy of meta.cu_seqlens_q. decode: every request has one new token.
+    page_tags: [num_requests, max_pages] int32, the tag each page-table entry had when its
+    request got the page (None when the step runs no integrity check); tag_updates: (page ids
+    int64, new tags int32) of pages handed out since the last step, or None.
     """
 
     input_ids: torch.Tensor
@@ -27,6 +30,8 @@ class StepInputs:
     sampled: list[int]
     cu_seqlens: list[int]
     decode: bool
+    page_tags: torch.Tensor | None = None
+    tag_updates: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_requests(self) -> int:
@@ -34,12 +39,16 @@ class StepInputs:
 
 
 def prepare(out: SchedulerOutput, page_size: int, device: str,
-            next_tokens: torch.Tensor | None = None) -> StepInputs:
+            next_tokens: torch.Tensor | None = None, check: bool = False,
+            tag_updates: dict[int, int] | None = None) -> StepInputs:
     """Flatten the scheduled requests' new tokens into one batch.
 
     next_tokens: for a decode step launched before the previous step's tokens reached the host,
     those tokens ([num_requests] int64 on the device, in request order): each request then
     computes position num_computed_tokens + 1 with that token as input.
+
+    check: also upload each entry's expected tag (for ops.check_kv_pages); tag_updates: page ->
+    new tag, uploaded in the same buffers for the runner to apply to the pool's tags.
 
     The int64 fields travel in one pinned buffer and the int32 fields in another, each copied
     without blocking the host; nothing here waits for the device.
@@ -51,6 +60,9 @@ def prepare(out: SchedulerOutput, page_size: int, device: str,
     cu_seqlens, seq_lens, logits_indices, sampled = [0], [], [], []
     tables = [[ref.page_id for ref in r.page_table] for r in out.requests]
     width = max(len(t) for t in tables)
+    tags = [[ref.tag for ref in r.page_table] + [0] * (width - len(r.page_table))
+            for r in out.requests] if check else []
+    updates = tag_updates or {}
     decode = True
     for i, (request, n) in enumerate(zip(out.requests, out.num_new_tokens)):
         start = request.num_computed_tokens + ahead
@@ -72,19 +84,31 @@ def prepare(out: SchedulerOutput, page_size: int, device: str,
         if not decode or next_tokens.shape != (num_requests,):
             raise ValueError("next_tokens: only a decode step of the same requests follows")
         ids = [0] * num_tokens
-    longs = _upload(ids + positions + slots + logits_indices, torch.int64, device)
-    ints = _upload(cu_seqlens + seq_lens + [p for t in tables for p in t], torch.int32, device)
+    longs = _upload(ids + positions + slots + logits_indices + list(updates), torch.int64,
+                    device)
+    ints = _upload(cu_seqlens + seq_lens + [p for t in tables for p in t]
+                   + [t for row in tags for t in row] + list(updates.values()), torch.int32,
+                   device)
+    table_end = 2 * num_requests + 1 + num_requests * width
     meta = AttentionMetadata(
         slot_mapping=longs[2 * num_tokens:3 * num_tokens],
-        page_table=ints[2 * num_requests + 1:].view(num_requests, width),
+        page_table=ints[2 * num_requests + 1:table_end].view(num_requests, width),
         cu_seqlens_q=ints[:num_requests + 1],
         seq_lens=ints[num_requests + 1:2 * num_requests + 1],
         max_query_len=max(out.num_new_tokens),
         max_seq_len=max(seq_lens),
     )
     input_ids = longs[:num_tokens] if next_tokens is None else next_tokens
-    return StepInputs(input_ids, longs[num_tokens:2 * num_tokens], meta,
-                      longs[3 * num_tokens:], sampled, cu_seqlens, decode)
+    num_logits = len(logits_indices)
+    inputs = StepInputs(input_ids, longs[num_tokens:2 * num_tokens], meta,
+                        longs[3 * num_tokens:3 * num_tokens + num_logits], sampled, cu_seqlens,
+                        decode)
+    tags_end = table_end + (num_requests * width if check else 0)
+    if check:
+        inputs.page_tags = ints[table_end:tags_end].view(num_requests, width)
+    if updates:
+        inputs.tag_updates = (longs[3 * num_tokens + num_logits:], ints[tags_end:])
+    return inputs
 
 
 def _upload(values: list[int], dtype: torch.dtype, device: str) -> torch.Tensor:

@@ -3,7 +3,9 @@
 A tag is a page's generation: every time a page is handed out it gets a fresh tag from one global
 counter, so a (page_id, tag) pair names one lifetime of one page. A request's page table holds the
 pairs it was given; a pair whose tag no longer matches the page's tag is stale (the page was
-freed and handed out again), which is what the integrity checks look for.
+freed and handed out again), which is what the integrity checks look for: `check` here between
+steps, and on the device before every step (ops.check_kv_pages) against a copy of the tags that
+the model runner keeps up to date from `take_tag_updates`.
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ class IntegrityError(RuntimeError):
     """The bookkeeping contradicts itself: a bug, never a user error."""
 
 
+MAX_TAG = 2**31 - 1  # tags are int32 on the device; the counter wraps to 1 after this
+
+
 class PageAllocator:
     """Hands out pages of one KV pool.
 
@@ -44,6 +49,7 @@ class PageAllocator:
         self._refcount = [0] * num_pages
         self._tag = [0] * num_pages
         self._next_tag = 1
+        self._tag_updates: dict[int, int] = {}  # page -> new tag, since take_tag_updates
 
     @property
     def num_free(self) -> int:
@@ -65,9 +71,34 @@ class PageAllocator:
             page = self._free.popleft()
             self._refcount[page] = 1
             self._tag[page] = self._next_tag
-            self._next_tag += 1
+            self._tag_updates[page] = self._next_tag
+            self._next_tag = self._next_tag % MAX_TAG + 1
             refs.append(PageRef(page, self._tag[page]))
         return refs
+
+    def take_tag_updates(self) -> dict[int, int]:
+        """Pages whose tag changed since the last call, with their new tags."""
+        updates, self._tag_updates = self._tag_updates, {}
+        return updates
+
+    @property
+    def tags(self) -> list[int]:
+        return list(self._tag)
+
+    def rebuild(self, page_tables: Iterable[list[PageRef]]) -> int:
+        """Recount every page from the live page tables after an integrity failure, whatever
+        corrupted the bookkeeping (a page freed twice, a table entry pointing elsewhere, a page
+        handed out while still held): a page is used by the live entries that carry its current
+        tag, and free when there are none. Tags stay. Returns how many pages became free."""
+        before = len(self._free)
+        holders = [0] * self.num_pages
+        for table in page_tables:
+            for ref in table:
+                if self._tag[ref.page_id] == ref.tag:
+                    holders[ref.page_id] += 1
+        self._refcount = holders
+        self._free = deque(p for p in range(self.num_pages) if holders[p] == 0)
+        return len(self._free) - before
 
     def share(self, ref: PageRef) -> PageRef:
         """Add a holder to a used page (prefix sharing); the tag stays while it is shared."""

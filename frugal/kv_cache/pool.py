@@ -15,7 +15,8 @@ class KVPool:
     k[layer], v[layer]: [num_pages, page_size, num_kv_heads, head_dim] of `dtype`. A token's slot is
     page_id * page_size + offset; `k[layer].view(-1, num_kv_heads, head_dim)[slot]` is its key.
     An FP8 pool also has scales: [num_layers, 2, num_kv_heads] fp32 (K, V), set by its owner
-    before use, and scales_source saying where they came from.
+    before use, and scales_source saying where they came from. tags: [num_pages] int32, each
+    page's current tag (kv_cache.page_allocator), kept up to date by the model runner.
     """
 
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
@@ -30,6 +31,7 @@ class KVPool:
         self.k = [self._storage[i, 0] for i in range(num_layers)]
         self.v = [self._storage[i, 1] for i in range(num_layers)]
         self.dtype = dtype
+        self.tags = torch.zeros(num_pages, dtype=torch.int32, device=device)
         self.scales: torch.Tensor | None = None
         self.scales_source: str | None = None
 

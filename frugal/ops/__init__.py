@@ -14,7 +14,8 @@ from types import ModuleType
 
 from frugal.ops import torch_ref
 
-OPS = ("linear", "rms_norm", "silu_and_mul", "rotary_store_kv", "paged_attention")
+OPS = ("linear", "rms_norm", "silu_and_mul", "rotary_store_kv", "paged_attention",
+       "check_kv_pages")
 BACKENDS = {"torch_ref": "frugal.ops.torch_ref", "triton": "frugal.ops.triton"}
 
 
@@ -42,3 +43,4 @@ rms_norm = torch_ref.rms_norm
 silu_and_mul = torch_ref.silu_and_mul
 rotary_store_kv = torch_ref.rotary_store_kv
 paged_attention = torch_ref.paged_attention
+check_kv_pages = torch_ref.check_kv_pages

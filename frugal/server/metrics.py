@@ -42,6 +42,9 @@ class Metrics:
         self.model_name = model_name
         self.aborted = counter("frugal_requests_aborted", "Requests aborted (e.g. disconnects)")
         self.errored = counter("frugal_requests_errored", "Requests failed by an engine error")
+        self.kv_integrity_failures = counter(
+            "frugal_kv_integrity_failures",
+            "Requests aborted because their KV pages failed the integrity check")
         self.ttft = histogram("frugal_time_to_first_token_seconds", "Time to first token")
         self.itl = histogram("frugal_inter_token_latency_seconds", "Time between output tokens")
         self.e2e = histogram("frugal_e2e_request_latency_seconds", "Arrival to last token")

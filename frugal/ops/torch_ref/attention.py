@@ -70,7 +70,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     K/V must already be stored). New token i of request b sits at position seq_lens[b] - n_b + i and
     attends to positions <= its own. max_query_len, max_seq_len: host-side bounds of n_b and
     seq_lens (GPU kernels size their grids with them). Returns [num_tokens, num_heads, head_dim]
-    in q's dtype. kv_scales: [2, num_kv_heads] for an FP8 cache.
+    in q's dtype (zeros for a request with seq_len 0). kv_scales: [2, num_kv_heads] for an FP8
+    cache.
     """
     out = torch.empty_like(q)
     starts = cu_seqlens_q.tolist()
@@ -95,7 +96,10 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             page_table: torch.Tensor, seq_lens: torch.Tensor, max_len: int,
             scale: float, kv_scales: torch.Tensor | None) -> torch.Tensor:
     """q: [B, n, num_heads, head_dim], every request with the same n new tokens (the last n of its
-    context). Returns [B, n, num_heads, head_dim], computed in fp32."""
+    context). Returns [B, n, num_heads, head_dim], computed in fp32; zeros for a token with
+    nothing to attend to (seq_len 0: a request masked by the integrity check)."""
+    if max_len == 0:
+        return torch.zeros_like(q)
     batch, n, num_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -121,6 +125,7 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     out = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
                                          scale=scale)  # [B, Hkv, group * n, D]
     out = out.reshape(batch, num_kv_heads, group, n, head_dim).permute(0, 3, 1, 2, 4)
+    out = torch.where(allowed.any(-1)[:, :, None, None, None], out, 0.0)
     return out.reshape(batch, n, num_heads, head_dim).to(q.dtype)
 
 

@@ -1,0 +1,111 @@
+"""KV-cache integrity: each fault class (kv_cache.faults) fails its victim alone, with a clear
+error; every other request's greedy output is byte-identical to a run without the fault; the
+pool is whole again afterwards and the engine keeps serving. With the check off, the same fault
+silently changes the victim's output (so the test would notice if the check did nothing)."""
+
+import re
+
+import pytest
+import torch
+
+from frugal import LLM, SamplingParams
+from frugal.kv_cache import faults
+
+PROMPTS = ["The capital of France is", "Write a haiku about the sea.",
+           "Explain in two sentences why the sky is blue.", "List three uses of a paperclip.",
+           "Once upon a time, in a small village by the mountains,"]
+LATE = "A recipe for pancakes: first, mix flour, milk and two eggs, then"  # > 16 tokens
+MESSAGE = re.compile(r"KV cache integrity check failed: page \d+ expected tag \d+, found \d+")
+INJECT_AT = 3  # after the prefill and two decode steps
+
+
+def steal_first_page(engine, requests):
+    faults.reuse_while_held(engine.scheduler.allocator, requests["0"].page_table[0])
+
+
+def redirect_first_page(engine, requests):
+    faults.redirect(requests["0"].page_table, 0, requests["1"].page_table[0])
+
+
+def free_twice(engine, requests):
+    allocator = engine.scheduler.allocator
+    faults.double_free(allocator, allocator._free[0])
+
+
+FAULTS = {"reuse_while_held": steal_first_page, "redirect": redirect_first_page,
+          "double_free": free_twice}
+
+
+def run(engine, fault=None):
+    """PROMPTS from the start, LATE joining at step INJECT_AT (right after the fault, so its
+    prefill takes the pages the fault left at the head of the free list). Returns
+    {request id: (token ids, finish reason, error)}."""
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(p, params, request_id=str(i))
+    results, steps = {}, 0
+    while engine.has_unfinished_requests():
+        if steps == INJECT_AT:
+            if fault is not None:
+                fault(engine, engine._requests)
+            engine.add_request(LATE, params, request_id="late")
+        for out in engine.step():
+            if out.finished:
+                c = out.outputs[0]
+                results[out.request_id] = (c.token_ids, c.finish_reason, c.error)
+        steps += 1
+    return results
+
+
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def engine(request, llm):
+    if request.param == "cpu":
+        return llm.engine
+    return LLM(dtype="float32", device="cuda", kv_cache_memory="512MiB").engine
+
+
+@pytest.fixture(scope="module")
+def baseline(engine):
+    return run(engine)
+
+
+@pytest.mark.parametrize("kind", list(FAULTS))
+def test_fault_fails_only_its_victim(engine, baseline, kind):
+    allocator, runner = engine.scheduler.allocator, engine.runner
+    failures = engine.num_integrity_failures
+    got = run(engine, FAULTS[kind])
+    failed = [rid for rid, (_, reason, _) in got.items() if reason == "error"]
+    assert len(failed) == 1, got
+    victim = failed[0]
+    assert MESSAGE.fullmatch(got[victim][2])
+    assert engine.num_integrity_failures == failures + 1
+    for rid, (tokens, reason, _) in got.items():
+        if rid != victim:
+            assert (tokens, reason) == baseline[rid][:2], rid
+    assert allocator.num_free == allocator.num_pages  # nothing leaked, nothing freed twice
+    allocator.check([])
+    again = run(engine)  # the engine keeps serving, with the same results as before
+    assert {k: v[:2] for k, v in again.items()} == {k: v[:2] for k, v in baseline.items()}
+
+    # Without the check (and without the host allocator's own checks at free time, as in the
+    # engines that have neither) the fault goes unnoticed.
+    runner.set_integrity(False)
+    allocator._check_live = lambda ref, what: None
+    try:
+        unchecked = run(engine, FAULTS[kind])
+    finally:
+        del allocator._check_live
+        runner.set_integrity(True)
+        allocator.rebuild([])  # the unchecked fault left the books corrupt
+    assert all(reason != "error" for _, reason, _ in unchecked.values())
+    assert unchecked[victim][0] != baseline[victim][0]  # silent corruption without the check
+
+
+def test_check_off_costs_nothing_and_changes_nothing(engine, baseline):
+    engine.runner.set_integrity(False)
+    try:
+        got = run(engine)
+    finally:
+        engine.runner.set_integrity(True)
+    assert {k: v[:2] for k, v in got.items()} == {k: v[:2] for k, v in baseline.items()}
+    assert engine.runner.pool.tags.dtype == torch.int32
