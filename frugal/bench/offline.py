@@ -4,7 +4,8 @@ Each concurrency c submits c random prompts of --input-len tokens at once, each 
 --output-len tokens (ignore_eos, greedy), and reports throughput, TTFT, inter-token latency, the
 KV pages used and the roofline bound of the workload with the fraction achieved. `--peer hf`
 measures HF transformers `generate` on the same checkpoint (or the same random-weight shape), the
-same prompts and the same device in the same run.
+same prompts and the same device in the same run. `--compare-kv-integrity` runs the engine with
+the KV-cache integrity check on and off, interleaved, and reports the change.
 """
 
 from __future__ import annotations
@@ -56,6 +57,9 @@ def add_bench_parser(subparsers) -> None:
     o.add_argument("--peer", choices=["none", "hf"], default="none",
                    help="also measure HF transformers generate in the same run")
     o.add_argument("--repeats", type=int, default=1, help="runs per point; medians reported")
+    o.add_argument("--compare-kv-integrity", action="store_true",
+                   help="also run with the KV-cache integrity check off (interleaved with on, "
+                        "same process) and report the throughput change")
     o.add_argument("--output", default=None, help="write results as JSON")
     o.add_argument("--plot", default=None, help="write a PNG of output tok/s by concurrency")
     o.set_defaults(func=run_offline)
@@ -119,6 +123,14 @@ def run_offline(args: argparse.Namespace) -> int:
     device = measure_device(runner.device, runner.dtype)
     cost = ModelCost.of(engine)
     systems = {"frugal": lambda p, n: measure_engine(engine, p, n)}
+    if args.compare_kv_integrity:
+        def checked(on: bool):
+            def measure(p, n):
+                runner.set_integrity(on)
+                return measure_engine(engine, p, n)
+            return measure
+
+        systems = {"frugal": checked(True), OFF: checked(False)}
     if args.peer == "hf":
         from frugal.bench.hf_peer import HFPeer
 
@@ -135,7 +147,9 @@ def run_offline(args: argparse.Namespace) -> int:
                 for c in concurrencies:
                     bar.set_postfix_str(f"{name} c={c}")
                     prompts = prompts_for(c, args.input_len, vocab, args.seed)
-                    runs.setdefault((name, c), []).append(measure(prompts, args.output_len))
+                    result = measure(prompts, args.output_len)
+                    result.system = name
+                    runs.setdefault((name, c), []).append(result)
                     bar.update(1)
     results = [median_result(r) for r in runs.values()]
     for r in results:
@@ -157,6 +171,9 @@ def run_offline(args: argparse.Namespace) -> int:
 
 _METRICS = ("prompt_tok_s", "gen_tok_s", "output_tok_s", "ttft_ms", "itl_ms", "itl_p99_ms",
             "decode_itl_ms")
+
+
+OFF = "frugal, kv-integrity off"
 
 
 def median_result(runs: list[Result]) -> Result:
@@ -193,7 +210,7 @@ def format_table(results: list[Result], engine: LLMEngine, device: Device,
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
-        mine = r.system == "frugal"
+        mine = r.system.startswith("frugal")
         lines.append(
             f"| {r.system} | {r.concurrency} | {r.output_tok_s:.1f} | {_fmt(r.bound_tok_s)} "
             f"| {r.output_tok_s / r.bound_tok_s:.0%} | {r.prompt_tok_s:.0f} | {r.ttft_ms:.1f} "
@@ -201,7 +218,16 @@ def format_table(results: list[Result], engine: LLMEngine, device: Device,
             f"| {_fmt(r.bound_itl_ms, 2)} | {r.kv_pages if mine else 'n/a'} "
             f"| {r.max_running if mine else 'n/a'} | {r.preempted if mine else 'n/a'} |")
     ours = {r.concurrency: r for r in results if r.system == "frugal"}
-    peers = [r for r in results if r.system != "frugal"]
+    peers = [r for r in results if not r.system.startswith("frugal")]
+    off = [r for r in results if r.system == OFF]
+    if off:
+        lines += ["", "| concurrency | output tok/s, check on | check off | change | "
+                      "decode ITL ms, on | off | change |", "|---|---|---|---|---|---|---|"]
+        for r in off:
+            o = ours[r.concurrency]
+            lines.append(f"| {r.concurrency} | {o.output_tok_s:.1f} | {r.output_tok_s:.1f} | "
+                         f"{o.output_tok_s / r.output_tok_s - 1:+.2%} | {o.decode_itl_ms:.3f} | "
+                         f"{r.decode_itl_ms:.3f} | {o.decode_itl_ms / r.decode_itl_ms - 1:+.2%} |")
     if peers:
         lines += ["", "| concurrency | output tok/s ratio (frugal / peer) | prompt tok/s ratio |",
                   "|---|---|---|"]
