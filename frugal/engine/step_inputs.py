@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
 import torch
 
@@ -58,16 +59,22 @@ def prepare(out: SchedulerOutput, page_size: int, device: str,
     positions: list[int] = []
     slots: list[int] = []
     cu_seqlens, seq_lens, logits_indices, sampled = [0], [], [], []
-    tables = [[ref.page_id for ref in r.page_table] for r in out.requests]
-    width = max(len(t) for t in tables)
-    tags = [[ref.tag for ref in r.page_table] + [0] * (width - len(r.page_table))
-            for r in out.requests] if check else []
+    width = max(len(r.page_table) for r in out.requests)
+    tables, tags = [], []  # page ids and expected tags, each row padded to width
+    for r in out.requests:
+        pad = [0] * (width - len(r.page_table))
+        page_ids, row_tags = zip(*r.page_table) if r.page_table else ((), ())
+        tables.append(page_ids)
+        tables.append(pad)
+        if check:
+            tags.append(row_tags)
+            tags.append(pad)
     updates = tag_updates or {}
     decode = True
     for i, (request, n) in enumerate(zip(out.requests, out.num_new_tokens)):
         start = request.num_computed_tokens + ahead
         end = start + n
-        table = tables[i]
+        table = tables[2 * i]
         decode = decode and n == 1
         if not ahead:
             ids += request.token_ids(start, end)
@@ -78,7 +85,6 @@ def prepare(out: SchedulerOutput, page_size: int, device: str,
         if end == request.num_tokens + ahead:
             logits_indices.append(cu_seqlens[-1] - 1)
             sampled.append(i)
-        table += [0] * (width - len(table))
     num_tokens, num_requests = len(positions), len(seq_lens)
     if ahead:
         if not decode or next_tokens.shape != (num_requests,):
@@ -86,8 +92,8 @@ def prepare(out: SchedulerOutput, page_size: int, device: str,
         ids = [0] * num_tokens
     longs = _upload(ids + positions + slots + logits_indices + list(updates), torch.int64,
                     device)
-    ints = _upload(cu_seqlens + seq_lens + [p for t in tables for p in t]
-                   + [t for row in tags for t in row] + list(updates.values()), torch.int32,
+    ints = _upload(cu_seqlens + seq_lens + list(chain.from_iterable(tables))
+                   + list(chain.from_iterable(tags)) + list(updates.values()), torch.int32,
                    device)
     table_end = 2 * num_requests + 1 + num_requests * width
     meta = AttentionMetadata(
