@@ -12,7 +12,6 @@ import urllib.error
 import urllib.request
 
 import pytest
-import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from frugal.engine.async_engine import AsyncEngine
@@ -21,6 +20,8 @@ from frugal.kv_cache.page_allocator import PageRef
 from frugal.server.metrics import Metrics
 from frugal.server.openai_api import build_app
 from tests.server.conftest import MODEL, free_port
+
+uvicorn = pytest.importorskip("uvicorn")
 
 BODY = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 8,
         "temperature": 0, "ignore_eos": True}
