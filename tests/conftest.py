@@ -31,6 +31,12 @@ def llm() -> LLM:
 
 
 @pytest.fixture(scope="session")
+def fp8_llm() -> LLM:
+    """The default model with an FP8 cache, scales calibrated at start-up."""
+    return LLM(dtype="float32", device="cpu", kv_cache_memory="256MiB", kv_cache_dtype="fp8")
+
+
+@pytest.fixture(scope="session")
 def hf():
     """transformers' own GGUF loading of the same file: (tokenizer, model) in fp32."""
     transformers = pytest.importorskip("transformers")

@@ -97,12 +97,6 @@ def test_fp8_holds_twice_the_tokens_of_bf16(tmp_path):
     assert ratio >= 1.95 and fp8.engine.runner.kv_capacity_ratio == 2.0
 
 
-@pytest.fixture(scope="module")
-def fp8_llm():
-    """The default model with an FP8 cache, scales calibrated at start-up."""
-    return LLM(dtype="float32", device="cpu", kv_cache_memory="256MiB", kv_cache_dtype="fp8")
-
-
 def test_startup_calibration_sets_real_scales(fp8_llm):
     pool = fp8_llm.engine.runner.pool
     assert pool.scales_source.startswith(f"start-up: calibrated on {len(PROMPTS)} built-in")

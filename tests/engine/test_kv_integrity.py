@@ -57,11 +57,18 @@ def run(engine, fault=None):
     return results
 
 
-@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def engine(request, llm):
+ENGINES = ["cpu", "cpu-fp8", pytest.param("cuda", marks=pytest.mark.gpu),
+           pytest.param("cuda-fp8", marks=pytest.mark.gpu)]
+
+
+@pytest.fixture(scope="module", params=ENGINES)
+def engine(request, llm, fp8_llm):
     if request.param == "cpu":
         return llm.engine
-    return LLM(dtype="float32", device="cuda", kv_cache_memory="512MiB").engine
+    if request.param == "cpu-fp8":
+        return fp8_llm.engine
+    return LLM(dtype="float32", device="cuda", kv_cache_memory="512MiB",
+               kv_cache_dtype="fp8" if request.param == "cuda-fp8" else "auto").engine
 
 
 @pytest.fixture(scope="module")
