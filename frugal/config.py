@@ -151,6 +151,9 @@ def available_memory_bytes(device: str) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+QUANTIZATIONS = ("none", "int4")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """Paged KV cache: pages of page_size tokens.
@@ -228,6 +231,7 @@ class EngineConfig:
     cuda_graph_max_bs: int = 256  # largest decode batch replayed from a graph
     overlap_schedule: bool = True  # launch the next decode step before reading this one's tokens
     seed: int = 0
+    quantization: str = "none"  # none | int4 (W4A16: GGUF Q4 kept as is, other weights RTN)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -242,6 +246,9 @@ class EngineConfig:
         if self.ops_backend not in ("auto", "torch_ref", "triton"):
             raise ValueError(f"ops_backend: unsupported {self.ops_backend!r} "
                              "(auto, torch_ref, triton)")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization: unsupported {self.quantization!r} "
+                             f"({', '.join(QUANTIZATIONS)})")
         if self.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs: must be >= 1, got {self.cuda_graph_max_bs}")
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import jinja2
 import jinja2.sandbox
-from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
 Conversation = list[dict[str, Any]]
@@ -115,6 +115,20 @@ class Tokenizer:
                    eos_token_ids=list(dict.fromkeys(eos)),
                    chat_template=meta.get("tokenizer.chat_template"),
                    add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)))
+
+    def save(self, path: Path) -> None:
+        """Write tokenizer.json + tokenizer_config.json, readable by from_dir (a BOS the model
+        wants becomes tokenizer.json's post-processor, as in HF directories)."""
+        tok = HFTokenizer.from_str(self._tok.to_str())
+        bos = self._token_text(self.bos_token_id)
+        if self.add_bos and bos:
+            tok.post_processor = processors.TemplateProcessing(
+                single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                special_tokens=[(bos, self.bos_token_id)])
+        tok.save(str(path / "tokenizer.json"))
+        config = {"bos_token": bos or None, "eos_token": self._token_text(self.eos_token_id),
+                  "chat_template": self.chat_template}
+        (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
 
     @classmethod
     def from_dir(cls, path: Path, eos_token_ids: tuple[int, ...] = ()) -> Tokenizer:

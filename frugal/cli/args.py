@@ -20,6 +20,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                                                              "dummy"])
     g.add_argument("--dtype", default="auto", help="auto (fp32 on CPU), float32, bfloat16, float16")
     g.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    g.add_argument("--quantization", default="none", choices=["none", "int4"],
+                   help="int4: W4A16 weights, group-wise (a GGUF's Q4_0/Q4_1 matrices kept "
+                        "exactly, other checkpoints rounded to nearest); CPU for now")
     g.add_argument("--ops-backend", default="auto", choices=["auto", "torch_ref", "triton"],
                    help="kernels: auto = triton on CUDA, torch_ref (plain PyTorch) on CPU")
     g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
@@ -56,6 +59,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
         ops_backend=args.ops_backend, seed=args.seed, enforce_eager=args.enforce_eager,
+        quantization=args.quantization,
         cuda_graph_max_bs=args.cuda_graph_max_bs,
         overlap_schedule=not args.disable_overlap_schedule,
         cache=CacheConfig(page_size=args.page_size, kv_cache_memory=args.kv_cache_memory,

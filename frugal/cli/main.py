@@ -1,4 +1,4 @@
-"""`frugal` command line: serve, generate, chat, eval, bench, calibrate-kv."""
+"""`frugal` command line: serve, generate, chat, eval, bench, calibrate-kv, quantize."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ def build_parser() -> argparse.ArgumentParser:
     from frugal.cli.calibrate import add_calibrate_parser
     from frugal.cli.eval import add_eval_parser
     from frugal.cli.generate import add_chat_parser, add_generate_parser
+    from frugal.cli.quantize import add_quantize_parser
     from frugal.cli.serve import add_serve_parser
 
     parser = argparse.ArgumentParser(prog="frugal", description="frugal: LLM inference engine")
@@ -25,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_eval_parser(sub)
     add_bench_parser(sub)
     add_calibrate_parser(sub)
+    add_quantize_parser(sub)
     return parser
 
 

@@ -28,7 +28,8 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = config = config or EngineConfig()
-        checkpoint = open_checkpoint(config.model, config.load_format, config.seed)
+        checkpoint = open_checkpoint(config.model, config.load_format, config.seed,
+                                     config.quantization)
         self.tokenizer = checkpoint.tokenizer
         self.model_config = mc = checkpoint.config
         wanted = config.scheduler.max_model_len or mc.max_position_embeddings

@@ -91,10 +91,19 @@ class ModelRunner:
             # cuBLASLt picks faster kernels for the decode GEMMs at batch 64 (6.18 -> 6.00 ms
             # per step for Llama-3.1-8B on the H200) and the same at batch 1
             torch.backends.cuda.preferred_blas_library("cublaslt")
+        if config.quantization == "int4" and not self.device.startswith("cpu"):
+            raise ValueError("quantization: int4 runs on the CPU for now (the GPU's W4A16 "
+                             "kernel is not built yet); use --device cpu")
         start = time.perf_counter()
         with _default_dtype(self.dtype), torch.device(self.device):
             self.model = model_class(mc)(mc)
         checkpoint.load_into(self.model)
+        if config.quantization == "int4":
+            _quantize_linears(self.model)
+        if not self.device.startswith("cpu") and any(
+                getattr(m, "qweight", None) is not None for m in self.model.modules()):
+            raise ValueError("model: INT4 weights run on the CPU for now (the GPU's W4A16 "
+                             "kernel is not built yet); use --device cpu")
         logger.info("loaded %s (%s, %d layers) in %.1f s as %s on %s, %s ops", mc.architecture,
                     type(checkpoint).__name__, mc.num_layers, time.perf_counter() - start,
                     str(self.dtype).removeprefix("torch."), self.device,
@@ -297,6 +306,28 @@ class ModelRunner:
         if rows:
             scores.tensor = torch.cat(rows)
         return scores
+
+
+def _quantize_linears(model: torch.nn.Module) -> None:
+    """INT4 for every layer matmul the checkpoint did not bring as INT4 (round to nearest, the
+    largest group of 128, 64, 32 that divides its inputs); embeddings and the LM head stay."""
+    from frugal.layers.linear import Linear
+
+    kept = rounded = 0
+    for name, module in model.named_modules():
+        if not isinstance(module, Linear) or not name.startswith("model.layers."):
+            continue
+        if module.qweight is not None:
+            kept += 1
+            continue
+        group = next((g for g in (128, 64, 32) if module.in_features % g == 0), None)
+        if group is None:
+            raise ValueError(f"quantization: {name} has {module.in_features} inputs, not a "
+                             "multiple of 32")
+        module.quantize_int4(group)
+        rounded += 1
+    logger.info("INT4 weights: %d matrices as the checkpoint stores them, %d rounded to nearest",
+                kept, rounded)
 
 
 def _failures(step: Launched) -> list[tuple[Request, str]]:

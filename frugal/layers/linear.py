@@ -7,6 +7,7 @@ from torch import nn
 
 from frugal import ops
 from frugal.layers.norm import RMSNorm
+from frugal.quant.int4 import Int4Weight, quantize_rtn
 
 
 def load_whole(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
@@ -18,7 +19,10 @@ def load_whole(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = Non
 
 
 class Linear(nn.Module):
-    """y = x @ weight.T (+ bias). weight: [out_features, in_features]; x: [num_tokens, in]."""
+    """y = x @ weight.T (+ bias). weight: [out_features, in_features]; x: [num_tokens, in].
+
+    An INT4 layer keeps its weight as qweight (quant.int4.Int4Weight, all shards concatenated)
+    and an empty float weight."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
@@ -29,18 +33,46 @@ class Linear(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
             self.bias.weight_loader = self.load_shard
+        self.qweight: Int4Weight | None = None
+        self._int4_shards: dict[object, Int4Weight] = {}
 
     def load_shard(self, param: nn.Parameter, loaded: torch.Tensor,
                    shard_id: object = None) -> None:
         load_whole(param, loaded)
 
+    def load_int4(self, loaded: Int4Weight, shard_id: object = None) -> None:
+        """Take an INT4 weight (or one shard of it); once all shards are in, the float weight
+        is dropped."""
+        order = list(getattr(self, "shards", [None]))
+        if shard_id not in order:
+            raise ValueError(f"unknown shard {shard_id!r} (expected one of {order})")
+        rows = self.shards[shard_id][1] if shard_id is not None else self.out_features
+        if loaded.shape != (rows, self.in_features):
+            raise ValueError(f"shape {loaded.shape} in checkpoint, model expects "
+                             f"{(rows, self.in_features)}")
+        self._int4_shards[shard_id] = loaded
+        if len(self._int4_shards) == len(order):
+            parts = [self._int4_shards.pop(s) for s in order]
+            q = Int4Weight.cat(parts) if len(parts) > 1 else parts[0]
+            device = self.weight.device
+            self.qweight = Int4Weight(*(None if t is None else t.to(device) for t in (
+                q.packed, q.scales, q.zeros, q.mins)))
+            self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=device)
+
+    def quantize_int4(self, group_size: int) -> None:
+        """Round the float weight to INT4 (symmetric, round-to-nearest) in place."""
+        q = quantize_rtn(self.weight.data, group_size, symmetric=True)
+        self.qweight = q
+        self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
+
     def forward(self, x: torch.Tensor, norm: RMSNorm | None = None, gated: bool = False,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
         """Optionally fused around the matmul (see ops.linear): norm before, silu(gate)·up of
         the output halves and the residual add after."""
+        weight = self.weight if self.qweight is None else self.qweight
         if norm is None:
-            return ops.linear(x, self.weight, self.bias, gated=gated, residual=residual)
-        return ops.linear(x, self.weight, self.bias, norm.weight, norm.eps, gated, residual)
+            return ops.linear(x, weight, self.bias, gated=gated, residual=residual)
+        return ops.linear(x, weight, self.bias, norm.weight, norm.eps, gated, residual)
 
 
 class MergedLinear(Linear):

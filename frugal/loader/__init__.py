@@ -31,8 +31,10 @@ def default_model_path() -> Path:
     return Path(spec.origin).parent / DEFAULT_MODEL_FILE
 
 
-def open_checkpoint(model: str | None, load_format: str = "auto", seed: int = 0) -> Checkpoint:
-    """model: a .gguf file, a HF directory, or (with load_format dummy) a preset name."""
+def open_checkpoint(model: str | None, load_format: str = "auto", seed: int = 0,
+                    quantization: str = "none") -> Checkpoint:
+    """model: a .gguf file, a HF directory, or (with load_format dummy) a preset name.
+    quantization int4: a GGUF's 4-bit matrices come as INT4 weights (quant.int4)."""
     from frugal.loader.dummy import PRESETS, DummyCheckpoint
 
     if load_format == "dummy" and model in PRESETS:
@@ -46,7 +48,7 @@ def open_checkpoint(model: str | None, load_format: str = "auto", seed: int = 0)
             raise ValueError(f"model: {path} is a file but not a .gguf (use a HF directory or "
                              "a GGUF file)")
         from frugal.loader.gguf import GGUFCheckpoint
-        ckpt = GGUFCheckpoint(path)
+        ckpt = GGUFCheckpoint(path, int4=quantization == "int4")
     elif path.is_dir() and load_format == "dummy":
         from frugal.loader.safetensors import read_config
         tok = Tokenizer.from_dir(path) if (path / "tokenizer.json").is_file() else None

@@ -11,7 +11,8 @@ import torch
 from gguf import GGUFReader
 
 from frugal.config import ModelConfig
-from frugal.loader.gguf_quants import dequantize
+from frugal.loader.gguf_quants import dequantize, to_int4
+from frugal.quant.int4 import Int4Weight
 from frugal.tokenizer import Tokenizer
 
 # GGUF tensor name (inside blk.N.) -> HF name (inside model.layers.N.)
@@ -48,10 +49,12 @@ class _Reader(GGUFReader):
 
 
 class GGUFCheckpoint:
-    """An opened GGUF file: `config`, `tokenizer`, `weights()` yielding (hf_name, fp32 tensor)."""
+    """An opened GGUF file: `config`, `tokenizer`, `weights()` yielding (hf_name, fp32 tensor);
+    with int4, the Q4_0 / Q4_1 matrices of the layers as Int4Weight instead (not re-quantized:
+    each 32-weight block is one group)."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    def __init__(self, path: Path, int4: bool = False) -> None:
+        self.path, self.int4 = path, int4
         try:
             self._reader = _Reader(str(path))
         except Exception as e:  # the gguf reader raises bare ValueError/struct errors
@@ -98,15 +101,20 @@ class GGUFCheckpoint:
     def load_into(self, model: torch.nn.Module) -> None:
         model.load_weights(self.weights())
 
-    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, float32 tensor) for every tensor; q/k rows un-permuted back to HF order."""
+    def weights(self) -> Iterator[tuple[str, torch.Tensor | Int4Weight]]:
+        """(HF name, float32 tensor or Int4Weight) for every tensor; q/k rows un-permuted back
+        to HF order."""
         c = self.config
         for t in self._reader.tensors:
             name = _hf_name(t.name)
             if name is None:
                 raise ValueError(f"{self.path}: unexpected GGUF tensor {t.name!r}")
             shape = tuple(int(d) for d in reversed(t.shape))  # ggml lists the fastest dim first
-            w = dequantize(t.data, t.tensor_type, shape)
+            if (self.int4 and name.startswith("model.layers.") and len(shape) == 2
+                    and t.tensor_type.name in ("Q4_0", "Q4_1")):
+                w = to_int4(t.data, t.tensor_type, shape)
+            else:
+                w = dequantize(t.data, t.tensor_type, shape)
             # llama.cpp interleaves the rotary halves of q/k rows; HF keeps them as two halves.
             if name.endswith("q_proj.weight"):
                 w = _unpermute(w, c.num_heads)
@@ -115,11 +123,12 @@ class GGUFCheckpoint:
             yield name, w
 
 
-def _unpermute(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+def _unpermute(w: torch.Tensor | Int4Weight, num_heads: int) -> torch.Tensor | Int4Weight:
     """Inverse of llama.cpp's convert permute: rows (head, dim/2, 2) -> (head, 2, dim/2)."""
     out_features = w.shape[0]
     half = out_features // num_heads // 2
-    return w.reshape(num_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+    order = torch.arange(out_features).reshape(num_heads, half, 2).transpose(1, 2).reshape(-1)
+    return w.permute_rows(order) if isinstance(w, Int4Weight) else w[order]
 
 
 def _hf_name(name: str) -> str | None:

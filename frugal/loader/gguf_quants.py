@@ -11,6 +11,8 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as T
 
+from frugal.quant.int4 import Int4Weight, pack
+
 BLOCK = 32
 # bytes per block of 32 weights
 BLOCK_BYTES = {T.Q8_0: 34, T.Q4_0: 18, T.Q4_1: 20}
@@ -50,3 +52,20 @@ def dequantize(raw: np.ndarray, ggml_type: T, shape: tuple[int, ...]) -> torch.T
     else:  # Q4_1
         out = _half(blocks, 0) * _nibbles(blocks[:, 4:]) + _half(blocks, 2)
     return out.reshape(shape)
+
+
+def to_int4(raw: np.ndarray, ggml_type: T, shape: tuple[int, int]) -> Int4Weight:
+    """A Q4_0 / Q4_1 matrix as INT4 without re-quantizing: each block of 32 is one group
+    (Q4_0: zero 8; Q4_1: its min), codes in order. Dequantizes bit-identically to dequantize."""
+    if ggml_type not in (T.Q4_0, T.Q4_1):
+        raise ValueError(f"GGUF tensor type {ggml_type.name} is not 4-bit (Q4_0, Q4_1)")
+    blocks = torch.from_numpy(np.array(raw, copy=True)).view(torch.uint8)
+    blocks = blocks.reshape(-1, BLOCK_BYTES[ggml_type])
+    n, k = shape
+    first = 2 if ggml_type == T.Q4_0 else 4
+    codes = torch.cat([blocks[:, first:] & 0x0F, blocks[:, first:] >> 4], dim=1)
+    scales = _half(blocks, 0).view(n, k // BLOCK)
+    packed = pack(codes.reshape(n, k))
+    if ggml_type == T.Q4_0:
+        return Int4Weight(packed, scales, zeros=torch.full_like(scales, 8.0))
+    return Int4Weight(packed, scales, mins=_half(blocks, 2).view(n, k // BLOCK))

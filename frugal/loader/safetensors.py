@@ -10,15 +10,23 @@ import torch
 from safetensors import safe_open
 
 from frugal.config import ModelConfig
+from frugal.quant import compressed
+from frugal.quant.int4 import Int4Weight
 from frugal.tokenizer import Tokenizer
 
 
 class SafetensorsCheckpoint:
-    """A HF directory. `config`, `tokenizer` (None without tokenizer.json), `weights()`."""
+    """A HF directory. `config`, `tokenizer` (None without tokenizer.json), `weights()`.
+    A compressed-tensors W4A16 checkpoint (quant.compressed) yields its quantized matrices as
+    Int4Weight under their `.weight` names."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.config = read_config(path)
+        try:
+            self.int4 = compressed.int4_group(json.loads((path / "config.json").read_text()))
+        except ValueError as e:
+            raise ValueError(f"{path / 'config.json'}: {e}") from e
         self.files = sorted(path.glob("*.safetensors"))
         if not self.files:
             raise ValueError(f"{path}: no *.safetensors files")
@@ -29,13 +37,20 @@ class SafetensorsCheckpoint:
     def load_into(self, model: torch.nn.Module) -> None:
         model.load_weights(self.weights())
 
-    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def weights(self) -> Iterator[tuple[str, torch.Tensor | Int4Weight]]:
         for file in self.files:
             try:
                 with safe_open(str(file), framework="pt") as f:
-                    for name in f.keys():
-                        yield name, f.get_tensor(name)
-            except (OSError, RuntimeError) as e:  # safetensors raises SafetensorError(RuntimeError)
+                    names = list(f.keys())
+                    for name in names:
+                        prefix, _, suffix = name.rpartition(".")
+                        if self.int4 is None or suffix not in compressed.SUFFIXES:
+                            yield name, f.get_tensor(name)
+                        elif suffix == "weight_packed":
+                            parts = {s: f.get_tensor(f"{prefix}.{s}") for s in compressed.SUFFIXES
+                                     if f"{prefix}.{s}" in names}
+                            yield f"{prefix}.weight", compressed.from_tensors(parts)
+            except (OSError, RuntimeError, KeyError) as e:  # SafetensorError is a RuntimeError
                 raise ValueError(f"{file}: cannot read safetensors ({e})") from e
 
 

@@ -7,22 +7,26 @@ import torch.nn.functional as F
 
 from frugal.ops.torch_ref.activation import silu_and_mul
 from frugal.ops.torch_ref.norm import rms_norm
+from frugal.quant.int4 import Int4Weight
 
 # Up to this many tokens, weight @ x.T runs 1.3-3x faster than x @ weight.T through MKL's sgemm on
 # the 2-core AVX2 machines we test on (measured for decode batches); beyond it, F.linear wins.
 _SMALL_M = 128
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+def linear(x: torch.Tensor, weight: torch.Tensor | Int4Weight, bias: torch.Tensor | None = None,
            norm: torch.Tensor | None = None, eps: float = 0.0, gated: bool = False,
            residual: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [num_tokens, in]; weight: [out, in]; bias: [out] or None -> [num_tokens, out].
+    """x: [num_tokens, in]; weight: [out, in] (or INT4, dequantized to x's dtype first);
+    bias: [out] or None -> [num_tokens, out].
 
     Fusable neighbours, applied in this order: norm ([in]): x is RMS-normalized (eps) and scaled
     by norm first; gated: the output's two halves (gate | up) become silu(gate) · up, [n, out/2];
     residual ([num_tokens, out']): added last. The caller hands the residual over: fast
     backends may write the sum into its storage.
     """
+    if isinstance(weight, Int4Weight):
+        weight = weight.dequantize(x.dtype)
     if norm is not None:
         x = rms_norm(x, norm, eps)
     y = _matmul(x, weight, bias)

@@ -1,0 +1,102 @@
+"""`frugal quantize`: a checkpoint's layer matrices to INT4 (W4A16, group-wise, round to nearest),
+written as safetensors + config.json in compressed-tensors' pack-quantized format."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from frugal.loader import open_checkpoint
+from frugal.quant import compressed
+from frugal.quant.int4 import GROUP_SIZES, quantize_rtn
+
+# layer matrices that are quantized; embeddings, norms and the LM head are kept
+_MATRICES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def add_quantize_parser(subparsers) -> None:
+    p = subparsers.add_parser("quantize", help="write an INT4 (W4A16) copy of a checkpoint")
+    p.add_argument("model", nargs="?", default=None,
+                   help="a .gguf file or a HF directory (default: the bundled model)")
+    p.add_argument("--output", required=True, help="directory to write")
+    p.add_argument("--scheme", default="w4a16", choices=["w4a16"])
+    p.add_argument("--group-size", type=int, default=128, choices=GROUP_SIZES)
+    p.add_argument("--asymmetric", action="store_true", help="zero points per group")
+    p.add_argument("--method", default="rtn", choices=["rtn"], help="round to nearest")
+    p.add_argument("--ignore", default="lm_head",
+                   help="comma-separated name fragments left unquantized (lm_head is never "
+                        "quantized)")
+    p.set_defaults(func=run_quantize)
+
+
+def run_quantize(args: argparse.Namespace) -> int:
+    ckpt = open_checkpoint(args.model)
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    ignore = [s for s in args.ignore.split(",") if s]
+    tensors: dict[str, torch.Tensor] = {}
+    bf16_bytes = int4_bytes = kept_bytes = 0
+    errors = []
+    names = list(ckpt.weights())
+    for name, w in tqdm(names, desc="quantize", file=sys.stderr):
+        prefix = name.removesuffix(".weight")
+        wanted = (name.endswith(".weight") and prefix.rsplit(".", 1)[-1] in _MATRICES
+                  and not any(s in name for s in ignore))
+        if not wanted:
+            tensors[name] = w.contiguous()
+            kept_bytes += w.numel() * w.element_size()
+            continue
+        if w.shape[1] % args.group_size:
+            raise ValueError(f"group_size: {name} has {w.shape[1]} inputs, not a multiple of "
+                             f"{args.group_size}")
+        q = quantize_rtn(w, args.group_size, symmetric=not args.asymmetric)
+        err = (q.dequantize() - w.float()).norm() / w.float().norm()
+        errors.append((name, float(err)))
+        parts = compressed.to_tensors(prefix, q)
+        tensors.update(parts)
+        bf16_bytes += w.numel() * 2
+        int4_bytes += sum(t.numel() * t.element_size() for t in parts.values())
+    save_file(tensors, str(out / "model.safetensors"))
+    hf = _hf_config(ckpt)
+    hf["quantization_config"] = compressed.quantization_config(
+        args.group_size, not args.asymmetric, ["lm_head", *ignore])
+    (out / "config.json").write_text(json.dumps(hf, indent=2))
+    if ckpt.tokenizer is not None:
+        ckpt.tokenizer.save(out)
+    for name, err in errors:
+        print(f"{name}: relative error {err:.4f}")
+    total_before = bf16_bytes + kept_bytes
+    print(f"quantized {len(errors)} matrices: {bf16_bytes / 1e6:.1f} MB as bf16 -> "
+          f"{int4_bytes / 1e6:.1f} MB INT4 ({int4_bytes / bf16_bytes:.3f}x); whole checkpoint "
+          f"{total_before / 1e6:.1f} -> {(int4_bytes + kept_bytes) / 1e6:.1f} MB "
+          f"(other tensors kept as stored, {kept_bytes / 1e6:.1f} MB); mean relative error "
+          f"{sum(e for _, e in errors) / max(len(errors), 1):.4f}")
+    print(f"wrote {out}")
+    return 0
+
+
+def _hf_config(ckpt) -> dict:
+    """config.json of the checkpoint's model (HF field names)."""
+    c = ckpt.config
+    if c.rope_scaling:
+        raise ValueError("quantize: checkpoints with rope scaling are not supported yet")
+    fields = dataclasses.asdict(c)
+    hf = {"architectures": [c.architecture], "model_type": "llama",
+          "vocab_size": c.vocab_size, "hidden_size": c.hidden_size,
+          "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_layers,
+          "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads,
+          "head_dim": c.head_dim, "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
+          "max_position_embeddings": c.max_position_embeddings,
+          "tie_word_embeddings": c.tie_word_embeddings, "hidden_act": c.hidden_act,
+          "bos_token_id": c.bos_token_id, "eos_token_id": list(c.eos_token_ids),
+          "torch_dtype": fields.get("dtype", "float32")}
+    if c.architecture != "LlamaForCausalLM":
+        hf["model_type"] = c.architecture.removesuffix("ForCausalLM").lower()
+    return hf

@@ -1,0 +1,117 @@
+"""INT4 weights: the packed layout, round-to-nearest, exact GGUF Q4 import, the engine on INT4
+weights, and `frugal quantize` written and read back (also by compressed-tensors itself)."""
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from frugal import LLM, SamplingParams
+from frugal.cli.main import main as cli
+from frugal.loader import default_model_path
+from frugal.loader.gguf import GGUFCheckpoint
+from frugal.loader.gguf_quants import dequantize, to_int4
+from frugal.loader.safetensors import SafetensorsCheckpoint
+from frugal.quant.int4 import Int4Weight, pack, quantize_rtn, unpack
+from tests.engine.test_fp8_kv import tiny_dir
+
+ct = pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers")
+
+
+def test_pack_layout_is_compressed_tensors():
+    codes = torch.randint(0, 16, (24, 64), generator=torch.Generator().manual_seed(0))
+    packed = pack(codes)
+    assert packed.dtype == torch.int32 and packed.shape == (24, 8)
+    assert torch.equal(packed, ct.pack_to_int32((codes - 8).to(torch.int8), 4))
+    assert torch.equal(unpack(packed), codes.to(torch.uint8))
+    assert int(pack(torch.arange(8)[None])[0, 0]) == 0x76543210  # element k at bits 4k
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("group", [32, 64])
+def test_round_to_nearest(symmetric, group):
+    w = torch.randn(16, 128, generator=torch.Generator().manual_seed(group)) * 0.05
+    w[3, :group] = 0.0  # an all-zero group
+    q = quantize_rtn(w, group, symmetric)
+    assert q.group_size == group and q.shape == (16, 128)
+    scale = q.scales.repeat_interleave(group, 1)
+    err = (q.dequantize() - w).abs()
+    assert bool((err <= scale / 2 + 1e-7).all())  # half a step at most (±amax included)
+    assert bool((q.dequantize()[3, :group] == 0).all())
+    assert bool(((q.zeros >= 0) & (q.zeros <= 15)).all())
+    assert bool((q.zeros == q.zeros.round()).all())
+    with pytest.raises(ValueError, match="group_size"):
+        quantize_rtn(w[:, :96], 64, symmetric)
+
+
+def test_gguf_q4_import_is_bit_identical():
+    ckpt = GGUFCheckpoint(default_model_path())
+    checked = 0
+    for t in ckpt._reader.tensors:
+        if t.tensor_type.name in ("Q4_0", "Q4_1") and checked < 8:
+            shape = tuple(int(d) for d in reversed(t.shape))
+            q = to_int4(t.data, t.tensor_type, shape)
+            assert q.group_size == 32 and (q.mins is not None) == (t.tensor_type.name == "Q4_1")
+            assert torch.equal(q.dequantize(), dequantize(t.data, t.tensor_type, shape))
+            checked += 1
+    assert checked == 8
+
+
+def test_int4_engine_equals_its_dequantization(llm):
+    """--quantization int4 on the default (Q4_1) model keeps the file's exact weights: the
+    same logits and greedy output as the fp32 model dequantized at load."""
+    int4 = LLM(dtype="float32", device="cpu", kv_cache_memory="64MiB", quantization="int4")
+    layer = int4.engine.runner.model.model.layers[0]
+    assert isinstance(layer.mlp.gate_up_proj.qweight, Int4Weight)
+    assert layer.mlp.gate_up_proj.weight.numel() == 0
+    prompts = ["The capital of France is", "def add(a, b):"]
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=5)
+    got = int4.generate(prompts, params)
+    want = llm.generate(prompts, params)
+    for g, w in zip(got, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert [e.top for e in g.outputs[0].logprobs] == [e.top for e in w.outputs[0].logprobs]
+
+
+@pytest.mark.parametrize("asymmetric", [False, True])
+def test_quantize_writes_what_loads_back(tmp_path, asymmetric, capsys):
+    src = tiny_dir(tmp_path / "src")
+    out = tmp_path / "int4"
+    args = ["quantize", str(src), "--output", str(out), "--group-size", "32"]
+    assert cli(args + (["--asymmetric"] if asymmetric else [])) == 0
+    assert "quantized 14 matrices" in capsys.readouterr().out
+    original = dict(SafetensorsCheckpoint(src).weights())
+    loaded = dict(SafetensorsCheckpoint(out).weights())
+    tensors = load_file(out / "model.safetensors")
+    for name, w in original.items():
+        if not name.endswith("_proj.weight"):
+            assert torch.equal(loaded[name], w)  # embeddings, norms, lm_head kept
+            continue
+        q = loaded[name]
+        want = quantize_rtn(w, 32, symmetric=not asymmetric)
+        assert torch.equal(q.dequantize(), want.dequantize())
+        # compressed-tensors' own unpacking and w = (q - zp) * scale
+        prefix = name.removesuffix(".weight")
+        shape = torch.Size(tensors[f"{prefix}.weight_shape"].tolist())
+        codes = ct.unpack_from_int32(tensors[f"{prefix}.weight_packed"], 4, shape).float()
+        zp = torch.zeros_like(q.scales)
+        if asymmetric:
+            zp = ct.unpack_from_int32(tensors[f"{prefix}.weight_zero_point"], 4,
+                                      q.scales.shape, packed_dim=0).float()
+        scale = tensors[f"{prefix}.weight_scale"]
+        theirs = ((codes.view(*q.scales.shape, 32) - zp[..., None]) * scale[..., None])
+        assert torch.equal(theirs.reshape(shape), q.dequantize())
+    llm = LLM(str(out), device="cpu", kv_cache_memory="8MiB")
+    assert llm.engine.runner.model.model.layers[1].self_attn.o_proj.qweight is not None
+    assert len(llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))[0]
+               .outputs[0].token_ids) == 4
+
+
+def test_on_the_fly_int4_of_a_float_checkpoint(tmp_path):
+    llm = LLM(str(tiny_dir(tmp_path)), device="cpu", kv_cache_memory="8MiB",
+              quantization="int4")
+    layer = llm.engine.runner.model.model.layers[0]
+    assert layer.self_attn.qkv_proj.qweight.group_size == 64  # 64 inputs: the largest group
+    assert layer.mlp.down_proj.qweight.group_size == 32  # 96 inputs
+    assert llm.engine.runner.model.lm_head.qweight is None
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4
