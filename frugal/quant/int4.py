@@ -15,7 +15,7 @@ tensors checkpoint or a GGUF file come out bit-identical to what those formats d
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,6 +28,7 @@ class Int4Weight:
     scales: torch.Tensor
     zeros: torch.Tensor | None = None
     mins: torch.Tensor | None = None
+    _dense: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if (self.zeros is None) == (self.mins is None):
@@ -70,6 +71,14 @@ class Int4Weight:
         else:
             w = s * u + self.mins.float()[:, :, None]
         return w.reshape(n, k).to(dtype)
+
+    def dense(self, dtype: torch.dtype) -> torch.Tensor:
+        """dequantize(dtype), kept after the first call: the CPU reference path multiplies
+        with it (a GPU kernel dequantizes in registers instead; the CPU is not where INT4
+        saves memory)."""
+        if dtype not in self._dense:
+            self._dense[dtype] = self.dequantize(dtype)
+        return self._dense[dtype]
 
     def rows(self, start: int, stop: int) -> Int4Weight:
         """Output rows [start, stop) (a shard of a merged projection)."""

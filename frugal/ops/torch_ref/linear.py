@@ -17,7 +17,7 @@ _SMALL_M = 128
 def linear(x: torch.Tensor, weight: torch.Tensor | Int4Weight, bias: torch.Tensor | None = None,
            norm: torch.Tensor | None = None, eps: float = 0.0, gated: bool = False,
            residual: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [num_tokens, in]; weight: [out, in] (or INT4, dequantized to x's dtype first);
+    """x: [num_tokens, in]; weight: [out, in] (or INT4: its dequantization in x's dtype);
     bias: [out] or None -> [num_tokens, out].
 
     Fusable neighbours, applied in this order: norm ([in]): x is RMS-normalized (eps) and scaled
@@ -26,7 +26,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Int4Weight, bias: torch.Tenso
     backends may write the sum into its storage.
     """
     if isinstance(weight, Int4Weight):
-        weight = weight.dequantize(x.dtype)
+        weight = weight.dense(x.dtype)
     if norm is not None:
         x = rms_norm(x, norm, eps)
     y = _matmul(x, weight, bias)
