@@ -1,5 +1,5 @@
-"""`frugal quantize`: a checkpoint's layer matrices to INT4 (W4A16, group-wise, round to nearest),
-written as safetensors + config.json in compressed-tensors' pack-quantized format."""
+"""`frugal quantize`: a checkpoint's layer matrices to INT4 (W4A16, group-wise; round to nearest or
+GPTQ), written as safetensors + config.json in compressed-tensors' pack-quantized format."""
 
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ from frugal.loader import open_checkpoint
 from frugal.quant import compressed
 from frugal.quant.int4 import GROUP_SIZES, quantize_rtn
 
+GPTQ_PROMPT_TOKENS = 192  # per built-in prompt when no --calibration-file is given
+
 # layer matrices that are quantized; embeddings, norms and the LM head are kept
 _MATRICES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -29,7 +31,12 @@ def add_quantize_parser(subparsers) -> None:
     p.add_argument("--scheme", default="w4a16", choices=["w4a16"])
     p.add_argument("--group-size", type=int, default=128, choices=GROUP_SIZES)
     p.add_argument("--asymmetric", action="store_true", help="zero points per group")
-    p.add_argument("--method", default="rtn", choices=["rtn"], help="round to nearest")
+    p.add_argument("--method", default="rtn", choices=["rtn", "gptq"],
+                   help="rtn: round to nearest; gptq: error-compensated, calibrated on text")
+    p.add_argument("--calibration-file", default=None,
+                   help="GPTQ calibration text (default: text the model writes from built-in "
+                        "prompts)")
+    p.add_argument("--device", default="auto", help="where GPTQ runs the model (auto, cpu, cuda)")
     p.add_argument("--ignore", default="lm_head",
                    help="comma-separated name fragments left unquantized (lm_head is never "
                         "quantized)")
@@ -37,7 +44,10 @@ def add_quantize_parser(subparsers) -> None:
 
 
 def run_quantize(args: argparse.Namespace) -> int:
+    if args.method != "gptq" and args.calibration_file:
+        raise ValueError("calibration_file: only with --method gptq")
     ckpt = open_checkpoint(args.model)
+    found = _hessians(args) if args.method == "gptq" else {}
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
     ignore = [s for s in args.ignore.split(",") if s]
@@ -56,7 +66,14 @@ def run_quantize(args: argparse.Namespace) -> int:
         if w.shape[1] % args.group_size:
             raise ValueError(f"group_size: {name} has {w.shape[1]} inputs, not a multiple of "
                              f"{args.group_size}")
-        q = quantize_rtn(w, args.group_size, symmetric=not args.asymmetric)
+        if args.method == "gptq":
+            from frugal.quant.gptq import gptq
+
+            module = _module_of(name)
+            h = found[module] / found[module + "#"]
+            q = gptq(w, h, args.group_size, symmetric=not args.asymmetric)
+        else:
+            q = quantize_rtn(w, args.group_size, symmetric=not args.asymmetric)
         err = (q.dequantize() - w.float()).norm() / w.float().norm()
         errors.append((name, float(err)))
         parts = compressed.to_tensors(prefix, q)
@@ -80,6 +97,55 @@ def run_quantize(args: argparse.Namespace) -> int:
           f"{sum(e for _, e in errors) / max(len(errors), 1):.4f}")
     print(f"wrote {out}")
     return 0
+
+
+def _module_of(name: str) -> str:
+    """The engine module (fused q|k|v, gate|up) whose inputs feed checkpoint matrix `name`."""
+    from frugal.models.llama import LlamaForCausalLM
+
+    prefix = name.removesuffix(".weight")
+    head, _, proj = prefix.rpartition(".")
+    fused = LlamaForCausalLM.packed_modules.get(proj)
+    return f"{head}.{fused[0]}" if fused else prefix
+
+
+def _hessians(args: argparse.Namespace) -> dict:
+    """Inputs' xᵀx of every layer matmul while calibration text runs through the model."""
+    from frugal import LLM, SamplingParams
+    from frugal.engine.kv_scales import PROMPTS
+    from frugal.quant.gptq import hessians
+
+    llm = LLM(args.model, device=args.device, dtype="float32" if args.device == "cpu" else
+              "auto", kv_cache_memory="512MiB", enforce_eager=True)
+    tok = llm.get_tokenizer()
+    with hessians(llm.engine.runner.model) as found:
+        if args.calibration_file:
+            if tok is None:
+                raise ValueError("calibration_file: the model has no tokenizer")
+            try:
+                with open(args.calibration_file) as f:
+                    ids = tok.encode(f.read())
+            except OSError as e:
+                raise ValueError(f"calibration_file: cannot read it ({e})") from e
+            chunks = [ids[i:i + 512] for i in range(0, len(ids), 512)][:16]
+            if not chunks:
+                raise ValueError("calibration_file: no text")
+            llm.generate(chunks, SamplingParams(max_tokens=1))
+            what = f"{sum(map(len, chunks))} tokens of {args.calibration_file}"
+        else:
+            params = SamplingParams(max_tokens=GPTQ_PROMPT_TOKENS, temperature=0.8, seed=0,
+                                    ignore_eos=True)
+            if tok is not None:
+                llm.chat([[{"role": "user", "content": p}] for p in PROMPTS], params)
+            else:  # no tokenizer: prompts of random token ids
+                g = torch.Generator().manual_seed(0)
+                vocab = llm.engine.model_config.vocab_size
+                llm.generate(torch.randint(vocab, (len(PROMPTS), 24), generator=g).tolist(),
+                             params)
+            what = f"{len(PROMPTS)} built-in prompts and {GPTQ_PROMPT_TOKENS} tokens each"
+    rows = next(v for k, v in found.items() if k.endswith("#"))
+    print(f"GPTQ calibration: {what} ({int(rows)} tokens)", file=sys.stderr)
+    return found
 
 
 def _hf_config(ckpt) -> dict:

@@ -123,6 +123,21 @@ def unpack(packed: torch.Tensor) -> torch.Tensor:
     return ((packed[:, :, None] >> shifts) & 0xF).to(torch.uint8).flatten(1)
 
 
+def group_params(w: torch.Tensor, symmetric: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and integer zero of each group (the last dim of w), as quantize_rtn sets them;
+    scales rounded to fp32 (as stored)."""
+    if symmetric:
+        scale = w.abs().amax(-1) / 7.5
+        zero = torch.full_like(scale, 8.0)
+    else:
+        lo = w.amin(-1).clamp(max=0.0)
+        hi = w.amax(-1).clamp(min=0.0)
+        scale = (hi - lo) / 15.0
+        zero = torch.round(-lo / torch.where(scale > 0, scale, 1.0)).clamp(0, 15)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero group
+    return scale.float().to(w.dtype), zero
+
+
 def quantize_rtn(weight: torch.Tensor, group_size: int, symmetric: bool) -> Int4Weight:
     """Round-to-nearest INT4 of a float [N, K] weight (K a multiple of group_size).
 
@@ -134,14 +149,6 @@ def quantize_rtn(weight: torch.Tensor, group_size: int, symmetric: bool) -> Int4
     if k % group_size:
         raise ValueError(f"group_size: {k} inputs do not split into groups of {group_size}")
     w = weight.float().view(n, k // group_size, group_size)
-    if symmetric:
-        scale = w.abs().amax(-1) / 7.5
-        zero = torch.full_like(scale, 8.0)
-    else:
-        lo = w.amin(-1).clamp(max=0.0)
-        hi = w.amax(-1).clamp(min=0.0)
-        scale = (hi - lo) / 15.0
-        zero = torch.round(-lo / torch.where(scale > 0, scale, 1.0)).clamp(0, 15)
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero group
+    scale, zero = group_params(w, symmetric)
     codes = torch.round(w / scale[..., None] + zero[..., None]).clamp(0, 15)
     return Int4Weight(pack(codes.view(n, k)), scale, zeros=zero)

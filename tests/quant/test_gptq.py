@@ -1,0 +1,57 @@
+"""GPTQ: error-compensated INT4 beats round-to-nearest on the layer's output, and
+`frugal quantize --method gptq` calibrates through the engine and writes a loadable checkpoint."""
+
+import pytest
+import torch
+
+from frugal import LLM, SamplingParams
+from frugal.cli.main import main as cli
+from frugal.loader.safetensors import SafetensorsCheckpoint
+from frugal.quant.gptq import gptq, hessians
+from frugal.quant.int4 import quantize_rtn
+from tests.engine.test_fp8_kv import tiny_dir
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_gptq_beats_rtn_on_correlated_inputs(symmetric):
+    g = torch.Generator().manual_seed(1)
+    n, k = 96, 256
+    w = torch.randn(n, k, generator=g) * 0.05
+    x = torch.randn(2048, k, generator=g) @ (torch.randn(k, k, generator=g) / k ** 0.5)
+    x[:, 5] = 0.0  # an input that never fires: its weights may be anything
+    q = gptq(w, x.double().t() @ x.double(), 64, symmetric)
+    ref = x @ w.t()
+
+    def err(weight):
+        return float((x @ weight.t() - ref).norm() / ref.norm())
+
+    assert q.group_size == 64 and q.shape == (n, k)
+    assert err(q.dequantize()) < 0.85 * err(quantize_rtn(w, 64, symmetric).dequantize())
+    with pytest.raises(ValueError, match="group_size"):
+        gptq(w[:, :96], torch.eye(96), 64, symmetric)
+
+
+def test_hessians_see_what_each_matmul_multiplies(llm):
+    model = llm.engine.runner.model
+    with hessians(model) as found:
+        llm.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=1))
+    layer = "model.layers.0"
+    assert found[f"{layer}.self_attn.qkv_proj#"] == 5  # the prompt's tokens
+    h = found[f"{layer}.mlp.down_proj"]
+    assert h.shape == (1536, 1536) and bool(torch.allclose(h, h.t()))
+    assert all(not m._forward_pre_hooks for m in model.modules())  # removed on exit
+
+
+def test_quantize_gptq_writes_a_loadable_checkpoint(tmp_path, capsys):
+    src = tiny_dir(tmp_path / "src")
+    out = tmp_path / "gptq"
+    assert cli(["quantize", str(src), "--output", str(out), "--group-size", "32",
+                "--method", "gptq"]) == 0
+    assert "GPTQ calibration: 8 built-in prompts" in capsys.readouterr().err
+    weights = dict(SafetensorsCheckpoint(out).weights())
+    assert weights["model.layers.0.mlp.down_proj.weight"].group_size == 32
+    llm = LLM(str(out), device="cpu", kv_cache_memory="8MiB")
+    assert len(llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))[0]
+               .outputs[0].token_ids) == 4
+    assert cli(["quantize", str(src), "--output", str(out), "--calibration-file", "x.txt"]) == 2
+    assert "calibration_file: only with --method gptq" in capsys.readouterr().err
