@@ -19,6 +19,7 @@ from frugal.engine.scheduler import SchedulerOutput
 from frugal.engine.step_inputs import StepInputs, prepare
 from frugal.kv_cache.page_allocator import PageAllocator
 from frugal.kv_cache.pool import KVPool
+from frugal.layers.linear import quantize_layers
 from frugal.loader import Checkpoint
 from frugal.models.registry import model_class
 from frugal.request import Request, TokenLogprob
@@ -99,7 +100,7 @@ class ModelRunner:
             self.model = model_class(mc)(mc)
         checkpoint.load_into(self.model)
         if config.quantization == "int4":
-            _quantize_linears(self.model)
+            quantize_layers(self.model)
         if not self.device.startswith("cpu") and any(
                 getattr(m, "qweight", None) is not None for m in self.model.modules()):
             raise ValueError("model: INT4 weights run on the CPU for now (the GPU's W4A16 "
@@ -306,28 +307,6 @@ class ModelRunner:
         if rows:
             scores.tensor = torch.cat(rows)
         return scores
-
-
-def _quantize_linears(model: torch.nn.Module) -> None:
-    """INT4 for every layer matmul the checkpoint did not bring as INT4 (round to nearest, the
-    largest group of 128, 64, 32 that divides its inputs); embeddings and the LM head stay."""
-    from frugal.layers.linear import Linear
-
-    kept = rounded = 0
-    for name, module in model.named_modules():
-        if not isinstance(module, Linear) or not name.startswith("model.layers."):
-            continue
-        if module.qweight is not None:
-            kept += 1
-            continue
-        group = next((g for g in (128, 64, 32) if module.in_features % g == 0), None)
-        if group is None:
-            raise ValueError(f"quantization: {name} has {module.in_features} inputs, not a "
-                             "multiple of 32")
-        module.quantize_int4(group)
-        rounded += 1
-    logger.info("INT4 weights: %d matrices as the checkpoint stores them, %d rounded to nearest",
-                kept, rounded)
 
 
 def _failures(step: Launched) -> list[tuple[Request, str]]:

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
 from frugal import ops
 from frugal.layers.norm import RMSNorm
 from frugal.quant.int4 import Int4Weight, quantize_rtn
+
+logger = logging.getLogger("frugal")
 
 
 def load_whole(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
@@ -97,3 +101,23 @@ class MergedLinear(Linear):
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return y.split(self.output_sizes, dim=-1)
+
+
+def quantize_layers(model: nn.Module) -> None:
+    """INT4 for every layer matmul the checkpoint did not bring as INT4 (round to nearest, the
+    largest group of 128, 64, 32 that divides its inputs); embeddings and the LM head stay."""
+    kept = rounded = 0
+    for name, module in model.named_modules():
+        if not isinstance(module, Linear) or not name.startswith("model.layers."):
+            continue
+        if module.qweight is not None:
+            kept += 1
+            continue
+        group = next((g for g in (128, 64, 32) if module.in_features % g == 0), None)
+        if group is None:
+            raise ValueError(f"quantization: {name} has {module.in_features} inputs, not a "
+                             "multiple of 32")
+        module.quantize_int4(group)
+        rounded += 1
+    logger.info("INT4 weights: %d matrices as the checkpoint stores them, %d rounded to nearest",
+                kept, rounded)
