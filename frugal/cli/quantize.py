@@ -17,7 +17,8 @@ from frugal.loader import open_checkpoint
 from frugal.quant import compressed
 from frugal.quant.int4 import GROUP_SIZES, quantize_rtn
 
-GPTQ_PROMPT_TOKENS = 192  # per built-in prompt when no --calibration-file is given
+GPTQ_WINDOWS = 32  # calibration windows of 512 tokens
+GPTQ_PROMPT_TOKENS = 192  # per built-in prompt, when there is no calibration text at all
 
 # layer matrices that are quantized; embeddings, norms and the LM head are kept
 _MATRICES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -34,8 +35,8 @@ def add_quantize_parser(subparsers) -> None:
     p.add_argument("--method", default="rtn", choices=["rtn", "gptq"],
                    help="rtn: round to nearest; gptq: error-compensated, calibrated on text")
     p.add_argument("--calibration-file", default=None,
-                   help="GPTQ calibration text (default: text the model writes from built-in "
-                        "prompts)")
+                   help="GPTQ calibration text (default: Wikipedia passages of the eval data "
+                        "that perplexity is not measured on, else text the model writes)")
     p.add_argument("--device", default="auto", help="where GPTQ runs the model (auto, cpu, cuda)")
     p.add_argument("--ignore", default="lm_head",
                    help="comma-separated name fragments left unquantized (lm_head is never "
@@ -118,20 +119,29 @@ def _hessians(args: argparse.Namespace) -> dict:
     llm = LLM(args.model, device=args.device, dtype="float32" if args.device == "cpu" else
               "auto", kv_cache_memory="512MiB", enforce_eager=True)
     tok = llm.get_tokenizer()
+    text, what = None, None
+    if args.calibration_file:
+        try:
+            with open(args.calibration_file) as f:
+                text, what = f.read(), args.calibration_file
+        except OSError as e:
+            raise ValueError(f"calibration_file: cannot read it ({e})") from e
+    elif tok is not None:
+        try:
+            from frugal.eval.data import calibration_text
+            text, what = calibration_text(), "Wikipedia passages (BoolQ test split)"
+        except (ValueError, OSError):  # the eval data is not installed
+            text = None
+    if text is not None and tok is None:
+        raise ValueError("calibration_file: the model has no tokenizer")
     with hessians(llm.engine.runner.model) as found:
-        if args.calibration_file:
-            if tok is None:
-                raise ValueError("calibration_file: the model has no tokenizer")
-            try:
-                with open(args.calibration_file) as f:
-                    ids = tok.encode(f.read())
-            except OSError as e:
-                raise ValueError(f"calibration_file: cannot read it ({e})") from e
-            chunks = [ids[i:i + 512] for i in range(0, len(ids), 512)][:16]
+        if text is not None:
+            ids = tok.encode(text)
+            chunks = [ids[i:i + 512] for i in range(0, len(ids), 512)][:GPTQ_WINDOWS]
             if not chunks:
                 raise ValueError("calibration_file: no text")
             llm.generate(chunks, SamplingParams(max_tokens=1))
-            what = f"{sum(map(len, chunks))} tokens of {args.calibration_file}"
+            what = f"{sum(map(len, chunks))} tokens of {what}"
         else:
             params = SamplingParams(max_tokens=GPTQ_PROMPT_TOKENS, temperature=0.8, seed=0,
                                     ignore_eos=True)

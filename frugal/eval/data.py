@@ -143,6 +143,20 @@ def load_task(task: str, limit: int | None = None) -> TaskData:
     return TaskData(items, rows, skipped)
 
 
+def calibration_text() -> str:
+    """Wikipedia passages for calibration (GPTQ): BoolQ's test-set passages that are not in its
+    dev set, so none of them is in wiki_text(), on which perplexity is measured."""
+    held_out = set(wiki_text().split("\n\n"))
+    seen: dict[str, None] = {}
+    with open(data_dir() / "BoolQ/test.jsonl") as f:
+        for line in f:
+            if line.strip():
+                passage = json.loads(line)["passage"].strip()
+                if passage not in held_out:
+                    seen.setdefault(passage, None)
+    return "\n\n".join(seen)
+
+
 def wiki_text() -> str:
     """The unique Wikipedia passages of BoolQ's dev set, in order, blank-line separated."""
     seen: dict[str, None] = {}

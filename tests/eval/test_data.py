@@ -2,7 +2,7 @@
 
 import pytest
 
-from frugal.eval.data import TASKS, load_task, wiki_text
+from frugal.eval.data import TASKS, calibration_text, load_task, wiki_text
 from frugal.eval.multiple_choice import encode_pair
 
 SIZES = {"piqa": 1500, "openbookqa": 500, "siqa": 1954, "commonsenseqa": 1221, "boolq": 3270,
@@ -59,3 +59,9 @@ def test_wiki_text_is_the_unique_passages():
     assert 1_500_000 < len(text) < 1_800_000
     passages = text.split("\n\n")
     assert len(passages) == len(set(passages))
+
+
+def test_calibration_text_is_disjoint_from_the_perplexity_text():
+    calibration = calibration_text().split("\n\n")
+    assert len(calibration) > 2000
+    assert not set(calibration) & set(wiki_text().split("\n\n"))
