@@ -141,7 +141,7 @@ def _hessians(args: argparse.Namespace) -> dict:
             if not chunks:
                 raise ValueError("calibration_file: no text")
             llm.generate(chunks, SamplingParams(max_tokens=1))
-            what = f"{sum(map(len, chunks))} tokens of {what}"
+            what = f"{len(chunks)} windows of {what}"
         else:
             params = SamplingParams(max_tokens=GPTQ_PROMPT_TOKENS, temperature=0.8, seed=0,
                                     ignore_eos=True)
