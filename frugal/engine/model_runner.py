@@ -92,19 +92,17 @@ class ModelRunner:
             # cuBLASLt picks faster kernels for the decode GEMMs at batch 64 (6.18 -> 6.00 ms
             # per step for Llama-3.1-8B on the H200) and the same at batch 1
             torch.backends.cuda.preferred_blas_library("cublaslt")
-        if config.quantization == "int4" and not self.device.startswith("cpu"):
-            raise ValueError("quantization: int4 runs on the CPU for now (the GPU's W4A16 "
-                             "kernel is not built yet); use --device cpu")
         start = time.perf_counter()
         with _default_dtype(self.dtype), torch.device(self.device):
             self.model = model_class(mc)(mc)
         checkpoint.load_into(self.model)
+        int4 = config.quantization == "int4" or any(
+            getattr(m, "qweight", None) is not None for m in self.model.modules())
+        if int4 and not self.device.startswith("cpu"):
+            raise ValueError("quantization: INT4 weights run on the CPU for now (the GPU's "
+                             "W4A16 kernel is not built yet); use --device cpu")
         if config.quantization == "int4":
             quantize_layers(self.model)
-        if not self.device.startswith("cpu") and any(
-                getattr(m, "qweight", None) is not None for m in self.model.modules()):
-            raise ValueError("model: INT4 weights run on the CPU for now (the GPU's W4A16 "
-                             "kernel is not built yet); use --device cpu")
         logger.info("loaded %s (%s, %d layers) in %.1f s as %s on %s, %s ops", mc.architecture,
                     type(checkpoint).__name__, mc.num_layers, time.perf_counter() - start,
                     str(self.dtype).removeprefix("torch."), self.device,

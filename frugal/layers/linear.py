@@ -57,17 +57,17 @@ class Linear(nn.Module):
         self._int4_shards[shard_id] = loaded
         if len(self._int4_shards) == len(order):
             parts = [self._int4_shards.pop(s) for s in order]
-            q = Int4Weight.cat(parts) if len(parts) > 1 else parts[0]
-            device = self.weight.device
-            self.qweight = Int4Weight(*(None if t is None else t.to(device) for t in (
-                q.packed, q.scales, q.zeros, q.mins)))
-            self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=device)
+            self._use_int4(Int4Weight.cat(parts) if len(parts) > 1 else parts[0])
 
     def quantize_int4(self, group_size: int) -> None:
         """Round the float weight to INT4 (symmetric, round-to-nearest) in place."""
-        q = quantize_rtn(self.weight.data, group_size, symmetric=True)
-        self.qweight = q
-        self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
+        self._use_int4(quantize_rtn(self.weight.data, group_size, symmetric=True))
+
+    def _use_int4(self, q: Int4Weight) -> None:
+        """From now on multiply with q (moved to the layer's device); drop the float weight."""
+        device = self.weight.device
+        self.qweight = q.to(device)
+        self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=device)
 
     def forward(self, x: torch.Tensor, norm: RMSNorm | None = None, gated: bool = False,
                 residual: torch.Tensor | None = None) -> torch.Tensor:

@@ -23,9 +23,15 @@ def _half(blocks: torch.Tensor, start: int) -> torch.Tensor:
     return blocks[:, start:start + 2].contiguous().view(torch.float16).float()
 
 
+def _codes(packed: torch.Tensor) -> torch.Tensor:
+    """[num_blocks, 16] uint8 -> [num_blocks, 32] uint8 codes in weight order (low nibbles
+    first, then high)."""
+    return torch.cat([packed & 0x0F, packed >> 4], dim=1)
+
+
 def _nibbles(packed: torch.Tensor) -> torch.Tensor:
-    """[num_blocks, 16] uint8 -> [num_blocks, 32] fp32 (low nibbles first, then high)."""
-    return torch.cat([packed & 0x0F, packed >> 4], dim=1).float()
+    """_codes as fp32."""
+    return _codes(packed).float()
 
 
 def dequantize(raw: np.ndarray, ggml_type: T, shape: tuple[int, ...]) -> torch.Tensor:
@@ -63,7 +69,7 @@ def to_int4(raw: np.ndarray, ggml_type: T, shape: tuple[int, int]) -> Int4Weight
     blocks = blocks.reshape(-1, BLOCK_BYTES[ggml_type])
     n, k = shape
     first = 2 if ggml_type == T.Q4_0 else 4
-    codes = torch.cat([blocks[:, first:] & 0x0F, blocks[:, first:] >> 4], dim=1)
+    codes = _codes(blocks[:, first:])
     scales = _half(blocks, 0).view(n, k // BLOCK)
     packed = pack(codes.reshape(n, k))
     if ggml_type == T.Q4_0:

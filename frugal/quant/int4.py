@@ -52,11 +52,6 @@ class Int4Weight:
     def group_size(self) -> int:
         return self.shape[1] // self.scales.shape[1]
 
-    @property
-    def num_bytes(self) -> int:
-        extra = self.zeros if self.zeros is not None else self.mins
-        return sum(t.numel() * t.element_size() for t in (self.packed, self.scales, extra))
-
     def codes(self) -> torch.Tensor:
         """The unsigned codes u: [N, K] uint8."""
         return unpack(self.packed)
@@ -80,12 +75,9 @@ class Int4Weight:
             self._dense[dtype] = self.dequantize(dtype)
         return self._dense[dtype]
 
-    def rows(self, start: int, stop: int) -> Int4Weight:
-        """Output rows [start, stop) (a shard of a merged projection)."""
-        pick = slice(start, stop)
-        return Int4Weight(self.packed[pick], self.scales[pick],
-                          None if self.zeros is None else self.zeros[pick],
-                          None if self.mins is None else self.mins[pick])
+    def to(self, device: torch.device | str) -> Int4Weight:
+        return Int4Weight(*(None if t is None else t.to(device)
+                            for t in (self.packed, self.scales, self.zeros, self.mins)))
 
     def permute_rows(self, order: torch.Tensor) -> Int4Weight:
         return Int4Weight(self.packed[order], self.scales[order],
