@@ -139,19 +139,21 @@ def run_offline(args: argparse.Namespace) -> int:
     for measure in systems.values():  # warm-up
         measure(prompts_for(1, args.input_len, vocab, args.seed + 1), 8)
     runs: dict[tuple[str, int], list[Result]] = {}
-    # repeats interleave the systems, so drift on a shared machine hits both alike
+    # the systems alternate at each point, in an order that flips every repeat (A B, B A, ...):
+    # drift on a shared machine hits them alike
     with tqdm(total=args.repeats * len(systems) * len(concurrencies), file=sys.stderr,
               desc="bench offline") as bar:
-        for _ in range(args.repeats):
-            for name, measure in systems.items():
-                for c in concurrencies:
+        for repeat in range(args.repeats):
+            for c in concurrencies:
+                prompts = prompts_for(c, args.input_len, vocab, args.seed)
+                order = list(systems.items())
+                for name, measure in order[::-1] if repeat % 2 else order:
                     bar.set_postfix_str(f"{name} c={c}")
-                    prompts = prompts_for(c, args.input_len, vocab, args.seed)
                     result = measure(prompts, args.output_len)
                     result.system = name
                     runs.setdefault((name, c), []).append(result)
                     bar.update(1)
-    results = [median_result(r) for r in runs.values()]
+    results = [median_result(runs[(name, c)]) for name in systems for c in concurrencies]
     for r in results:
         b = bound(cost, device, r.concurrency, args.input_len, args.output_len)
         r.bound_tok_s, r.bound_itl_ms = b.output_tok_s, b.decode_step_ms

@@ -36,7 +36,8 @@ class DecodeGraphs:
     """Captured decode graphs of one model; `run` replays the one that fits a step.
 
     Static buffers (device): input_ids, positions, slots [max_bs] int64; seq_lens [max_bs] int32;
-    cu_seqlens [max_bs + 1] int32 = 0..max_bs; page_table, page_tags [max_bs, max_pages] int32;
+    cu_seqlens [max_bs + 1] int32 = 0..max_bs; page_table, page_tags [max_bs, max_pages] int32
+    (the two halves of tables [2, max_bs, max_pages]);
     logits [max_bs, vocab] in the model's dtype (as the LM head computes them), the output of
     every graph, and with tags each graph's integrity status [bs, 4] int32.
     """
@@ -56,8 +57,9 @@ class DecodeGraphs:
             self.slots = torch.full((max_bs,), -1, dtype=torch.int64)
             self.seq_lens = torch.zeros(max_bs, dtype=torch.int32)
             self.cu_seqlens = torch.arange(max_bs + 1, dtype=torch.int32)
-            self.page_table = torch.zeros(max_bs, self.max_pages, dtype=torch.int32)
-            self.page_tags = torch.zeros(max_bs, self.max_pages, dtype=torch.int32)
+            # page_table and page_tags side by side: one copy fills both
+            self.tables = torch.zeros(2, max_bs, self.max_pages, dtype=torch.int32)
+            self.page_table, self.page_tags = self.tables
             self.logits = torch.zeros(max_bs, vocab_size, dtype=dtype)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.status: dict[int, torch.Tensor | None] = {}
@@ -105,10 +107,11 @@ class DecodeGraphs:
         self.positions[:b].copy_(inputs.positions, non_blocking=True)
         self.slots[:b].copy_(meta.slot_mapping, non_blocking=True)
         self.seq_lens[:b].copy_(meta.seq_lens, non_blocking=True)
-        self.page_table[:b, :meta.page_table.shape[1]].copy_(meta.page_table, non_blocking=True)
+        width = meta.page_table.shape[1]
         if self.tags is not None:
-            self.page_tags[:b, :meta.page_table.shape[1]].copy_(inputs.page_tags,
-                                                                non_blocking=True)
+            self.tables[:, :b, :width].copy_(inputs.tables, non_blocking=True)
+        else:
+            self.page_table[:b, :width].copy_(meta.page_table, non_blocking=True)
         if bs > b:
             self.slots[b:bs].fill_(-1)
             self.seq_lens[b:bs].zero_()

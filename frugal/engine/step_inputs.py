@@ -21,7 +21,9 @@ class StepInputs:
     cu_seqlens: host copy of meta.cu_seqlens_q. decode: every request has one new token.
     page_tags: [num_requests, max_pages] int32, the tag each page-table entry had when its
     request got the page (None when the step runs no integrity check); tag_updates: (page ids
-    int64, new tags int32) of pages handed out since the last step, or None.
+    int64, new tags int32) of pages handed out since the last step, or None; tables: with
+    page_tags, both in one tensor [2, num_requests, max_pages] (page_table, page_tags), for a
+    single copy.
     """
 
     input_ids: torch.Tensor
@@ -33,6 +35,7 @@ class StepInputs:
     decode: bool
     page_tags: torch.Tensor | None = None
     tag_updates: tuple[torch.Tensor, torch.Tensor] | None = None
+    tables: torch.Tensor | None = None
 
     @property
     def num_requests(self) -> int:
@@ -112,6 +115,7 @@ def prepare(out: SchedulerOutput, page_size: int, device: str,
     tags_end = table_end + (num_requests * width if check else 0)
     if check:
         inputs.page_tags = ints[table_end:tags_end].view(num_requests, width)
+        inputs.tables = ints[2 * num_requests + 1:tags_end].view(2, num_requests, width)
     if updates:
         inputs.tag_updates = (longs[3 * num_tokens + num_logits:], ints[tags_end:])
     return inputs

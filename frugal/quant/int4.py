@@ -104,7 +104,7 @@ def pack(codes: torch.Tensor) -> torch.Tensor:
     if k % 8:
         raise ValueError(f"pack: {k} inputs is not a multiple of 8")
     u = codes.to(torch.int64).view(n, k // 8, 8)
-    shifts = torch.arange(0, 32, 4, dtype=torch.int64)
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=codes.device)
     words = (u << shifts).sum(-1)  # < 2**32
     return (words - (words >= 2**31).long() * 2**32).to(torch.int32)
 

@@ -1,0 +1,117 @@
+"""Micro-benchmark: quantized matmuls at decode batch sizes vs torch's kernels, on one GPU.
+
+For each shape K×N of the weight-quantization issue and M rows of activations (bf16), times
+frugal's W4A16 kernel (`int4_linear`, group 128, symmetric) against, in the same run, bf16
+cuBLAS (`F.linear`), FP8 `torch._scaled_mm` (per-tensor scales, M padded to 16, as
+../shared/tools/gpu_peers.py measures it) and torch's INT4 tinygemm (`_weight_int4pack_mm`), and
+prints µs, the weight-read bandwidth and the ratios.
+   python benchmarks/quant_linear.py [--sweep] [--m 1,8,16,32,64]
+
+Times are medians of CUDA-graph replays; each call reads its own copy of the weight, so nothing
+is served from L2. --sweep times every kernel config per (shape, M) and prints the best.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+
+import torch
+import torch.nn.functional as F
+from timing import graph_time
+
+from frugal.ops.triton.int4_linear import _config, int4_linear, repack
+from frugal.quant.int4 import quantize_rtn
+
+SHAPES = [(4096, 14336), (14336, 4096), (4096, 6144), (4096, 4096)]  # (K, N)
+CONFIGS = [c for c in itertools.product((16, 32, 64), (16, 32, 64, 128), (1, 2, 4), (2, 4, 8),
+                                        (3, 4)) if c[1] // 16 >= c[3] // 4]
+# (BLOCK_M, BLOCK_N, SPLIT_K, warps, stages)
+
+
+def copies_for(nbytes: int) -> int:
+    return min(16, max(2, -(-2**28 // nbytes)))
+
+
+def bench_shape(k: int, n: int, ms: list[int], sweep: bool) -> list[dict]:
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5
+    copies = copies_for(n * k // 2)
+    q = quantize_rtn(w, 128, symmetric=True)
+    tiles = [repack(q, torch.bfloat16) for _ in range(copies)]
+    dense = q.dequantize(torch.bfloat16)
+    w16 = [w.clone() for _ in range(copies_for(n * k * 2))]
+    scale = (w.abs().amax() / 448).float().reshape(1, 1)
+    w8 = [(w / scale).to(torch.float8_e4m3fn) for _ in range(copies_for(n * k))]
+    one = torch.ones(1, 1, device="cuda")
+    tiny = None
+    try:  # torch's tinygemm INT4 (group 128)
+        codes = q.codes()
+        tiny = torch._convert_weight_to_int4pack(codes[:, ::2] << 4 | codes[:, 1::2], 8)
+        sz = torch.zeros(k // 128, n, 2, device="cuda", dtype=torch.bfloat16)
+    except Exception as exc:  # noqa: BLE001 (peer missing on this build)
+        print(f"tinygemm unavailable: {exc!r:.100}")
+    rows = []
+    for m in ms:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        x8 = torch.zeros(max(16, m), k, device="cuda", dtype=torch.float8_e4m3fn)
+        r = {"K": k, "N": n, "M": m}
+        r["bf16_us"] = 1e3 * graph_time([lambda i=i, x=x: F.linear(x, w16[i % len(w16)])
+                                         for i in range(16)])
+        r["fp8_us"] = 1e3 * graph_time([lambda i=i, x8=x8: torch._scaled_mm(
+            x8, w8[i % len(w8)].t(), scale_a=one, scale_b=scale, out_dtype=torch.bfloat16)
+            for i in range(16)])
+        if tiny is not None:
+            r["tinygemm_us"] = 1e3 * graph_time([lambda x=x: torch._weight_int4pack_mm(
+                x, tiny, 128, sz)] * 4)
+        r["int4_us"] = 1e3 * graph_time([lambda i=i, x=x: int4_linear(x, tiles[i % copies])
+                                         for i in range(16)])
+        r["config"] = _config(m, n, k)
+        if sweep:
+            best = (r["int4_us"], r["config"])
+            for c in CONFIGS:
+                if c[0] != _config(m, n, k)[0] or (c[2] > 1 and k // 128 < 2 * c[2]):
+                    continue
+                try:
+                    calls = [lambda i=i, x=x, c=c: int4_linear(x, tiles[i % copies], config=c)
+                             for i in range(16)]
+                    t = 1e3 * graph_time(calls)
+                except Exception as exc:  # noqa: BLE001 (a config the compiler refuses)
+                    print(f"config {c}: {exc!r:.80}")
+                    continue
+                best = min(best, (t, c))
+            r["best_us"], r["best_config"] = best
+        ref = F.linear(x, dense)
+        got = int4_linear(x, tiles[0])
+        r["rel_err_vs_bf16"] = float((got.float() - ref.float()).norm() / ref.float().norm())
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--m", default="1,8,16,32,64")
+    p.add_argument("--sweep", action="store_true")
+    p.add_argument("--output", help="JSON of all rows")
+    a = p.parse_args()
+    ms = [int(m) for m in a.m.split(",")]
+    print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | CUDA-graph replay "
+          "medians | W4A16 group 128 symmetric, FP8 per-tensor\n")
+    rows = [r for k, n in SHAPES for r in bench_shape(k, n, ms, a.sweep)]
+    print("\n| K×N | M | bf16 cuBLAS µs | FP8 _scaled_mm µs | tinygemm INT4 µs | frugal INT4 µs | "
+          "INT4 TB/s | INT4 speed-up over FP8 | over bf16 |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        nbytes = r["K"] * r["N"] / 2 + r["K"] * r["N"] / 128 * 4
+        print(f"| {r['K']}×{r['N']} | {r['M']} | {r['bf16_us']:.1f} | {r['fp8_us']:.1f} | "
+              f"{r.get('tinygemm_us', float('nan')):.1f} | {r['int4_us']:.1f} | "
+              f"{nbytes / r['int4_us'] / 1e6:.2f} | {r['fp8_us'] / r['int4_us']:.2f}x | "
+              f"{r['bf16_us'] / r['int4_us']:.2f}x |")
+    if a.output:
+        with open(a.output, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

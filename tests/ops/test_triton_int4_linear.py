@@ -1,0 +1,84 @@
+"""The Triton W4A16 matmul against torch_ref.linear on the dequantized weight."""
+
+import pytest
+import torch
+
+from frugal.ops import torch_ref
+from frugal.quant.int4 import Int4Weight, quantize_rtn
+
+tri = pytest.importorskip("frugal.ops.triton.int4_linear")
+GPU = torch.cuda.is_available()
+DEVICE = "cuda" if GPU else "cpu"
+
+
+def weight(rows, k, group, form, g):
+    w = torch.randn(rows, k, generator=g) * k ** -0.5
+    if form == "mins":  # GGUF Q4_1: w = u · scale + min, min no multiple of scale
+        q = quantize_rtn(w, group, symmetric=False)
+        mins = -q.zeros * q.scales + torch.rand(q.scales.shape, generator=g) * q.scales
+        return Int4Weight(q.packed, q.scales, mins=mins)
+    return quantize_rtn(w, group, symmetric=form == "sym")
+
+
+def run(m, n, k, group, form, dtype, gated=False, bias=False, residual=False, config=None,
+        seed=0):
+    g = torch.Generator().manual_seed(seed)
+    rows = 2 * n if gated else n
+    q = weight(rows, k, group, form, g)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    b = torch.randn(rows, generator=g).to(dtype) if bias else None
+    r = torch.randn(m, n, generator=g).to(dtype) if residual else None
+    ref = torch_ref.linear(x.float(), q.dequantize(), None if b is None else b.float(),
+                           gated=gated, residual=None if r is None else r.float())
+    tiles = tri.repack(q.to(DEVICE), dtype)
+    got = tri.int4_linear(x.to(DEVICE), tiles, None if b is None else b.to(DEVICE), gated,
+                          None if r is None else r.to(DEVICE), config=config)
+    assert got.shape == (m, n) and got.dtype == dtype
+    tol = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 4e-3}[dtype]
+    torch.testing.assert_close(got.float().cpu(), ref, atol=tol * ref.abs().max().item(),
+                               rtol=tol)
+
+
+def test_repack_layout():
+    """Nibble j of word w of a tile holds input 16 j + w; scales and mins group-major."""
+    q = quantize_rtn(torch.randn(3, 256), 64, symmetric=False)
+    t = tri.repack(q, torch.float32)
+    words = t.words.view(3, 2, 16)
+    codes = q.codes().view(3, 2, 8, 16)
+    for j in range(8):
+        assert torch.equal((words >> (4 * j)) & 0xF, codes[:, :, j].int())
+    assert torch.equal(t.scales, q.scales.t())
+    assert torch.equal(t.mins, (-q.zeros * q.scales).t())
+
+
+@pytest.mark.parametrize("group,form", [(32, "sym"), (64, "asym"), (128, "mins"), (256, "sym")])
+def test_int4_linear_groups_and_forms(group, form):
+    run(3, 20, 256, group, form, torch.float32, seed=group)
+
+
+@pytest.mark.parametrize("gated,bias,residual", [(True, False, False), (False, True, True),
+                                                 (True, True, True)])
+def test_int4_linear_epilogues(gated, bias, residual):
+    run(2, 16, 128, 32, "asym", torch.float32, gated, bias, residual)
+
+
+def test_int4_linear_pads_k_and_splits():
+    """K = 160 is padded to two tiles of 128; split-K sums partials (and runs the epilogue)."""
+    run(5, 24, 160, 32, "sym", torch.float32, gated=True, residual=True, config=(16, 16, 2, 4, 2))
+    run(1, 16, 384, 128, "mins", torch.float32, config=(16, 16, 3, 4, 2))
+
+
+def test_int4_linear_rejects_wrong_inputs():
+    q = quantize_rtn(torch.randn(16, 128), 32, symmetric=True)
+    with pytest.raises(ValueError, match="inputs"):
+        tri.int4_linear(torch.randn(1, 64, device=DEVICE), tri.repack(q.to(DEVICE), torch.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 8, 16, 33, 64, 200])
+def test_int4_linear_gpu(dtype, m):
+    """The bitwise code-to-operand conversion and the real configs, at real shapes."""
+    run(m, 1024, 4096, 128, "sym", dtype, seed=m)
+    run(m, 512, 576, 32, "mins", dtype, gated=True, residual=True, seed=m + 1)
+    run(m, 768, 1536, 64, "asym", dtype, bias=True, seed=m + 2)
