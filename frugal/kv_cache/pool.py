@@ -6,14 +6,19 @@ import logging
 
 import torch
 
+from frugal.ops.torch_ref.attention import v_key_minor
+
 logger = logging.getLogger("frugal")
 
 
 class KVPool:
     """K/V storage for every layer.
 
-    k[layer], v[layer]: [num_pages, page_size, num_kv_heads, head_dim] of `dtype`. A token's slot is
-    page_id * page_size + offset; `k[layer].view(-1, num_kv_heads, head_dim)[slot]` is its key.
+    k[layer], v[layer]: [num_pages, page_size, num_kv_heads, head_dim] of `dtype` (an FP8 v:
+    key-minor, [num_pages, num_kv_heads, head_dim, page_size], see torch_ref.v_key_minor). A
+    token's slot is page_id * page_size + offset; `k[layer].view(-1, num_kv_heads,
+    head_dim)[slot]` is its key. On the GPU the pool starts zeroed, and FP8 stores saturate
+    (NaN included), so no page ever holds a NaN: kernels may read a whole last page.
     An FP8 pool also has scales: [num_layers, 2, num_kv_heads] fp32 (K, V), set by its owner
     before use, and scales_source saying where they came from. tags: [num_pages] int32, each
     page's current tag (kv_cache.page_allocator), kept up to date by the model runner.
@@ -29,7 +34,9 @@ class KVPool:
         alloc = torch.empty if torch.device(device).type == "cpu" and not zeroed else torch.zeros
         self._storage = alloc(shape, dtype=dtype, device=device)
         self.k = [self._storage[i, 0] for i in range(num_layers)]
-        self.v = [self._storage[i, 1] for i in range(num_layers)]
+        v_shape = ((num_pages, num_kv_heads, head_dim, page_size) if v_key_minor(dtype)
+                   else shape[2:])
+        self.v = [self._storage[i, 1].view(v_shape) for i in range(num_layers)]
         self.dtype = dtype
         self.tags = torch.zeros(num_pages, dtype=torch.int32, device=device)
         self.scales: torch.Tensor | None = None

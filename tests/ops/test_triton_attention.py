@@ -17,17 +17,20 @@ FP8 = torch.float8_e4m3fn
 
 def make_case(seq_lens, num_new, num_heads, num_kv_heads, head_dim, page_size, dtype, seed,
               scales=None):
-    """A NaN-poisoned pool with each request's K/V in shuffled pages, and the step's q.
-    scales ([2, num_kv_heads]): the pool is FP8, K/V quantized with them."""
+    """A poisoned pool with each request's K/V in shuffled pages, and the step's q.
+    scales ([2, num_kv_heads]): the pool is FP8 (V key-minor), K/V quantized with them; its
+    poison is the largest finite value (an FP8 pool never holds NaN, so kernels may read the
+    unused rows of a request's last page), a bf16/fp32 pool's NaN."""
     g = torch.Generator().manual_seed(seed)
     pages_per = [-(-n // page_size) for n in seq_lens]
     num_pages = sum(pages_per) + 2
     shape = (num_pages, page_size, num_kv_heads, head_dim)
     if scales is None:
         k_cache = torch.full(shape, float("nan"), dtype=dtype)
+        v_cache = k_cache.clone()
     else:
-        k_cache = torch.full(shape, 0x7F, dtype=torch.uint8).view(FP8)  # e4m3fn NaN
-    v_cache = k_cache.clone()
+        k_cache = torch.full(shape, 0x7E, dtype=torch.uint8).view(FP8)  # e4m3fn 448
+        v_cache = k_cache.permute(0, 2, 3, 1).contiguous()  # key-minor
     order = torch.randperm(num_pages, generator=g).tolist()
     tables = []
     for n, p in zip(seq_lens, pages_per):
@@ -148,7 +151,7 @@ def test_rotary_store_kv_fp8_quantizes_and_saturates():
     cos_sin = torch.cat([freqs.cos(), freqs.sin()], -1)
     scales = fp8_scales(kv_heads, seed=1)
     ref_k = torch.zeros(2, 4, kv_heads, dim, dtype=FP8)
-    ref_v = torch.zeros_like(ref_k)
+    ref_v = torch.zeros(2, kv_heads, dim, 4, dtype=FP8)  # key-minor
     torch_ref.rotary_store_kv(q, k, v, positions, cos_sin, ref_k, ref_v, slots, scales)
     k_cache, v_cache = torch.zeros_like(ref_k).to(DEVICE), torch.zeros_like(ref_v).to(DEVICE)
     kv_store.rotary_store_kv(*(t.to(DEVICE) for t in (q, k, v, positions, cos_sin)), k_cache,

@@ -44,17 +44,31 @@ def _dot_dtype(q, DOT_F32: tl.constexpr, FP8: tl.constexpr):
 
 
 @triton.jit
-def _load_kv(k_cache_ptr, v_cache_ptr, table_ptr, pos, n_mask, d, d_mask, kv_head, q,
+def _load_kv(k_cache_ptr, v_cache_ptr, table_ptr, pos, n_mask, end, d, d_mask, kv_head, q,
              NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-             DOT_F32: tl.constexpr):
-    """K and V rows [BLOCK_N, DIM_PAD] of context positions `pos`, gathered through the page
-    table of one request; masked rows read as 0. Cast to q's dtype for the dot."""
+             DOT_F32: tl.constexpr, FP8: tl.constexpr):
+    """K and V rows [BLOCK_N, DIM_PAD] of context positions `pos` (a block starting at a
+    multiple of PAGE_SIZE), gathered through the page table of one request; masked rows (pos >=
+    end) read as 0. Cast to q's dtype for the dot.
+
+    FP8: V is key-minor, so a page's keys load as runs of PAGE_SIZE bytes; the mask is per page
+    (rows past `end` in the last page are read: pool memory, never NaN, and their weights are 0).
+    """
     page = tl.load(table_ptr + pos // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
     slot = page * PAGE_SIZE + pos % PAGE_SIZE
     offs = (slot * NUM_KV_HEADS + kv_head)[:, None] * HEAD_DIM + d[None, :]
     mask = n_mask[:, None] & d_mask[None, :]
     k = tl.load(k_cache_ptr + offs, mask=mask, other=0.0)
-    v = tl.load(v_cache_ptr + offs, mask=mask, other=0.0)
+    if FP8:
+        # runs of keys contiguous in memory: a page, or the whole block if pages are longer
+        RUN: tl.constexpr = PAGE_SIZE if PAGE_SIZE < pos.shape[0] else pos.shape[0]
+        rows = (page * NUM_KV_HEADS + kv_head) * HEAD_DIM * PAGE_SIZE + pos % PAGE_SIZE
+        rows = tl.max_contiguous(tl.multiple_of(rows, RUN), RUN)
+        in_page = (pos // PAGE_SIZE * PAGE_SIZE) < end
+        v = tl.load(v_cache_ptr + rows[:, None] + (d * PAGE_SIZE)[None, :],
+                    mask=in_page[:, None] & d_mask[None, :], other=0.0)
+    else:
+        v = tl.load(v_cache_ptr + offs, mask=mask, other=0.0)
     if DOT_F32:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
@@ -126,10 +140,11 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, scales_ptr, page_table_ptr, 
     acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
     n = tl.arange(0, BLOCK_N)
     for kv_start in range(first, last, BLOCK_N):  # every block holds >= 1 valid token
-        pos = kv_start + n
+        pos = tl.multiple_of(kv_start, BLOCK_N) + n
         n_mask = pos < last
         k, v = _load_kv(k_cache_ptr, v_cache_ptr, page_table_ptr + b * pages_stride, pos, n_mask,
-                        d, d_mask, kv_head, q, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, DOT_F32)
+                        last, d, d_mask, kv_head, q, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, DOT_F32,
+                        FP8)
         m_i, l_i, acc = _softmax_step(q, k, v, n_mask[None, :], m_i, l_i, acc, qk_scale,
                                       PRECISION)
     has_work = l_i > 0
@@ -210,11 +225,11 @@ def _extend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, scales_ptr, page_table_ptr, 
         end = tl.minimum(seq_len, seq_len - num_new + (block + 1) * BLOCK_M)
         n = tl.arange(0, BLOCK_N)
         for kv_start in range(0, end, BLOCK_N):
-            pos = kv_start + n
+            pos = tl.multiple_of(kv_start, BLOCK_N) + n
             n_mask = pos < end
             k, v = _load_kv(k_cache_ptr, v_cache_ptr, page_table_ptr + b * pages_stride, pos,
-                            n_mask, d, d_mask, kv_head, q, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE,
-                            DOT_F32)
+                            n_mask, end, d, d_mask, kv_head, q, NUM_KV_HEADS, HEAD_DIM,
+                            PAGE_SIZE, DOT_F32, FP8)
             allowed = (pos[None, :] <= q_pos[:, None]) & n_mask[None, :]
             m_i, l_i, acc = _softmax_step(q, k, v, allowed, m_i, l_i, acc, qk_scale, PRECISION)
         out = acc * (v_scale / tl.where(l_i > 0, l_i, 1.0))[:, None]

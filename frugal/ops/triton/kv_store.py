@@ -15,10 +15,12 @@ def _rotary_store_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, slot_ptr, q_
                          k_cache_ptr, v_cache_ptr, scales_ptr, q_stride, k_stride, v_stride,
                          NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                          HEADS_PAD: tl.constexpr, KV_PAD: tl.constexpr, HALF: tl.constexpr,
-                         HALF_PAD: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr):
+                         HALF_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr, FP8: tl.constexpr,
+                         PDL: tl.constexpr):
     """One program per token: rotate its q heads into q_out, rotate its k heads and store them
     with its v heads at its slot (unless the slot is negative). FP8: divided by the head's scale
-    (scales_ptr: [2, NUM_KV_HEADS], K then V) and saturated."""
+    (scales_ptr: [2, NUM_KV_HEADS], K then V) and saturated; V key-minor ([pages, NUM_KV_HEADS,
+    head_dim, PAGE_SIZE])."""
     if PDL:
         tl.extra.cuda.gdc_wait()
     t = tl.program_id(0)
@@ -56,9 +58,15 @@ def _rotary_store_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, slot_ptr, q_
         _store(k_cache_ptr + kv_dst + HALF, (k2 * cos + k1 * sin).to(x_ty), k_scale, kv_mask,
                FP8)
         v_src = v_ptr + t * v_stride + j * 2 * HALF + i[None, :]
-        _store(v_cache_ptr + kv_dst, tl.load(v_src, mask=kv_mask, other=0.0), v_scale, kv_mask,
+        v_dst = kv_dst
+        v_step = HALF
+        if FP8:  # key-minor: element d of head j at ((page * heads + j) * dim + d) * page + offset
+            v_dst = (((slot // PAGE_SIZE) * NUM_KV_HEADS + j) * 2 * HALF + i[None, :]) * PAGE_SIZE
+            v_dst += slot % PAGE_SIZE
+            v_step = HALF * PAGE_SIZE
+        _store(v_cache_ptr + v_dst, tl.load(v_src, mask=kv_mask, other=0.0), v_scale, kv_mask,
                FP8)
-        _store(v_cache_ptr + kv_dst + HALF, tl.load(v_src + HALF, mask=kv_mask, other=0.0),
+        _store(v_cache_ptr + v_dst + v_step, tl.load(v_src + HALF, mask=kv_mask, other=0.0),
                v_scale, kv_mask, FP8)
 
 
@@ -97,6 +105,7 @@ def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
         kv_scales if fp8 else k_cache, q.stride(0),
         k.stride(0), v.stride(0), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
         HEADS_PAD=triton.next_power_of_2(num_heads), KV_PAD=triton.next_power_of_2(num_kv_heads),
-        HALF=head_dim // 2, HALF_PAD=triton.next_power_of_2(head_dim // 2), FP8=fp8,
+        HALF=head_dim // 2, HALF_PAD=triton.next_power_of_2(head_dim // 2),
+        PAGE_SIZE=k_cache.shape[1], FP8=fp8,
         PDL=launch_pdl, launch_pdl=launch_pdl)
     return out
