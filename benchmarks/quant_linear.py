@@ -1,7 +1,8 @@
 """Micro-benchmark: quantized matmuls at decode batch sizes vs torch's kernels, on one GPU.
 
 For each shape K×N of the weight-quantization issue and M rows of activations (bf16), times
-frugal's W4A16 kernel (`int4_linear`, group 128, symmetric) against, in the same run, bf16
+frugal's W4A16 kernel (`int4_linear`, group 128, symmetric) and W8A16 kernel (`fp8_linear`,
+per-channel scales) against, in the same run, bf16
 cuBLAS (`F.linear`), FP8 `torch._scaled_mm` (per-tensor scales, M padded to 16, as
 ../shared/tools/gpu_peers.py measures it) and torch's INT4 tinygemm (`_weight_int4pack_mm`), and
 prints µs, the weight-read bandwidth and the ratios.
@@ -21,13 +22,17 @@ import torch
 import torch.nn.functional as F
 from timing import graph_time
 
-from frugal.ops.triton.int4_linear import _config, int4_linear, repack
+from frugal.ops.triton.fp8_linear import fp8_linear
+from frugal.ops.triton.int4_linear import _config, _gemv_config, int4_linear, repack
+from frugal.quant.fp8 import quantize_fp8
 from frugal.quant.int4 import quantize_rtn
 
 SHAPES = [(4096, 14336), (14336, 4096), (4096, 6144), (4096, 4096)]  # (K, N)
 CONFIGS = [c for c in itertools.product((16, 32, 64), (16, 32, 64, 128), (1, 2, 4), (2, 4, 8),
                                         (3, 4)) if c[1] // 16 >= c[3] // 4]
-# (BLOCK_M, BLOCK_N, SPLIT_K, warps, stages)
+# (BLOCK_M, BLOCK_N, SPLIT_K, warps, stages); at one row the CUDA-core kernel's
+# (BLOCK_N, SPLIT_K, warps, UNROLL)
+GEMV_CONFIGS = list(itertools.product((128, 256, 512), (2, 4, 8, 16), (4, 8), (1,)))
 
 
 def copies_for(nbytes: int) -> int:
@@ -43,6 +48,7 @@ def bench_shape(k: int, n: int, ms: list[int], sweep: bool) -> list[dict]:
     w16 = [w.clone() for _ in range(copies_for(n * k * 2))]
     scale = (w.abs().amax() / 448).float().reshape(1, 1)
     w8 = [(w / scale).to(torch.float8_e4m3fn) for _ in range(copies_for(n * k))]
+    ours8 = [quantize_fp8(w) for _ in range(copies_for(n * k))]
     one = torch.ones(1, 1, device="cuda")
     tiny = None
     try:  # torch's tinygemm INT4 (group 128)
@@ -66,11 +72,15 @@ def bench_shape(k: int, n: int, ms: list[int], sweep: bool) -> list[dict]:
                 x, tiny, 128, sz)] * 4)
         r["int4_us"] = 1e3 * graph_time([lambda i=i, x=x: int4_linear(x, tiles[i % copies])
                                          for i in range(16)])
-        r["config"] = _config(m, n, k)
+        r["ours_fp8_us"] = 1e3 * graph_time([lambda i=i, x=x: fp8_linear(x, ours8[i % len(ours8)])
+                                             for i in range(16)])
+        r["config"] = _gemv_config(n, k) if m == 1 else _config(m, n, k)
         if sweep:
             best = (r["int4_us"], r["config"])
-            for c in CONFIGS:
-                if c[0] != _config(m, n, k)[0] or (c[2] > 1 and k // 128 < 2 * c[2]):
+            for c in GEMV_CONFIGS if m == 1 else CONFIGS:
+                if m > 1 and c[0] != _config(m, n, k)[0]:
+                    continue
+                if c[-3 if m == 1 else 2] * 2 > k // 128:
                     continue
                 try:
                     calls = [lambda i=i, x=x, c=c: int4_linear(x, tiles[i % copies], config=c)
@@ -100,14 +110,16 @@ def main() -> None:
           "medians | W4A16 group 128 symmetric, FP8 per-tensor\n")
     rows = [r for k, n in SHAPES for r in bench_shape(k, n, ms, a.sweep)]
     print("\n| K×N | M | bf16 cuBLAS µs | FP8 _scaled_mm µs | tinygemm INT4 µs | frugal INT4 µs | "
-          "INT4 TB/s | INT4 speed-up over FP8 | over bf16 |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "INT4 TB/s | INT4 speed-up over FP8 | over bf16 | frugal FP8 µs | frugal FP8 / "
+          "_scaled_mm speed |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         nbytes = r["K"] * r["N"] / 2 + r["K"] * r["N"] / 128 * 4
         print(f"| {r['K']}×{r['N']} | {r['M']} | {r['bf16_us']:.1f} | {r['fp8_us']:.1f} | "
               f"{r.get('tinygemm_us', float('nan')):.1f} | {r['int4_us']:.1f} | "
               f"{nbytes / r['int4_us'] / 1e6:.2f} | {r['fp8_us'] / r['int4_us']:.2f}x | "
-              f"{r['bf16_us'] / r['int4_us']:.2f}x |")
+              f"{r['bf16_us'] / r['int4_us']:.2f}x | {r['ours_fp8_us']:.1f} | "
+              f"{r['fp8_us'] / r['ours_fp8_us']:.2f}x |")
     if a.output:
         with open(a.output, "w") as f:
             json.dump(rows, f, indent=1)

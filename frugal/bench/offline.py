@@ -197,8 +197,9 @@ def format_table(results: list[Result], engine: LLMEngine, device: Device,
     name = "gpu " + torch.cuda.get_device_name() if runner.device.startswith("cuda") else "cpu"
     lines = [
         f"model: {mc.architecture} {mc.num_layers} layers, hidden {mc.hidden_size} | "
-        f"{str(runner.dtype).removeprefix('torch.')} on {name} | "
-        f"{args.input_len} in / {args.output_len} out | torch {torch.__version__}, "
+        f"{str(runner.dtype).removeprefix('torch.')} on {name} | weights: "
+        f"{engine.config.quantization} | {args.input_len} in / {args.output_len} out | "
+        f"torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads | median of {args.repeats} run(s)",
         f"measured: copy bandwidth {device.bandwidth / 1e12:.2f} TB/s, matmul "
         f"{device.matmul_flops / 1e12:.1f} TFLOP/s | KV pool {runner.pool.num_pages} pages of "

@@ -44,6 +44,12 @@ class ModelCost:
         embed_bytes = 0 if mc.tie_word_embeddings else embed.numel() * embed.element_size()
         matmul_params = sum(p.numel() for n, p in model.named_parameters()
                             if p.dim() == 2 and "embed" not in n and "lm_head" not in n)
+        for module in model.modules():  # quantized matmuls keep their weights outside params
+            q = getattr(module, "qweight", None)
+            if q is not None:
+                total += sum(t.numel() * t.element_size() for t in vars(q).values()
+                             if isinstance(t, torch.Tensor))
+                matmul_params += module.in_features * module.out_features
         return cls(weight_bytes=total - embed_bytes,
                    kv_bytes_per_token=pool.num_bytes // pool.capacity_tokens,
                    flops_per_token=2.0 * matmul_params,

@@ -20,9 +20,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                                                              "dummy"])
     g.add_argument("--dtype", default="auto", help="auto (fp32 on CPU), float32, bfloat16, float16")
     g.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    g.add_argument("--quantization", default="none", choices=["none", "int4"],
-                   help="int4: W4A16 weights, group-wise (a GGUF's Q4_0/Q4_1 matrices kept "
-                        "exactly, other checkpoints rounded to nearest); CPU for now")
+    g.add_argument("--quantization", default="none", choices=["none", "int4", "fp8"],
+                   help="layer weights: int4 = W4A16 group-wise, fp8 = e4m3 per output "
+                        "channel (W8A16); weights the checkpoint stores quantized (a GGUF's "
+                        "Q4_0/Q4_1, compressed-tensors, FP8 block scales) are kept as they "
+                        "are, others rounded to nearest")
     g.add_argument("--ops-backend", default="auto", choices=["auto", "torch_ref", "triton"],
                    help="kernels: auto = triton on CUDA, torch_ref (plain PyTorch) on CPU")
     g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")

@@ -1,5 +1,7 @@
 """`frugal quantize`: a checkpoint's layer matrices to INT4 (W4A16, group-wise; round to nearest or
-GPTQ), written as safetensors + config.json in compressed-tensors' pack-quantized format."""
+GPTQ) in compressed-tensors' pack-quantized format, or to FP8 e4m3 (per output channel, in
+compressed-tensors' float-quantized format, or in 128×128 blocks as DeepSeek / GLM store them),
+written as safetensors + config.json."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from frugal.loader import open_checkpoint
-from frugal.quant import compressed
+from frugal.quant import compressed, fp8
 from frugal.quant.int4 import GROUP_SIZES, quantize_rtn
 
 GPTQ_WINDOWS = 32  # calibration windows of 512 tokens
@@ -25,13 +27,16 @@ _MATRICES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "do
 
 
 def add_quantize_parser(subparsers) -> None:
-    p = subparsers.add_parser("quantize", help="write an INT4 (W4A16) copy of a checkpoint")
+    p = subparsers.add_parser("quantize", help="write an INT4 (W4A16) or FP8 copy of a checkpoint")
     p.add_argument("model", nargs="?", default=None,
                    help="a .gguf file or a HF directory (default: the bundled model)")
     p.add_argument("--output", required=True, help="directory to write")
-    p.add_argument("--scheme", default="w4a16", choices=["w4a16"])
-    p.add_argument("--group-size", type=int, default=128, choices=GROUP_SIZES)
-    p.add_argument("--asymmetric", action="store_true", help="zero points per group")
+    p.add_argument("--scheme", default="w4a16", choices=["w4a16", "fp8"])
+    p.add_argument("--group-size", type=int, default=128, choices=GROUP_SIZES,
+                   help="w4a16: inputs per scale")
+    p.add_argument("--asymmetric", action="store_true", help="w4a16: zero points per group")
+    p.add_argument("--weight-block-size", type=int, default=None,
+                   help="fp8: one scale per block × block tile (e.g. 128) instead of per channel")
     p.add_argument("--method", default="rtn", choices=["rtn", "gptq"],
                    help="rtn: round to nearest; gptq: error-compensated, calibrated on text")
     p.add_argument("--calibration-file", default=None,
@@ -47,13 +52,20 @@ def add_quantize_parser(subparsers) -> None:
 def run_quantize(args: argparse.Namespace) -> int:
     if args.method != "gptq" and args.calibration_file:
         raise ValueError("calibration_file: only with --method gptq")
+    int4 = args.scheme == "w4a16"
+    if not int4 and args.method == "gptq":
+        raise ValueError("method: gptq is for --scheme w4a16 (FP8 rounds to nearest)")
+    if int4 and args.weight_block_size is not None:
+        raise ValueError("weight_block_size: only with --scheme fp8")
+    if args.weight_block_size is not None and args.weight_block_size < 16:
+        raise ValueError(f"weight_block_size: at least 16, got {args.weight_block_size}")
     ckpt = open_checkpoint(args.model)
     found = _hessians(args) if args.method == "gptq" else {}
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
     ignore = [s for s in args.ignore.split(",") if s]
     tensors: dict[str, torch.Tensor] = {}
-    bf16_bytes = int4_bytes = kept_bytes = 0
+    bf16_bytes = quant_bytes = kept_bytes = 0
     errors = []
     names = list(ckpt.weights())
     for name, w in tqdm(names, desc="quantize", file=sys.stderr):
@@ -64,10 +76,12 @@ def run_quantize(args: argparse.Namespace) -> int:
             tensors[name] = w.contiguous()
             kept_bytes += w.numel() * w.element_size()
             continue
-        if w.shape[1] % args.group_size:
+        if int4 and w.shape[1] % args.group_size:
             raise ValueError(f"group_size: {name} has {w.shape[1]} inputs, not a multiple of "
                              f"{args.group_size}")
-        if args.method == "gptq":
+        if not int4:
+            q = fp8.quantize_fp8(w, args.weight_block_size)
+        elif args.method == "gptq":
             from frugal.quant.gptq import gptq
 
             module = _module_of(name)
@@ -77,23 +91,25 @@ def run_quantize(args: argparse.Namespace) -> int:
             q = quantize_rtn(w, args.group_size, symmetric=not args.asymmetric)
         err = (q.dequantize() - w.float()).norm() / w.float().norm()
         errors.append((name, float(err)))
-        parts = compressed.to_tensors(prefix, q)
+        parts = compressed.to_tensors(prefix, q) if int4 else fp8.to_tensors(prefix, q)
         tensors.update(parts)
         bf16_bytes += w.numel() * 2
-        int4_bytes += sum(t.numel() * t.element_size() for t in parts.values())
+        quant_bytes += sum(t.numel() * t.element_size() for t in parts.values())
     save_file(tensors, str(out / "model.safetensors"))
     hf = _hf_config(ckpt)
-    hf["quantization_config"] = compressed.quantization_config(
-        args.group_size, not args.asymmetric, ["lm_head", *ignore])
+    hf["quantization_config"] = (
+        compressed.quantization_config(args.group_size, not args.asymmetric, ["lm_head", *ignore])
+        if int4 else fp8.quantization_config(args.weight_block_size, ["lm_head", *ignore]))
     (out / "config.json").write_text(json.dumps(hf, indent=2))
     if ckpt.tokenizer is not None:
         ckpt.tokenizer.save(out)
     for name, err in errors:
         print(f"{name}: relative error {err:.4f}")
     total_before = bf16_bytes + kept_bytes
+    what = "INT4" if int4 else "FP8"
     print(f"quantized {len(errors)} matrices: {bf16_bytes / 1e6:.1f} MB as bf16 -> "
-          f"{int4_bytes / 1e6:.1f} MB INT4 ({int4_bytes / bf16_bytes:.3f}x); whole checkpoint "
-          f"{total_before / 1e6:.1f} -> {(int4_bytes + kept_bytes) / 1e6:.1f} MB "
+          f"{quant_bytes / 1e6:.1f} MB {what} ({quant_bytes / bf16_bytes:.3f}x); whole "
+          f"checkpoint {total_before / 1e6:.1f} -> {(quant_bytes + kept_bytes) / 1e6:.1f} MB "
           f"(other tensors kept as stored, {kept_bytes / 1e6:.1f} MB); mean relative error "
           f"{sum(e for _, e in errors) / max(len(errors), 1):.4f}")
     print(f"wrote {out}")

@@ -96,13 +96,11 @@ class ModelRunner:
         with _default_dtype(self.dtype), torch.device(self.device):
             self.model = model_class(mc)(mc)
         checkpoint.load_into(self.model)
-        int4 = config.quantization == "int4" or any(
-            getattr(m, "qweight", None) is not None for m in self.model.modules())
-        if int4 and not self.device.startswith("cpu"):
-            raise ValueError("quantization: INT4 weights run on the CPU for now (the GPU's "
-                             "W4A16 kernel is not built yet); use --device cpu")
-        if config.quantization == "int4":
-            quantize_layers(self.model)
+        if config.quantization != "none":
+            quantize_layers(self.model, config.quantization)
+        for module in self.model.modules():  # into the layout the backend's kernels read
+            if getattr(module, "qweight", None) is not None:
+                module.qweight = self.backend.pack_weight(module.qweight, self.dtype)
         logger.info("loaded %s (%s, %d layers) in %.1f s as %s on %s, %s ops", mc.architecture,
                     type(checkpoint).__name__, mc.num_layers, time.perf_counter() - start,
                     str(self.dtype).removeprefix("torch."), self.device,

@@ -9,6 +9,7 @@ from torch import nn
 
 from frugal import ops
 from frugal.layers.norm import RMSNorm
+from frugal.quant.fp8 import Fp8Weight, quantize_fp8
 from frugal.quant.int4 import Int4Weight, quantize_rtn
 
 logger = logging.getLogger("frugal")
@@ -25,8 +26,9 @@ def load_whole(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = Non
 class Linear(nn.Module):
     """y = x @ weight.T (+ bias). weight: [out_features, in_features]; x: [num_tokens, in].
 
-    An INT4 layer keeps its weight as qweight (quant.int4.Int4Weight, all shards concatenated)
-    and an empty float weight."""
+    A quantized layer keeps its weight as qweight (quant.int4.Int4Weight or quant.fp8.Fp8Weight,
+    all shards concatenated; the ops backend may repack it for its kernel, see
+    engine.model_runner) and an empty float weight."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
@@ -37,33 +39,38 @@ class Linear(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
             self.bias.weight_loader = self.load_shard
-        self.qweight: Int4Weight | None = None
-        self._int4_shards: dict[object, Int4Weight] = {}
+        self.qweight: Int4Weight | Fp8Weight | object | None = None
+        self._shards: dict[object, Int4Weight | Fp8Weight] = {}
 
     def load_shard(self, param: nn.Parameter, loaded: torch.Tensor,
                    shard_id: object = None) -> None:
         load_whole(param, loaded)
 
-    def load_int4(self, loaded: Int4Weight, shard_id: object = None) -> None:
-        """Take an INT4 weight (or one shard of it); once all shards are in, the float weight
-        is dropped."""
+    def load_quantized(self, loaded: Int4Weight | Fp8Weight, shard_id: object = None) -> None:
+        """Take a quantized weight (or one shard of it); once all shards are in, the float
+        weight is dropped."""
         order = list(getattr(self, "shards", [None]))
         if shard_id not in order:
             raise ValueError(f"unknown shard {shard_id!r} (expected one of {order})")
         rows = self.shards[shard_id][1] if shard_id is not None else self.out_features
-        if loaded.shape != (rows, self.in_features):
-            raise ValueError(f"shape {loaded.shape} in checkpoint, model expects "
+        if tuple(loaded.shape) != (rows, self.in_features):
+            raise ValueError(f"shape {tuple(loaded.shape)} in checkpoint, model expects "
                              f"{(rows, self.in_features)}")
-        self._int4_shards[shard_id] = loaded
-        if len(self._int4_shards) == len(order):
-            parts = [self._int4_shards.pop(s) for s in order]
-            self._use_int4(Int4Weight.cat(parts) if len(parts) > 1 else parts[0])
+        self._shards[shard_id] = loaded
+        if len(self._shards) == len(order):
+            parts = [self._shards.pop(s) for s in order]
+            if len({type(p) for p in parts}) != 1:
+                raise ValueError("shards quantized in different formats")
+            self._use_quantized(type(parts[0]).cat(parts) if len(parts) > 1 else parts[0])
 
-    def quantize_int4(self, group_size: int) -> None:
-        """Round the float weight to INT4 (symmetric, round-to-nearest) in place."""
-        self._use_int4(quantize_rtn(self.weight.data, group_size, symmetric=True))
+    def quantize(self, scheme: str, group_size: int = 128) -> None:
+        """Round the float weight in place: scheme int4 (symmetric, groups of group_size) or
+        fp8 (per output channel)."""
+        w = self.weight.data
+        self._use_quantized(quantize_rtn(w, group_size, symmetric=True) if scheme == "int4"
+                            else quantize_fp8(w))
 
-    def _use_int4(self, q: Int4Weight) -> None:
+    def _use_quantized(self, q: Int4Weight | Fp8Weight) -> None:
         """From now on multiply with q (moved to the layer's device); drop the float weight."""
         device = self.weight.device
         self.qweight = q.to(device)
@@ -103,21 +110,27 @@ class MergedLinear(Linear):
         return y.split(self.output_sizes, dim=-1)
 
 
-def quantize_layers(model: nn.Module) -> None:
-    """INT4 for every layer matmul the checkpoint did not bring as INT4 (round to nearest, the
-    largest group of 128, 64, 32 that divides its inputs); embeddings and the LM head stay."""
+def quantize_layers(model: nn.Module, scheme: str) -> None:
+    """Quantize every layer matmul the checkpoint did not bring quantized, rounding to nearest:
+    int4 in the largest group of 128, 64, 32 that divides its inputs, or fp8 per output
+    channel; embeddings and the LM head stay. A matrix the checkpoint brought in the other
+    format is an error (one scheme per model)."""
     kept = rounded = 0
+    want = Int4Weight if scheme == "int4" else Fp8Weight
     for name, module in model.named_modules():
         if not isinstance(module, Linear) or not name.startswith("model.layers."):
             continue
         if module.qweight is not None:
+            if not isinstance(module.qweight, want):
+                raise ValueError(f"quantization {scheme}: {name} is stored as "
+                                 f"{type(module.qweight).__name__} in the checkpoint")
             kept += 1
             continue
         group = next((g for g in (128, 64, 32) if module.in_features % g == 0), None)
-        if group is None:
+        if scheme == "int4" and group is None:
             raise ValueError(f"quantization: {name} has {module.in_features} inputs, not a "
                              "multiple of 32")
-        module.quantize_int4(group)
+        module.quantize(scheme, group or 128)
         rounded += 1
-    logger.info("INT4 weights: %d matrices as the checkpoint stores them, %d rounded to nearest",
-                kept, rounded)
+    logger.info("%s weights: %d matrices as the checkpoint stores them, %d rounded to nearest",
+                scheme.upper(), kept, rounded)

@@ -10,7 +10,8 @@ import torch
 from safetensors import safe_open
 
 from frugal.config import ModelConfig
-from frugal.quant import compressed
+from frugal.quant import compressed, fp8
+from frugal.quant.fp8 import Fp8Weight
 from frugal.quant.int4 import Int4Weight
 from frugal.tokenizer import Tokenizer
 
@@ -18,13 +19,16 @@ from frugal.tokenizer import Tokenizer
 class SafetensorsCheckpoint:
     """A HF directory. `config`, `tokenizer` (None without tokenizer.json), `weights()`.
     A compressed-tensors W4A16 checkpoint (quant.compressed) yields its quantized matrices as
-    Int4Weight under their `.weight` names."""
+    Int4Weight, an FP8 one (quant.fp8: compressed-tensors float-quantized, or block-scaled
+    `quant_method: fp8`) as Fp8Weight, under their `.weight` names."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.config = read_config(path)
         try:
-            self.int4 = compressed.int4_group(json.loads((path / "config.json").read_text()))
+            hf = json.loads((path / "config.json").read_text())
+            self.fp8 = fp8.checkpoint_form(hf.get("quantization_config"))
+            self.int4 = None if self.fp8 is not None else compressed.int4_group(hf)
         except ValueError as e:
             raise ValueError(f"{path / 'config.json'}: {e}") from e
         self.files = sorted(path.glob("*.safetensors"))
@@ -37,14 +41,16 @@ class SafetensorsCheckpoint:
     def load_into(self, model: torch.nn.Module) -> None:
         model.load_weights(self.weights())
 
-    def weights(self) -> Iterator[tuple[str, torch.Tensor | Int4Weight]]:
+    def weights(self) -> Iterator[tuple[str, torch.Tensor | Int4Weight | Fp8Weight]]:
         for file in self.files:
             try:
                 with safe_open(str(file), framework="pt") as f:
                     names = list(f.keys())
                     for name in names:
                         prefix, _, suffix = name.rpartition(".")
-                        if self.int4 is None or suffix not in compressed.SUFFIXES:
+                        if self.fp8 is not None:
+                            yield from self._fp8(f, names, name)
+                        elif self.int4 is None or suffix not in compressed.SUFFIXES:
                             yield name, f.get_tensor(name)
                         elif suffix == "weight_packed":
                             parts = {s: f.get_tensor(f"{prefix}.{s}") for s in compressed.SUFFIXES
@@ -52,6 +58,24 @@ class SafetensorsCheckpoint:
                             yield f"{prefix}.weight", compressed.from_tensors(parts)
             except (OSError, RuntimeError, KeyError) as e:  # SafetensorError is a RuntimeError
                 raise ValueError(f"{file}: cannot read safetensors ({e})") from e
+
+    def _fp8(self, f, names: list[str], name: str
+             ) -> Iterator[tuple[str, torch.Tensor | Fp8Weight]]:
+        """One tensor of an FP8 checkpoint: an FP8 `.weight` with its scale as an Fp8Weight;
+        the scales themselves (and static activation scales, unused: activations stay in the
+        model's dtype) are consumed with it."""
+        prefix, _, suffix = name.rpartition(".")
+        if suffix in ("weight_scale", "weight_scale_inv", "input_scale"):
+            return
+        tensor = f.get_tensor(name)
+        if suffix != "weight" or tensor.dtype != fp8.FP8:
+            yield name, tensor
+            return
+        (block,) = self.fp8
+        scale_name = f"{prefix}.weight_scale" + ("_inv" if block is not None else "")
+        if scale_name not in names:
+            raise ValueError(f"FP8 checkpoint: {name} has no {scale_name}")
+        yield name, fp8.from_tensors(tensor, f.get_tensor(scale_name), block)
 
 
 def read_config(path: Path) -> ModelConfig:

@@ -17,6 +17,7 @@ from frugal.layers.attention import Attention, AttentionMetadata
 from frugal.layers.linear import Linear, MergedLinear, load_whole
 from frugal.layers.norm import RMSNorm
 from frugal.layers.rotary import RotaryEmbedding
+from frugal.quant.fp8 import Fp8Weight
 from frugal.quant.int4 import Int4Weight
 
 
@@ -150,8 +151,8 @@ class LlamaForCausalLM(nn.Module):
                                  f"{type(self).__name__}")
             loader = getattr(param, "weight_loader", load_whole)
             try:
-                if isinstance(tensor, Int4Weight):
-                    self.get_submodule(target.rsplit(".", 1)[0]).load_int4(tensor, shard)
+                if isinstance(tensor, (Int4Weight, Fp8Weight)):
+                    self.get_submodule(target.rsplit(".", 1)[0]).load_quantized(tensor, shard)
                 else:
                     loader(param, tensor.to(param.dtype), shard)
             except ValueError as e:

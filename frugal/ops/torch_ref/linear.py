@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from frugal.ops.torch_ref.activation import silu_and_mul
 from frugal.ops.torch_ref.norm import rms_norm
+from frugal.quant.fp8 import Fp8Weight
 from frugal.quant.int4 import Int4Weight
 
 # Up to this many tokens, weight @ x.T runs 1.3-3x faster than x @ weight.T through MKL's sgemm on
@@ -14,10 +15,10 @@ from frugal.quant.int4 import Int4Weight
 _SMALL_M = 128
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | Int4Weight, bias: torch.Tensor | None = None,
-           norm: torch.Tensor | None = None, eps: float = 0.0, gated: bool = False,
-           residual: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [num_tokens, in]; weight: [out, in] (or INT4: its dequantization in x's dtype);
+def linear(x: torch.Tensor, weight: torch.Tensor | Int4Weight | Fp8Weight,
+           bias: torch.Tensor | None = None, norm: torch.Tensor | None = None, eps: float = 0.0,
+           gated: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [num_tokens, in]; weight: [out, in] (INT4 or FP8: its dequantization in x's dtype);
     bias: [out] or None -> [num_tokens, out].
 
     Fusable neighbours, applied in this order: norm ([in]): x is RMS-normalized (eps) and scaled
@@ -25,7 +26,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Int4Weight, bias: torch.Tenso
     residual ([num_tokens, out']): added last. The caller hands the residual over: fast
     backends may write the sum into its storage.
     """
-    if isinstance(weight, Int4Weight):
+    if isinstance(weight, (Int4Weight, Fp8Weight)):
         weight = weight.dense(x.dtype)
     if norm is not None:
         x = rms_norm(x, norm, eps)
@@ -33,6 +34,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Int4Weight, bias: torch.Tenso
     if gated:
         y = silu_and_mul(y)
     return y if residual is None else residual + y
+
+
+def pack_weight(weight: Int4Weight | Fp8Weight, dtype: torch.dtype) -> Int4Weight | Fp8Weight:
+    """A quantized weight in the layout this backend's linear reads: as it is (linear
+    dequantizes it on first use)."""
+    return weight
 
 
 def _matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -1,15 +1,15 @@
 """Triton kernels for NVIDIA GPUs, with the signatures of frugal.ops.torch_ref.
 
-Matmuls of many tokens stay with cuBLAS; the kernels here cover the decode GEMV with its
-neighbours fused, attention over the paged cache, the KV store, the small ops between matmuls
-and the KV-cache integrity check.
+Matmuls of many tokens stay with cuBLAS (quantized weights take our W4A16 / W8A16 kernels); the
+kernels here cover the decode GEMV with its neighbours fused, attention over the paged cache, the
+KV store, the small ops between matmuls and the KV-cache integrity check.
 """
 
 from frugal.ops.triton.attention import paged_attention
 from frugal.ops.triton.elementwise import rms_norm, silu_and_mul
 from frugal.ops.triton.integrity import check_kv_pages
 from frugal.ops.triton.kv_store import rotary_store_kv
-from frugal.ops.triton.linear import linear
+from frugal.ops.triton.linear import linear, pack_weight
 
-__all__ = ["check_kv_pages", "linear", "paged_attention", "rms_norm", "rotary_store_kv",
-           "silu_and_mul"]
+__all__ = ["check_kv_pages", "linear", "pack_weight", "paged_attention", "rms_norm",
+           "rotary_store_kv", "silu_and_mul"]

@@ -33,6 +33,7 @@ from frugal.quant.int4 import Int4Weight
 TILE_K = 128
 _SLICE = TILE_K // 8  # inputs per slice, and words per tile row
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_INTERPRET_JIT = tl.constexpr(_INTERPRET)
 # code -> operand bits and the value they add, per activation dtype
 _MAGIC = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}
 
@@ -158,6 +159,108 @@ def _int4_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, r_ptr, out_ptr, M, N, K,
 
 
 @triton.jit
+def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, r_ptr, out_ptr, N, K,
+                      KP: tl.constexpr, GROUP: tl.constexpr, GATED: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr,
+                      SPLIT_K: tl.constexpr, UNROLL: tl.constexpr, PDL: tl.constexpr):
+    """One row of x (decode at batch 1) on the CUDA cores: out[n] = epilogue(Σ_k x[k] w[n, k])
+    for BLOCK_N outputs over this program's share of the tiles (SPLIT_K > 1: fp32 partial sums
+    [SPLIT_K, 1, N (2N if GATED)]). A code becomes a float with two integer ops and one add
+    (the bits 0x4B000000 | u are 2^23 + u), so a weight costs four instructions in all; each
+    group's scale and min are applied to its partial sums, Σ x · (u · scale + min)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    SLICE: tl.constexpr = 16
+    GROUP_K: tl.constexpr = GROUP if GROUP < 128 else 128
+    SLICES: tl.constexpr = GROUP_K // SLICE
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_s = tl.arange(0, SLICE)
+    tiles_per = tl.cdiv(KP // 128, SPLIT_K)
+    first = tl.program_id(2) * tiles_per
+    last = tl.minimum(first + tiles_per, KP // 128)
+    width = 2 * N if GATED else N
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * (KP // 8) + offs_s[None, :]
+    acc = tl.zeros([BLOCK_N, SLICE], tl.float32)
+    acc_up = tl.zeros([BLOCK_N, SLICE], tl.float32)
+    for t in tl.range(first, last, loop_unroll_factor=UNROLL):
+        words = tl.load(w_ptrs + t * SLICE, mask=n_mask[:, None], other=0)
+        high = (words.to(tl.uint32, bitcast=True) >> 12).to(tl.int32, bitcast=True)
+        if GATED:
+            words_up = tl.load(w_ptrs + N * (KP // 8) + t * SLICE, mask=n_mask[:, None],
+                               other=0)
+            high_up = (words_up.to(tl.uint32, bitcast=True) >> 12).to(tl.int32, bitcast=True)
+        for g in tl.static_range(128 // GROUP_K):
+            part = tl.zeros([BLOCK_N, SLICE], tl.float32)
+            part_up = tl.zeros([BLOCK_N, SLICE], tl.float32)
+            x_sum = tl.zeros([SLICE], tl.float32)
+            for i in tl.static_range(SLICES):
+                j = g * SLICES + i
+                offs_k = t * 128 + j * SLICE + offs_s
+                x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+                x_sum += x
+                x = x * _power(j)  # exact: a power of two
+                part += _code(words, high, j) * x[None, :]
+                if GATED:
+                    part_up += _code(words_up, high_up, j) * x[None, :]
+            row = (t * 128 + g * GROUP_K) // GROUP * width
+            scale = tl.load(s_ptr + row + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            low = tl.load(m_ptr + row + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            acc += part * scale[:, None] + low[:, None] * x_sum[None, :]
+            if GATED:
+                scale = tl.load(s_ptr + row + N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+                low = tl.load(m_ptr + row + N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+                acc_up += part_up * scale[:, None] + low[:, None] * x_sum[None, :]
+    y = tl.sum(acc, 1)
+    if SPLIT_K > 1:
+        tl.store(out_ptr + tl.program_id(2) * width + offs_n, y, mask=n_mask)
+        if GATED:
+            tl.store(out_ptr + tl.program_id(2) * width + N + offs_n, tl.sum(acc_up, 1),
+                     mask=n_mask)
+        return
+    if HAS_BIAS:
+        y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    if GATED:
+        up = tl.sum(acc_up, 1)
+        if HAS_BIAS:
+            up += tl.load(b_ptr + N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        y = y / (1.0 + tl.exp(-y)) * up
+    if HAS_RESIDUAL:
+        y += tl.load(r_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def _code(words, high, j: tl.constexpr):
+    """Codes of slice j times 16^p as exact fp32 values [BLOCK_N, 16] (p: _power(j)). A nibble
+    is masked where it sits inside the mantissa of 2^23 (bits 0..22: nibbles 0..4 of a word,
+    and 5..7 of `high`, the word shifted right by 12), so no shift per code is needed."""
+    if j < 5:
+        bits = _mask_or(words, 0xF << (4 * j))
+    else:
+        bits = _mask_or(high, 0xF << (4 * (j - 3)))
+    return bits.to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def _mask_or(src, MASK: tl.constexpr):
+    """(src & MASK) | 0x4B000000, as one instruction (ptxas does not fuse the two itself)."""
+    if _INTERPRET_JIT:  # (the interpreter runs no inline assembly)
+        return (src & MASK) | 0x4B000000
+    mask = tl.full(src.shape, MASK, tl.int32)
+    return tl.inline_asm_elementwise("lop3.b32 $0, $1, $2, 0x4B000000, 0xEA;", "=r,r,r",
+                                     [src, mask], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _power(j: tl.constexpr):
+    """1 / 16^p for the codes of slice j as _code returns them."""
+    if j < 5:
+        return 1.0 / (1 << (4 * j))
+    return 1.0 / (1 << (4 * (j - 3)))
+
+
+@triton.jit
 def _operand(words, j: tl.constexpr, MAGIC: tl.constexpr, DOT_F32: tl.constexpr, dtype):
     """Slice j of a tile's words as a dot operand [BLOCK_N, 16]: codes as they are (fp32), or
     the bits MAGIC | u, which read in dtype as OFFSET + u."""
@@ -186,6 +289,8 @@ def int4_linear(x: torch.Tensor, w: Int4Tiles, bias: torch.Tensor | None = None,
     n = rows // 2 if gated else rows
     if k != w.in_features:
         raise ValueError(f"int4_linear: x has {k} inputs, the weight {w.in_features}")
+    if m == 1 and (config is None or len(config) == 4):
+        return _gemv(x, w, bias, gated, residual, config)
     block_m, block_n, split, num_warps, num_stages = config or _config(m, rows, k)
     f32 = x.dtype == torch.float32 or _INTERPRET
     magic, offset = (0, 0.0) if f32 else _MAGIC[x.dtype]
@@ -202,12 +307,48 @@ def int4_linear(x: torch.Tensor, w: Int4Tiles, bias: torch.Tensor | None = None,
         SPLIT_K=split, MAGIC=magic, OFFSET=offset, EVEN_K=k % TILE_K == 0, DOT_F32=f32,
         PRECISION="ieee" if f32 else "tf32", PDL=launch_pdl,
         num_warps=num_warps, num_stages=num_stages, launch_pdl=launch_pdl)
-    if split == 1:
-        return out
-    y = out.sum(0)
+    return out if split == 1 else finish_split_k(out, x.dtype, n, bias, gated, residual)
+
+
+def _gemv_config(n: int, k: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, SPLIT_K, num_warps, UNROLL) of the one-row kernel: 256 rows a program (eight
+    per thread, over which each loaded input is reused), the tiles split so that there are
+    about two programs per SM."""
+    block_n = 256 if n >= 2048 else 64
+    tiles = triton.cdiv(k, TILE_K)
+    split = max(1, min(tiles // 2, triton.cdiv(264, triton.cdiv(n, block_n))))
+    return block_n, split, 4, 1
+
+
+def _gemv(x: torch.Tensor, w: Int4Tiles, bias: torch.Tensor | None, gated: bool,
+          residual: torch.Tensor | None, config: tuple[int, ...] | None) -> torch.Tensor:
+    """int4_linear of one row (config: (BLOCK_N, SPLIT_K, num_warps, UNROLL))."""
+    rows = w.words.shape[0]
+    n = rows // 2 if gated else rows
+    k = x.shape[1]
+    block_n, split, num_warps, unroll = config or _gemv_config(rows, k)
+    if split > 1:
+        out = torch.empty(split, 1, rows, dtype=torch.float32, device=x.device)
+    else:
+        out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    launch_pdl = pdl(x.device)
+    _int4_gemv_kernel[(triton.cdiv(n, block_n), 1, split)](
+        x, w.words, w.scales, w.mins, bias, residual, out, n, k, KP=w.words.shape[1] * 8,
+        GROUP=w.group, GATED=gated, HAS_BIAS=bias is not None,
+        HAS_RESIDUAL=residual is not None and split == 1, BLOCK_N=block_n, SPLIT_K=split,
+        UNROLL=unroll, PDL=launch_pdl, num_warps=num_warps, num_stages=1,
+        launch_pdl=launch_pdl)
+    return out if split == 1 else finish_split_k(out, x.dtype, n, bias, gated, residual)
+
+
+def finish_split_k(partials: torch.Tensor, dtype: torch.dtype, n: int, bias: torch.Tensor | None,
+            gated: bool, residual: torch.Tensor | None) -> torch.Tensor:
+    """The epilogue of split-K: sum the fp32 partials [SPLIT_K, M, width], then bias,
+    silu(gate) · up and the residual, as the kernels apply them."""
+    y = partials.sum(0)
     if bias is not None:
         y += bias.float()
     if gated:
         y = F.silu(y[:, :n]) * y[:, n:]
-    y = y.to(x.dtype)
+    y = y.to(dtype)
     return y if residual is None else residual + y

@@ -6,6 +6,9 @@ result), as are the bias, SiLU(gate)·up (gate and up rows of one output read si
 the residual add. A decode layer is then four matmul kernels and nothing between them but
 attention; cuBLAS at one row also adds a split-K reduction kernel per matmul.
 
+Quantized weights take their own kernels, at any number of tokens (the RMSNorm, if any, as its own
+kernel first): INT4 (repacked by pack_weight into int4_linear's layout) and FP8 (fp8_linear).
+
 A decode batch (2..64 tokens): gate_up runs as a Triton tensor-core kernel with SiLU·mul as its
 epilogue (one program holds all the rows, so there is no split-K to reduce first); the other
 matmuls, and prefill, run on cuBLAS, with the RMSNorm as its own kernel and the residual add as
@@ -22,7 +25,11 @@ import triton
 import triton.language as tl
 
 from frugal.ops.triton.elementwise import rms_norm, silu_and_mul
+from frugal.ops.triton.fp8_linear import fp8_linear
+from frugal.ops.triton.int4_linear import Int4Tiles, int4_linear, repack
 from frugal.ops.triton.launch import pdl
+from frugal.quant.fp8 import Fp8Weight
+from frugal.quant.int4 import Int4Weight
 
 # Rows of x up to which the GEMV runs (it reads the weight once per row beyond that), and the
 # fused tensor-core kernel (one tile of rows).
@@ -200,13 +207,25 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     return out
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           norm: torch.Tensor | None = None, eps: float = 0.0, gated: bool = False,
-           residual: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [num_tokens, in]; weight: [out, in] -> [num_tokens, out], as torch_ref.linear:
-    rms_norm(x)·norm first if norm is given, silu(gate)·up of the two output halves if gated,
-    plus residual ([num_tokens, out]) last. The residual is handed over: the sum may be written
-    into its storage (cuBLAS then adds in place instead of copying it first)."""
+def pack_weight(weight: Int4Weight | Fp8Weight, dtype: torch.dtype) -> Int4Tiles | Fp8Weight:
+    """A quantized weight (on the GPU) in the layout linear's kernels read; dtype: the
+    activations'."""
+    return repack(weight, dtype) if isinstance(weight, Int4Weight) else weight
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor | Int4Tiles | Fp8Weight,
+           bias: torch.Tensor | None = None, norm: torch.Tensor | None = None, eps: float = 0.0,
+           gated: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [num_tokens, in]; weight: [out, in] (or quantized, from pack_weight) ->
+    [num_tokens, out], as torch_ref.linear: rms_norm(x)·norm first if norm is given,
+    silu(gate)·up of the two output halves if gated, plus residual ([num_tokens, out]) last.
+    The residual is handed over: the sum may be written into its storage (cuBLAS then adds in
+    place instead of copying it first)."""
+    if isinstance(weight, (Int4Tiles, Fp8Weight)):
+        if norm is not None:
+            x = rms_norm(x, norm, eps)
+        kernel = int4_linear if isinstance(weight, Int4Tiles) else fp8_linear
+        return kernel(x, weight, bias, gated, residual)
     m = x.shape[0]
     if 0 < m <= SMALL_M_MAX and x.dtype != torch.float32 and x.is_contiguous():
         if m <= GEMV_MAX_M:

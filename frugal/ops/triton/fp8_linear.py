@@ -1,0 +1,157 @@
+"""W8A16 matmul: FP8 (e4m3) weights widened in registers, on tensor cores.
+
+The weight is a quant.fp8.Fp8Weight, used as stored ([N, K] float8_e4m3fn, row-major, and its
+float32 scales). A tile of 128 inputs is loaded K-contiguous, as the tensor cores' B operand
+wants it, and widened to fp16 (one instruction per two values, exact); bf16 activations go to
+fp16 with saturation at ±65504 (fp16's range; activations beyond it are clipped). Products
+accumulate in fp32; per-channel scales multiply the result once, 128×128-block scales each
+tile's partial product. fp32 activations (and the CPU interpreter) multiply in exact fp32.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from frugal.ops.triton.int4_linear import finish_split_k
+from frugal.ops.triton.launch import pdl
+from frugal.quant.fp8 import Fp8Weight
+
+BLOCK_K = 128
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _fp8_kernel(x_ptr, w_ptr, s_ptr, b_ptr, r_ptr, out_ptr, M, N, K, s_stride,
+                SCALE_BLOCK: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
+                HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
+                PDL: tl.constexpr):
+    """out[m, n] = epilogue(Σ_k x[m, k] · w[n, k] · scale) for a [BLOCK_M, BLOCK_N] block over
+    this program's share of the 128-input tiles (SPLIT_K > 1: fp32 partial sums [SPLIT_K, M,
+    N (2N if GATED)], no epilogue). SCALE_BLOCK: 0 for per-channel scales (s_ptr: [rows]),
+    else the block size of scales [rows / SCALE_BLOCK, K / SCALE_BLOCK] (row stride
+    s_stride). GATED: w holds 2N rows (gate, then up); the output is silu(gate) · up."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, 128)
+    tiles_per = tl.cdiv(tl.cdiv(K, 128), SPLIT_K)
+    first = tl.program_id(2) * tiles_per
+    last = tl.minimum(first + tiles_per, tl.cdiv(K, 128))
+    width = 2 * N if GATED else N  # rows of the weight and of the partial sums
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[None, :] * K + offs_k[:, None]  # [128, BLOCK_N]
+    x_ptrs = x_ptr + offs_m[:, None] * K + offs_k[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for t in tl.range(first, last):
+        k0 = t * 128
+        if EVEN_K:
+            x = tl.load(x_ptrs + k0, mask=m_mask[:, None], other=0.0)
+            w = tl.load(w_ptrs + k0, mask=n_mask[None, :], other=0.0)
+        else:
+            k_mask = (k0 + offs_k) < K
+            x = tl.load(x_ptrs + k0, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            w = tl.load(w_ptrs + k0, mask=n_mask[None, :] & k_mask[:, None], other=0.0)
+        x = _widen_x(x, DOT_F32)
+        part = tl.dot(x, _widen_w(w, DOT_F32), input_precision="ieee" if DOT_F32 else "tf32")
+        if SCALE_BLOCK:
+            s = tl.load(s_ptr + (offs_n // SCALE_BLOCK) * s_stride + k0 // SCALE_BLOCK,
+                        mask=n_mask, other=0.0)
+            acc += part * s[None, :]
+        else:
+            acc += part
+        if GATED:
+            if EVEN_K:
+                w_up = tl.load(w_ptrs + N * K + k0, mask=n_mask[None, :], other=0.0)
+            else:
+                w_up = tl.load(w_ptrs + N * K + k0, mask=n_mask[None, :] & k_mask[:, None],
+                               other=0.0)
+            part = tl.dot(x, _widen_w(w_up, DOT_F32),
+                          input_precision="ieee" if DOT_F32 else "tf32")
+            if SCALE_BLOCK:
+                s = tl.load(s_ptr + ((offs_n + N) // SCALE_BLOCK) * s_stride + k0 // SCALE_BLOCK,
+                            mask=n_mask, other=0.0)
+                acc_up += part * s[None, :]
+            else:
+                acc_up += part
+    if not SCALE_BLOCK:
+        acc *= tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
+        if GATED:
+            acc_up *= tl.load(s_ptr + N + offs_n, mask=n_mask, other=0.0)[None, :]
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT_K > 1:
+        base = out_ptr + tl.program_id(2) * M * width + offs_m[:, None] * width + offs_n[None, :]
+        tl.store(base, acc, mask=out_mask)
+        if GATED:
+            tl.store(base + N, acc_up, mask=out_mask)
+        return
+    y = acc
+    if HAS_BIAS:
+        y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    if GATED:
+        up = acc_up
+        if HAS_BIAS:
+            up += tl.load(b_ptr + N + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        y = y / (1.0 + tl.exp(-y)) * up
+    out_offs = offs_m[:, None] * N + offs_n[None, :]
+    if HAS_RESIDUAL:
+        y += tl.load(r_ptr + out_offs, mask=out_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + out_offs, y.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _widen_x(x, DOT_F32: tl.constexpr):
+    if DOT_F32:
+        return x.to(tl.float32)
+    return tl.clamp(x.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+
+
+@triton.jit
+def _widen_w(w, DOT_F32: tl.constexpr):
+    if DOT_F32:
+        return w.to(tl.float32)
+    return w.to(tl.float16)
+
+
+def _config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, SPLIT_K, num_warps, num_stages) for x [m, k], a weight of n rows."""
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    return block_m, 64, 2, 4, 3
+
+
+def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
+               gated: bool = False, residual: torch.Tensor | None = None,
+               config: tuple[int, ...] | None = None) -> torch.Tensor:
+    """x: [M, K] (bf16, fp16 or fp32); w: [N (2N if gated), K] -> [M, N] in x's dtype: x @ wᵀ
+    (+ bias), silu(gate) · up if gated, + residual. As ops.linear without the norm."""
+    x = x.contiguous()
+    m, k = x.shape
+    rows = w.shape[0]
+    n = rows // 2 if gated else rows
+    if k != w.shape[1]:
+        raise ValueError(f"fp8_linear: x has {k} inputs, the weight {w.shape[1]}")
+    if w.block is not None and (w.block % BLOCK_K or (gated and n % w.block)):
+        raise ValueError(f"fp8_linear: block scales of {w.block} need a multiple of {BLOCK_K} "
+                         "(and gate/up halves in whole blocks)")
+    block_m, block_n, split, num_warps, num_stages = config or _config(m, rows, k)
+    f32 = x.dtype == torch.float32 or _INTERPRET
+    if split > 1:
+        out = torch.empty(split, m, rows, dtype=torch.float32, device=x.device)
+    else:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    launch_pdl = pdl(x.device)
+    grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m), split)
+    _fp8_kernel[grid](
+        x, w.data, w.scales, bias, residual, out, m, n, k, w.scales.stride(0),
+        SCALE_BLOCK=w.block or 0, GATED=gated, HAS_BIAS=bias is not None,
+        HAS_RESIDUAL=residual is not None and split == 1, BLOCK_M=block_m, BLOCK_N=block_n,
+        SPLIT_K=split, EVEN_K=k % BLOCK_K == 0, DOT_F32=f32, PDL=launch_pdl,
+        num_warps=num_warps, num_stages=num_stages, launch_pdl=launch_pdl)
+    return out if split == 1 else finish_split_k(out, x.dtype, n, bias, gated, residual)

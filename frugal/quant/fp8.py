@@ -1,0 +1,149 @@
+"""FP8 (e4m3) weights: one in-memory form for per-channel and 128×128-block scales.
+
+A weight [N, K] is stored as
+  data:   [N, K] float8_e4m3fn, the weight divided by its scale and saturated to ±448;
+  scales: float32, either [N, 1] (one per output channel: compressed-tensors' "channel"
+          strategy) or [ceil(N / block), ceil(K / block)] (one per block × block tile: the
+          `weight_block_size: [128, 128]` form of DeepSeek / GLM FP8 checkpoints, whose
+          `weight_scale_inv` is this multiplier);
+and w = data · scale. Activations stay in the model's dtype (W8A16): the GPU kernel widens the
+weight in registers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+@dataclass
+class Fp8Weight:
+    data: torch.Tensor
+    scales: torch.Tensor
+    block: int | None = None  # None: per output channel
+    _dense: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        n, k = self.data.shape
+        want = (n, 1) if self.block is None else (-(-n // self.block), -(-k // self.block))
+        if self.data.dtype != FP8 or tuple(self.scales.shape) != want:
+            raise ValueError(f"Fp8Weight: data {tuple(self.data.shape)} {self.data.dtype}, "
+                             f"scales {tuple(self.scales.shape)} (expected {want})")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.data.shape)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """[N, K] in dtype, computed in fp32."""
+        n, k = self.shape
+        return (self.data.float() * expand(self.scales, self.block, n, k)).to(dtype)
+
+    def dense(self, dtype: torch.dtype) -> torch.Tensor:
+        """dequantize(dtype), kept after the first call (the CPU reference path)."""
+        if dtype not in self._dense:
+            self._dense[dtype] = self.dequantize(dtype)
+        return self._dense[dtype]
+
+    def to(self, device: torch.device | str) -> Fp8Weight:
+        return Fp8Weight(self.data.to(device), self.scales.to(device), self.block)
+
+    @staticmethod
+    def cat(parts: list[Fp8Weight]) -> Fp8Weight:
+        """Row-wise concatenation (q|k|v, gate|up); block-scaled parts must each have a
+        multiple of the block as rows."""
+        blocks = {p.block for p in parts}
+        if len(blocks) != 1:
+            raise ValueError("Fp8Weight.cat: parts differ in scaling")
+        block = blocks.pop()
+        if block is not None and any(p.shape[0] % block for p in parts[:-1]):
+            raise ValueError(f"Fp8Weight.cat: block-scaled parts need rows in multiples of "
+                             f"{block}")
+        return Fp8Weight(torch.cat([p.data for p in parts]),
+                         torch.cat([p.scales for p in parts]), block)
+
+
+def quantize_fp8(weight: torch.Tensor, block: int | None = None) -> Fp8Weight:
+    """Round-to-nearest FP8 of a float [N, K] weight: scale = amax / 448 per output channel
+    (block None) or per block × block tile; an all-zero channel or tile gets scale 1."""
+    w = weight.float()
+    n, k = w.shape
+    if block is None:
+        scale = w.abs().amax(1, keepdim=True) / FP8_MAX
+    else:
+        rows, cols = -(-n // block) * block, -(-k // block) * block
+        padded = torch.zeros(rows, cols, device=w.device)
+        padded[:n, :k] = w
+        tiles = padded.view(rows // block, block, cols // block, block)
+        scale = tiles.abs().amax((1, 3)) / FP8_MAX
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    data = (w / expand(scale, block, n, k)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return Fp8Weight(data, scale, block)
+
+
+def expand(scales: torch.Tensor, block: int | None, n: int, k: int) -> torch.Tensor:
+    """Scales broadcastable to [n, k]: [n, 1] as they are, block scales repeated per element."""
+    if block is None:
+        return scales.float()
+    return scales.float().repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]
+
+
+def quantization_config(block: int | None, ignore: list[str]) -> dict:
+    """config.json's entry for an FP8 checkpoint: compressed-tensors' float-quantized format
+    (per-channel weight scales, activations dynamic per token) or, with block scales, the
+    `quant_method: fp8` form with weight_block_size that DeepSeek and GLM checkpoints use."""
+    if block is not None:
+        return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                "weight_block_size": [block, block], "modules_to_not_convert": ignore}
+    fp8 = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False}
+    return {"quant_method": "compressed-tensors", "format": "float-quantized",
+            "quantization_status": "compressed", "ignore": ignore,
+            "config_groups": {"group_0": {
+                "targets": ["Linear"], "weights": {**fp8, "strategy": "channel"},
+                "input_activations": {**fp8, "dynamic": True, "strategy": "token"}}}}
+
+
+def checkpoint_form(q: dict | None) -> tuple[int | None] | None:
+    """(block size or None for per-channel/per-tensor scales,) of an FP8 quantization_config,
+    None when the checkpoint is not FP8."""
+    if not q:
+        return None
+    if q.get("quant_method") == "fp8":
+        size = q.get("weight_block_size")
+        if size is not None and (len(size) != 2 or size[0] != size[1]):
+            raise ValueError(f"quantization_config: square weight blocks only, got {size}")
+        return (None if size is None else int(size[0]),)
+    if q.get("quant_method") == "compressed-tensors" and q.get("format") == "float-quantized":
+        for group in q.get("config_groups", {}).values():
+            w = group.get("weights", {})
+            if w.get("num_bits") != 8 or w.get("type") != "float":
+                raise ValueError(f"quantization_config: float-quantized weights must be 8-bit "
+                                 f"float, got {w}")
+            if w.get("strategy") not in ("channel", "tensor"):
+                raise ValueError(f"quantization_config: FP8 weight strategy "
+                                 f"{w.get('strategy')!r} (channel or tensor)")
+        return (None,)
+    return None
+
+
+def to_tensors(prefix: str, q: Fp8Weight) -> dict[str, torch.Tensor]:
+    """`prefix.weight` and its scales as the checkpoint forms above store them."""
+    name = "weight_scale" if q.block is None else "weight_scale_inv"
+    return {f"{prefix}.weight": q.data.contiguous(),
+            f"{prefix}.{name}": q.scales.float().contiguous()}
+
+
+def from_tensors(data: torch.Tensor, scale: torch.Tensor, block: int | None) -> Fp8Weight:
+    """An FP8 weight from a checkpoint's tensors; a per-tensor scale becomes per channel."""
+    if data.dtype != FP8:
+        raise ValueError(f"FP8 checkpoint: weight is {data.dtype}, expected float8_e4m3fn")
+    scale = scale.float()
+    if block is None:
+        if scale.numel() == 1:
+            scale = scale.reshape(1, 1).expand(data.shape[0], 1)
+        scale = scale.reshape(-1, 1).contiguous()
+    return Fp8Weight(data, scale, block)

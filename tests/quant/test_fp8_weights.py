@@ -1,0 +1,75 @@
+"""FP8 weights: the engine on FP8 weights (rounded at load, or from an FP8 checkpoint), and
+`frugal quantize --scheme fp8` written and read back, per channel and in blocks."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from frugal import LLM, SamplingParams
+from frugal.cli.main import main as cli
+from frugal.loader.safetensors import SafetensorsCheckpoint
+from frugal.quant.fp8 import Fp8Weight, quantize_fp8
+from tests.engine.test_fp8_kv import tiny_dir
+
+PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+def test_on_the_fly_fp8_equals_its_dequantization(tmp_path):
+    """--quantization fp8 rounds each layer matrix per output channel; the engine then computes
+    with exactly those weights (compared with the same model whose float weights were replaced
+    by the dequantized FP8 ones); embeddings and the LM head stay."""
+    src = tiny_dir(tmp_path)
+    llm = LLM(str(src), device="cpu", dtype="float32", kv_cache_memory="8MiB",
+              quantization="fp8")
+    model = llm.engine.runner.model
+    q = model.model.layers[0].mlp.gate_up_proj.qweight
+    assert isinstance(q, Fp8Weight) and q.block is None and q.scales.shape == (2 * 96, 1)
+    assert model.lm_head.qweight is None
+    ref = LLM(str(src), device="cpu", dtype="float32", kv_cache_memory="8MiB")
+    for name, module in ref.engine.runner.model.named_modules():
+        if getattr(module, "qweight", 1) is None and name.startswith("model.layers."):
+            module.weight.data = quantize_fp8(module.weight.data).dequantize()
+    prompts = [[5, 6, 7], [9, 10, 11, 12]]
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS)]
+    want = [o.outputs[0].token_ids for o in ref.generate(prompts, PARAMS)]
+    assert got == want
+
+
+@pytest.mark.parametrize("block", [None, 32])
+def test_quantize_fp8_writes_what_loads_back(tmp_path, block, capsys):
+    src = tiny_dir(tmp_path / "src")
+    out = tmp_path / "fp8"
+    args = ["quantize", str(src), "--output", str(out), "--scheme", "fp8"]
+    assert cli(args + (["--weight-block-size", str(block)] if block else [])) == 0
+    assert "quantized 14 matrices" in capsys.readouterr().out
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    if block:
+        assert config["quant_method"] == "fp8" and config["weight_block_size"] == [32, 32]
+    else:
+        assert config["format"] == "float-quantized"
+    tensors = load_file(out / "model.safetensors")
+    original = dict(SafetensorsCheckpoint(src).weights())
+    loaded = dict(SafetensorsCheckpoint(out).weights())
+    for name, w in original.items():
+        if not name.endswith("_proj.weight"):
+            assert torch.equal(loaded[name], w)
+            continue
+        assert tensors[name].dtype == torch.float8_e4m3fn
+        want = quantize_fp8(w, block)
+        assert torch.equal(loaded[name].data.view(torch.uint8), want.data.view(torch.uint8))
+        assert torch.equal(loaded[name].scales, want.scales)
+    llm = LLM(str(out), device="cpu", kv_cache_memory="8MiB")
+    assert isinstance(llm.engine.runner.model.model.layers[1].self_attn.o_proj.qweight,
+                      Fp8Weight)
+    assert len(llm.generate([[5, 6, 7]], PARAMS)[0].outputs[0].token_ids) == 6
+
+
+def test_quantize_fp8_rejects_misuse(tmp_path, capsys):
+    src = tiny_dir(tmp_path / "src")
+    base = ["quantize", str(src), "--output", str(tmp_path / "o")]
+    assert cli(base + ["--scheme", "fp8", "--method", "gptq"]) != 0
+    assert "gptq is for --scheme w4a16" in capsys.readouterr().err
+    assert cli(base + ["--weight-block-size", "128"]) != 0
+    assert "weight_block_size: only with --scheme fp8" in capsys.readouterr().err
