@@ -1,27 +1,39 @@
-"""Quantized weights on the GPU: the W4A16 / W8A16 kernels in the engine give the CPU path's
-greedy output (fp32, where both multiply exactly) and run in bf16."""
+"""Quantized weights on the GPU: the engine with the W4A16 / W8A16 kernels (decode) and the
+dequantize-then-cuBLAS path (prefill) scores like the CPU path on the same quantized weights."""
 
 import pytest
 
 from frugal import LLM, SamplingParams
 from tests.engine.test_fp8_kv import tiny_dir
 
-PROMPTS = [[5, 6, 7], [9, 10, 11, 12], [100, 3]]
-PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+PROMPTS = [[5, 6, 7], [9, 10, 11, 12], [100, 3] * 40]  # the last one prefills 80 rows
+PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=5)
+
+
+def steps(llm):
+    """Per prompt, per generated token: (token, its logprob, {token: logprob} of the top 5)."""
+    return [[(e.token_id, e.logprob, dict(e.top)) for e in o.outputs[0].logprobs]
+            for o in llm.generate(PROMPTS, PARAMS)]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("scheme", ["int4", "fp8"])
-def test_quantized_gpu_equals_cpu(tmp_path, scheme):
+@pytest.mark.parametrize("dtype,tol", [("float32", 2e-3), ("bfloat16", 0.15)])
+def test_quantized_gpu_scores_like_cpu(tmp_path, scheme, dtype, tol):
+    """Along the CPU's greedy path (while the GPU picks the same tokens), the chosen token's
+    log-probability agrees; where the two part, it is a near tie on both (a random tiny model
+    has flat logits)."""
     src = str(tiny_dir(tmp_path))
-    outputs = {}
-    for device in ("cpu", "cuda"):
-        llm = LLM(src, device=device, dtype="float32", kv_cache_memory="16MiB",
-                  quantization=scheme)
-        outputs[device] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)]
-    assert outputs["cuda"] == outputs["cpu"]
-    llm = LLM(src, device="cuda", dtype="bfloat16", kv_cache_memory="16MiB",
-              quantization=scheme)
-    bf16 = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)]
-    assert all(len(t) == 8 for t in bf16)
-    assert sum(a[0] == b[0] for a, b in zip(bf16, outputs["cpu"])) >= 2
+    cpu = steps(LLM(src, device="cpu", dtype="float32", kv_cache_memory="16MiB",
+                    quantization=scheme))
+    gpu = steps(LLM(src, device="cuda", dtype=dtype, kv_cache_memory="16MiB",
+                    quantization=scheme))
+    compared = 0
+    for want, got in zip(cpu, gpu):
+        for (t_cpu, lp_cpu, top_cpu), (t_gpu, lp_gpu, _) in zip(want, got):
+            if t_cpu != t_gpu:  # a near tie: the GPU's choice scores within tol on the CPU too
+                assert t_gpu in top_cpu and abs(top_cpu[t_gpu] - lp_cpu) < 2 * tol
+                break
+            assert abs(lp_gpu - lp_cpu) < tol
+            compared += 1
+    assert compared >= len(PROMPTS)

@@ -82,3 +82,23 @@ def test_int4_linear_gpu(dtype, m):
     run(m, 1024, 4096, 128, "sym", dtype, seed=m)
     run(m, 512, 576, 32, "mins", dtype, gated=True, residual=True, seed=m + 1)
     run(m, 768, 1536, 64, "asym", dtype, bias=True, seed=m + 2)
+
+
+@pytest.mark.parametrize("scheme", ["int4", "fp8"])
+def test_linear_dispatch_of_quantized_weights(scheme):
+    """ops.triton.linear: up to 64 rows the quantized kernels (with the norm before them),
+    beyond them the weight dequantized for cuBLAS; both the composed reference."""
+    from frugal.ops.triton.linear import linear, pack_weight
+    from frugal.quant.fp8 import quantize_fp8
+
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(96, 256, generator=g) * 0.06
+    q = quantize_rtn(w, 64, symmetric=False) if scheme == "int4" else quantize_fp8(w)
+    packed = pack_weight(q.to(DEVICE), torch.float32)
+    norm = torch.rand(256, generator=g) + 0.5
+    for m in (3, 70):
+        x = torch.randn(m, 256, generator=g)
+        r = torch.randn(m, 48, generator=g)
+        ref = torch_ref.linear(x, q, None, norm, 1e-5, True, r.clone())
+        got = linear(x.to(DEVICE), packed, None, norm.to(DEVICE), 1e-5, True, r.to(DEVICE))
+        torch.testing.assert_close(got.cpu(), ref, atol=1e-4, rtol=1e-4)

@@ -16,8 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from frugal.ops.triton.int4_linear import finish_split_k
 from frugal.ops.triton.launch import pdl
+from frugal.ops.triton.split_k import MAX_BLOCKS, counters, finish, partials
 from frugal.quant.fp8 import Fp8Weight
 
 BLOCK_K = 128
@@ -25,14 +25,15 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
-def _fp8_kernel(x_ptr, w_ptr, s_ptr, b_ptr, r_ptr, out_ptr, M, N, K, s_stride,
+def _fp8_kernel(x_ptr, w_ptr, s_ptr, b_ptr, r_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
+                s_stride,
                 SCALE_BLOCK: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
                 HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
                 PDL: tl.constexpr):
     """out[m, n] = epilogue(Σ_k x[m, k] · w[n, k] · scale) for a [BLOCK_M, BLOCK_N] block over
-    this program's share of the 128-input tiles (SPLIT_K > 1: fp32 partial sums [SPLIT_K, M,
-    N (2N if GATED)], no epilogue). SCALE_BLOCK: 0 for per-channel scales (s_ptr: [rows]),
+    this program's share of the 128-input tiles (SPLIT_K > 1: reduced in split_k.finish).
+    SCALE_BLOCK: 0 for per-channel scales (s_ptr: [rows]),
     else the block size of scales [rows / SCALE_BLOCK, K / SCALE_BLOCK] (row stride
     s_stride). GATED: w holds 2N rows (gate, then up); the output is silu(gate) · up."""
     if PDL:
@@ -45,7 +46,6 @@ def _fp8_kernel(x_ptr, w_ptr, s_ptr, b_ptr, r_ptr, out_ptr, M, N, K, s_stride,
     tiles_per = tl.cdiv(tl.cdiv(K, 128), SPLIT_K)
     first = tl.program_id(2) * tiles_per
     last = tl.minimum(first + tiles_per, tl.cdiv(K, 128))
-    width = 2 * N if GATED else N  # rows of the weight and of the partial sums
     w_ptrs = w_ptr + offs_n.to(tl.int64)[None, :] * K + offs_k[:, None]  # [128, BLOCK_N]
     x_ptrs = x_ptr + offs_m[:, None] * K + offs_k[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -85,25 +85,8 @@ def _fp8_kernel(x_ptr, w_ptr, s_ptr, b_ptr, r_ptr, out_ptr, M, N, K, s_stride,
         acc *= tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
         if GATED:
             acc_up *= tl.load(s_ptr + N + offs_n, mask=n_mask, other=0.0)[None, :]
-    out_mask = m_mask[:, None] & n_mask[None, :]
-    if SPLIT_K > 1:
-        base = out_ptr + tl.program_id(2) * M * width + offs_m[:, None] * width + offs_n[None, :]
-        tl.store(base, acc, mask=out_mask)
-        if GATED:
-            tl.store(base + N, acc_up, mask=out_mask)
-        return
-    y = acc
-    if HAS_BIAS:
-        y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    if GATED:
-        up = acc_up
-        if HAS_BIAS:
-            up += tl.load(b_ptr + N + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        y = y / (1.0 + tl.exp(-y)) * up
-    out_offs = offs_m[:, None] * N + offs_n[None, :]
-    if HAS_RESIDUAL:
-        y += tl.load(r_ptr + out_offs, mask=out_mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + out_offs, y.to(out_ptr.dtype.element_ty), mask=out_mask)
+    finish(acc, acc_up, offs_m, offs_n, m_mask, n_mask, M, N, part_ptr, count_ptr, b_ptr, r_ptr,
+           out_ptr, GATED, HAS_BIAS, HAS_RESIDUAL, SPLIT_K)
 
 
 @triton.jit
@@ -141,17 +124,28 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
         raise ValueError(f"fp8_linear: block scales of {w.block} need a multiple of {BLOCK_K} "
                          "(and gate/up halves in whole blocks)")
     block_m, block_n, split, num_warps, num_stages = config or _config(m, rows, k)
-    f32 = x.dtype == torch.float32 or _INTERPRET
-    if split > 1:
-        out = torch.empty(split, m, rows, dtype=torch.float32, device=x.device)
-    else:
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    launch_pdl = pdl(x.device)
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m), split)
+    if grid[0] * grid[1] > MAX_BLOCKS:
+        grid, split = grid[:2] + (1,), 1
+    f32 = x.dtype == torch.float32 or _INTERPRET
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    launch_pdl = pdl(x.device)
     _fp8_kernel[grid](
-        x, w.data, w.scales, bias, residual, out, m, n, k, w.scales.stride(0),
-        SCALE_BLOCK=w.block or 0, GATED=gated, HAS_BIAS=bias is not None,
-        HAS_RESIDUAL=residual is not None and split == 1, BLOCK_M=block_m, BLOCK_N=block_n,
-        SPLIT_K=split, EVEN_K=k % BLOCK_K == 0, DOT_F32=f32, PDL=launch_pdl,
+        x, w.data, w.scales, bias, residual, out, partials(split, m, rows, x.device),
+        counters(x.device), m, n, k, w.scales.stride(0), SCALE_BLOCK=w.block or 0, GATED=gated,
+        HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, BLOCK_M=block_m,
+        BLOCK_N=block_n, SPLIT_K=split, EVEN_K=k % BLOCK_K == 0, DOT_F32=f32, PDL=launch_pdl,
         num_warps=num_warps, num_stages=num_stages, launch_pdl=launch_pdl)
-    return out if split == 1 else finish_split_k(out, x.dtype, n, bias, gated, residual)
+    return out
+
+
+def dequantize(w: Fp8Weight, dtype: torch.dtype) -> torch.Tensor:
+    """The weight [N, K] in dtype (for matmuls of many rows, which cuBLAS then runs)."""
+    n, k = w.shape
+    if w.block is None:
+        return w.data.to(dtype) * w.scales.to(dtype)
+    b = w.block
+    if n % b == 0 and k % b == 0:
+        tiles = w.data.view(n // b, b, k // b, b).to(dtype)
+        return (tiles * w.scales.to(dtype)[:, None, :, None]).view(n, k)
+    return w.dequantize(dtype)

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from frugal.ops.triton.launch import pdl
+from frugal.ops.triton.split_k import MAX_BLOCKS, counters, finish, partials
 from frugal.quant.int4 import Int4Weight
 
 TILE_K = 128
@@ -73,16 +74,15 @@ def repack(q: Int4Weight, dtype: torch.dtype) -> Int4Tiles:
 
 
 @triton.jit
-def _int4_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, r_ptr, out_ptr, M, N, K,
+def _int4_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, r_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
                  KP: tl.constexpr, GROUP: tl.constexpr, GATED: tl.constexpr,
                  HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, MAGIC: tl.constexpr,
                  OFFSET: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
                  PRECISION: tl.constexpr, PDL: tl.constexpr):
     """out[m, n] = epilogue(Σ_k x[m, k] · w[n, k]) for a [BLOCK_M, BLOCK_N] block of outputs
-    over this program's share of the K tiles (SPLIT_K > 1: fp32 partial sums
-    [SPLIT_K, M, N (2N if GATED)] without epilogue). GATED: w holds 2N rows (gate, then up);
-    the output is silu(gate) · up."""
+    over this program's share of the K tiles (SPLIT_K > 1: reduced in split_k.finish).
+    GATED: w holds 2N rows (gate, then up); the output is silu(gate) · up."""
     if PDL:
         tl.extra.cuda.gdc_wait()
     SLICE: tl.constexpr = 16
@@ -137,35 +137,18 @@ def _int4_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, r_ptr, out_ptr, M, N, K,
                 low = tl.load(m_ptr + row + N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
                 acc_up += (part_up * scale[None, :]
                            + x_sum * (low - OFFSET * scale)[None, :])
-    out_mask = m_mask[:, None] & n_mask[None, :]
-    if SPLIT_K > 1:
-        base = out_ptr + tl.program_id(2) * M * width + offs_m[:, None] * width + offs_n[None, :]
-        tl.store(base, acc, mask=out_mask)
-        if GATED:
-            tl.store(base + N, acc_up, mask=out_mask)
-        return
-    y = acc
-    if HAS_BIAS:
-        y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    if GATED:
-        up = acc_up
-        if HAS_BIAS:
-            up += tl.load(b_ptr + N + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        y = y / (1.0 + tl.exp(-y)) * up
-    out_offs = offs_m[:, None] * N + offs_n[None, :]
-    if HAS_RESIDUAL:
-        y += tl.load(r_ptr + out_offs, mask=out_mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + out_offs, y.to(out_ptr.dtype.element_ty), mask=out_mask)
+    finish(acc, acc_up, offs_m, offs_n, m_mask, n_mask, M, N, part_ptr, count_ptr, b_ptr, r_ptr,
+           out_ptr, GATED, HAS_BIAS, HAS_RESIDUAL, SPLIT_K)
 
 
 @triton.jit
-def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, r_ptr, out_ptr, N, K,
+def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, r_ptr, out_ptr, part_ptr, count_ptr, N, K,
                       KP: tl.constexpr, GROUP: tl.constexpr, GATED: tl.constexpr,
                       HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr,
                       SPLIT_K: tl.constexpr, UNROLL: tl.constexpr, PDL: tl.constexpr):
     """One row of x (decode at batch 1) on the CUDA cores: out[n] = epilogue(Σ_k x[k] w[n, k])
-    for BLOCK_N outputs over this program's share of the tiles (SPLIT_K > 1: fp32 partial sums
-    [SPLIT_K, 1, N (2N if GATED)]). A code becomes a float with two integer ops and one add
+    for BLOCK_N outputs over this program's share of the tiles (SPLIT_K > 1: reduced in
+    split_k.finish). A code becomes a float with two integer ops and one add
     (the bits 0x4B000000 | u are 2^23 + u), so a weight costs four instructions in all; each
     group's scale and min are applied to its partial sums, Σ x · (u · scale + min)."""
     if PDL:
@@ -211,23 +194,9 @@ def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, r_ptr, out_ptr, N, K,
                 scale = tl.load(s_ptr + row + N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
                 low = tl.load(m_ptr + row + N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
                 acc_up += part_up * scale[:, None] + low[:, None] * x_sum[None, :]
-    y = tl.sum(acc, 1)
-    if SPLIT_K > 1:
-        tl.store(out_ptr + tl.program_id(2) * width + offs_n, y, mask=n_mask)
-        if GATED:
-            tl.store(out_ptr + tl.program_id(2) * width + N + offs_n, tl.sum(acc_up, 1),
-                     mask=n_mask)
-        return
-    if HAS_BIAS:
-        y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    if GATED:
-        up = tl.sum(acc_up, 1)
-        if HAS_BIAS:
-            up += tl.load(b_ptr + N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        y = y / (1.0 + tl.exp(-y)) * up
-    if HAS_RESIDUAL:
-        y += tl.load(r_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_mask)
+    one = tl.arange(0, 1)  # (the shared ending works on [rows, outputs] blocks: one row here)
+    finish(tl.sum(acc, 1)[None, :], tl.sum(acc_up, 1)[None, :], one, offs_n, one < 1, n_mask, 1,
+           N, part_ptr, count_ptr, b_ptr, r_ptr, out_ptr, GATED, HAS_BIAS, HAS_RESIDUAL, SPLIT_K)
 
 
 @triton.jit
@@ -292,22 +261,21 @@ def int4_linear(x: torch.Tensor, w: Int4Tiles, bias: torch.Tensor | None = None,
     if m == 1 and (config is None or len(config) == 4):
         return _gemv(x, w, bias, gated, residual, config)
     block_m, block_n, split, num_warps, num_stages = config or _config(m, rows, k)
+    grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m), split)
+    if grid[0] * grid[1] > MAX_BLOCKS:
+        grid, split = grid[:2] + (1,), 1
     f32 = x.dtype == torch.float32 or _INTERPRET
     magic, offset = (0, 0.0) if f32 else _MAGIC[x.dtype]
-    if split > 1:
-        out = torch.empty(split, m, rows, dtype=torch.float32, device=x.device)
-    else:
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     launch_pdl = pdl(x.device)
-    grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m), split)
     _int4_kernel[grid](
-        x, w.words, w.scales, w.mins, bias, residual, out, m, n, k, KP=w.words.shape[1] * 8,
-        GROUP=w.group, GATED=gated, HAS_BIAS=bias is not None,
-        HAS_RESIDUAL=residual is not None and split == 1, BLOCK_M=block_m, BLOCK_N=block_n,
-        SPLIT_K=split, MAGIC=magic, OFFSET=offset, EVEN_K=k % TILE_K == 0, DOT_F32=f32,
-        PRECISION="ieee" if f32 else "tf32", PDL=launch_pdl,
+        x, w.words, w.scales, w.mins, bias, residual, out, partials(split, m, rows, x.device),
+        counters(x.device), m, n, k, KP=w.words.shape[1] * 8, GROUP=w.group, GATED=gated,
+        HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, BLOCK_M=block_m,
+        BLOCK_N=block_n, SPLIT_K=split, MAGIC=magic, OFFSET=offset, EVEN_K=k % TILE_K == 0,
+        DOT_F32=f32, PRECISION="ieee" if f32 else "tf32", PDL=launch_pdl,
         num_warps=num_warps, num_stages=num_stages, launch_pdl=launch_pdl)
-    return out if split == 1 else finish_split_k(out, x.dtype, n, bias, gated, residual)
+    return out
 
 
 def _gemv_config(n: int, k: int) -> tuple[int, int, int, int]:
@@ -327,28 +295,43 @@ def _gemv(x: torch.Tensor, w: Int4Tiles, bias: torch.Tensor | None, gated: bool,
     n = rows // 2 if gated else rows
     k = x.shape[1]
     block_n, split, num_warps, unroll = config or _gemv_config(rows, k)
-    if split > 1:
-        out = torch.empty(split, 1, rows, dtype=torch.float32, device=x.device)
-    else:
-        out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     launch_pdl = pdl(x.device)
     _int4_gemv_kernel[(triton.cdiv(n, block_n), 1, split)](
-        x, w.words, w.scales, w.mins, bias, residual, out, n, k, KP=w.words.shape[1] * 8,
-        GROUP=w.group, GATED=gated, HAS_BIAS=bias is not None,
-        HAS_RESIDUAL=residual is not None and split == 1, BLOCK_N=block_n, SPLIT_K=split,
-        UNROLL=unroll, PDL=launch_pdl, num_warps=num_warps, num_stages=1,
+        x, w.words, w.scales, w.mins, bias, residual, out, partials(split, 1, rows, x.device),
+        counters(x.device), n, k, KP=w.words.shape[1] * 8, GROUP=w.group, GATED=gated,
+        HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, BLOCK_N=block_n,
+        SPLIT_K=split, UNROLL=unroll, PDL=launch_pdl, num_warps=num_warps, num_stages=1,
         launch_pdl=launch_pdl)
-    return out if split == 1 else finish_split_k(out, x.dtype, n, bias, gated, residual)
+    return out
 
 
-def finish_split_k(partials: torch.Tensor, dtype: torch.dtype, n: int, bias: torch.Tensor | None,
-            gated: bool, residual: torch.Tensor | None) -> torch.Tensor:
-    """The epilogue of split-K: sum the fp32 partials [SPLIT_K, M, width], then bias,
-    silu(gate) · up and the residual, as the kernels apply them."""
-    y = partials.sum(0)
-    if bias is not None:
-        y += bias.float()
-    if gated:
-        y = F.silu(y[:, :n]) * y[:, n:]
-    y = y.to(dtype)
-    return y if residual is None else residual + y
+@triton.jit
+def _dequantize_kernel(w_ptr, s_ptr, m_ptr, out_ptr, N, K, KP: tl.constexpr,
+                       GROUP: tl.constexpr, BLOCK_N: tl.constexpr):
+    """out[n, k] = u · scale + min for one block of rows and one 128-input tile."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    t = tl.program_id(1)
+    offs_s = tl.arange(0, 16)
+    words = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * (KP // 8) + t * 16 + offs_s[None, :],
+                    mask=n_mask[:, None], other=0)
+    for j in tl.static_range(8):
+        row = (t * 128 + j * 16) // GROUP * N
+        scale = tl.load(s_ptr + row + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        low = tl.load(m_ptr + row + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        u = ((words >> (4 * j)) & 0xF).to(tl.float32)
+        offs_k = t * 128 + j * 16 + offs_s
+        tl.store(out_ptr + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :],
+                 (u * scale[:, None] + low[:, None]).to(out_ptr.dtype.element_ty),
+                 mask=n_mask[:, None] & (offs_k < K)[None, :])
+
+
+def dequantize(w: Int4Tiles, dtype: torch.dtype) -> torch.Tensor:
+    """The weight [N, K] in dtype (for matmuls of many rows, which cuBLAS then runs)."""
+    n, k = w.shape
+    out = torch.empty(n, k, dtype=dtype, device=w.words.device)
+    _dequantize_kernel[(triton.cdiv(n, 64), w.words.shape[1] // 16)](
+        w.words, w.scales, w.mins, out, n, k, KP=w.words.shape[1] * 8, GROUP=w.group,
+        BLOCK_N=64)
+    return out

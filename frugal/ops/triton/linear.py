@@ -6,8 +6,9 @@ result), as are the bias, SiLU(gate)·up (gate and up rows of one output read si
 the residual add. A decode layer is then four matmul kernels and nothing between them but
 attention; cuBLAS at one row also adds a split-K reduction kernel per matmul.
 
-Quantized weights take their own kernels, at any number of tokens (the RMSNorm, if any, as its own
-kernel first): INT4 (repacked by pack_weight into int4_linear's layout) and FP8 (fp8_linear).
+Quantized weights take their own kernels up to 64 tokens (the RMSNorm, if any, as its own kernel
+first): INT4 (repacked by pack_weight into int4_linear's layout) and FP8 (fp8_linear); beyond,
+the weight is dequantized for the step and the matmul is cuBLAS's.
 
 A decode batch (2..64 tokens): gate_up runs as a Triton tensor-core kernel with SiLU·mul as its
 epilogue (one program holds all the rows, so there is no split-K to reduce first); the other
@@ -25,8 +26,10 @@ import triton
 import triton.language as tl
 
 from frugal.ops.triton.elementwise import rms_norm, silu_and_mul
+from frugal.ops.triton.fp8_linear import dequantize as dequantize_fp8
 from frugal.ops.triton.fp8_linear import fp8_linear
 from frugal.ops.triton.int4_linear import Int4Tiles, int4_linear, repack
+from frugal.ops.triton.int4_linear import dequantize as dequantize_int4
 from frugal.ops.triton.launch import pdl
 from frugal.quant.fp8 import Fp8Weight
 from frugal.quant.int4 import Int4Weight
@@ -221,12 +224,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Int4Tiles | Fp8Weight,
     silu(gate)·up of the two output halves if gated, plus residual ([num_tokens, out]) last.
     The residual is handed over: the sum may be written into its storage (cuBLAS then adds in
     place instead of copying it first)."""
-    if isinstance(weight, (Int4Tiles, Fp8Weight)):
-        if norm is not None:
-            x = rms_norm(x, norm, eps)
-        kernel = int4_linear if isinstance(weight, Int4Tiles) else fp8_linear
-        return kernel(x, weight, bias, gated, residual)
     m = x.shape[0]
+    if isinstance(weight, (Int4Tiles, Fp8Weight)):
+        int4 = isinstance(weight, Int4Tiles)
+        if m > SMALL_M_MAX or m == 0:  # prefill: dequantized for the step, then cuBLAS
+            weight = (dequantize_int4 if int4 else dequantize_fp8)(weight, x.dtype)
+        else:
+            if norm is not None:
+                x = rms_norm(x, norm, eps)
+            return (int4_linear if int4 else fp8_linear)(x, weight, bias, gated, residual)
     if 0 < m <= SMALL_M_MAX and x.dtype != torch.float32 and x.is_contiguous():
         if m <= GEMV_MAX_M:
             return gemv(x, weight, bias, norm, eps, gated, residual)

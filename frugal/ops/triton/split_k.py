@@ -1,0 +1,83 @@
+"""The end of a quantized matmul kernel: epilogue, and split-K reduced inside the kernel.
+
+With SPLIT_K programs sharing one block of outputs, each stores its fp32 partial sums, then
+takes a ticket from that block's counter; the last to arrive adds the partials up in split
+order (deterministic), runs the epilogue, and resets the counter for the next launch. No
+extra kernels per matmul (they cost more than the split saves at decode: measured ~25 µs
+against ~12 for a Llama-3.1-8B MLP matmul at one token), CUDA-graph safe (the counters
+live in one persistent buffer per device, allocated before any capture).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_BLOCKS = 1 << 14  # output blocks a split-K launch may have (counters per device)
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def counters(device: torch.device) -> torch.Tensor:
+    """The device's zeroed ticket counters [MAX_BLOCKS] int32 (every kernel leaves them 0)."""
+    if device not in _counters:
+        _counters[device] = torch.zeros(MAX_BLOCKS, dtype=torch.int32, device=device)
+    return _counters[device]
+
+
+def partials(split: int, m: int, width: int, device: torch.device) -> torch.Tensor:
+    """Scratch for split-K partial sums [split, m, width] fp32 (any content)."""
+    return torch.empty(split if split > 1 else 0, m, width, dtype=torch.float32, device=device)
+
+
+@triton.jit
+def finish(acc, acc_up, offs_m, offs_n, m_mask, n_mask, M, N, part_ptr, count_ptr, b_ptr, r_ptr,
+           out_ptr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+           SPLIT_K: tl.constexpr):
+    """acc (acc_up if GATED): this program's fp32 sums [BLOCK_M, BLOCK_N] for outputs
+    (offs_m, offs_n) of an [M, N] result. SPLIT_K > 1: part_ptr [SPLIT_K, M, width] scratch,
+    count_ptr the launch's counters (one per (program_id(0), program_id(1)) block)."""
+    if SPLIT_K == 1:
+        _epilogue(acc, acc_up, offs_m, offs_n, m_mask, n_mask, N, b_ptr, r_ptr, out_ptr, GATED,
+                  HAS_BIAS, HAS_RESIDUAL)
+    else:
+        width = 2 * N if GATED else N
+        mask = m_mask[:, None] & n_mask[None, :]
+        rows = offs_m[:, None] * width + offs_n[None, :]
+        tl.store(part_ptr + tl.program_id(2) * M * width + rows, acc, mask=mask)
+        if GATED:
+            tl.store(part_ptr + tl.program_id(2) * M * width + rows + N, acc_up, mask=mask)
+        tl.debug_barrier()  # every thread's partials stored before the ticket is taken
+        block = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+        ticket = tl.atomic_add(count_ptr + block, 1, sem="acq_rel", scope="gpu")
+        if ticket == SPLIT_K - 1:
+            acc = tl.zeros(acc.shape, tl.float32)
+            acc_up = tl.zeros(acc.shape, tl.float32)
+            for s in tl.static_range(SPLIT_K):  # (.cg: from L2, never a stale L1 line)
+                acc += tl.load(part_ptr + s * M * width + rows, mask=mask, other=0.0,
+                               cache_modifier=".cg")
+                if GATED:
+                    acc_up += tl.load(part_ptr + s * M * width + rows + N, mask=mask,
+                                      other=0.0, cache_modifier=".cg")
+            tl.store(count_ptr + block, 0)
+            _epilogue(acc, acc_up, offs_m, offs_n, m_mask, n_mask, N, b_ptr, r_ptr, out_ptr,
+                      GATED, HAS_BIAS, HAS_RESIDUAL)
+
+
+@triton.jit
+def _epilogue(acc, acc_up, offs_m, offs_n, m_mask, n_mask, N, b_ptr, r_ptr, out_ptr,
+              GATED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """out[m, n] = silu(gate) · up if GATED (each with its bias), plus the residual."""
+    y = acc
+    if HAS_BIAS:
+        y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    if GATED:
+        up = acc_up
+        if HAS_BIAS:
+            up += tl.load(b_ptr + N + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        y = y / (1.0 + tl.exp(-y)) * up
+    out_offs = offs_m[:, None] * N + offs_n[None, :]
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    if HAS_RESIDUAL:
+        y += tl.load(r_ptr + out_offs, mask=out_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + out_offs, y.to(out_ptr.dtype.element_ty), mask=out_mask)
