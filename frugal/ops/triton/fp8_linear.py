@@ -92,15 +92,19 @@ def _fp8_kernel(x_ptr, w_ptr, s_ptr, b_ptr, r_ptr, out_ptr, part_ptr, count_ptr,
 @triton.jit
 def _widen_x(x, DOT_F32: tl.constexpr):
     if DOT_F32:
-        return x.to(tl.float32)
-    return tl.clamp(x.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+        y = x.to(tl.float32)
+    else:
+        y = tl.clamp(x.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+    return y
 
 
 @triton.jit
 def _widen_w(w, DOT_F32: tl.constexpr):
     if DOT_F32:
-        return w.to(tl.float32)
-    return w.to(tl.float16)
+        y = w.to(tl.float32)
+    else:
+        y = w.to(tl.float16)
+    return y
 
 
 def _config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:

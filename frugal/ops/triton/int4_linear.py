@@ -234,9 +234,11 @@ def _operand(words, j: tl.constexpr, MAGIC: tl.constexpr, DOT_F32: tl.constexpr,
     """Slice j of a tile's words as a dot operand [BLOCK_N, 16]: codes as they are (fp32), or
     the bits MAGIC | u, which read in dtype as OFFSET + u."""
     u = (words >> (4 * j)) & 0xF
-    if DOT_F32:
-        return u.to(tl.float32)
-    return (u | MAGIC).to(tl.int16).to(dtype, bitcast=True)
+    if DOT_F32:  # (if / else, not an early return: the compiler traces both otherwise)
+        w = u.to(tl.float32)
+    else:
+        w = (u | MAGIC).to(tl.int16).to(dtype, bitcast=True)
+    return w
 
 
 def _config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
