@@ -54,8 +54,10 @@ def reference_config(flags: str, model: str | None):
 
 def describe(llm: LLM) -> str:
     runner = llm.engine.runner
-    return (f"{str(runner.dtype).removeprefix('torch.')} weights, "
-            f"{str(runner.pool.k[0].dtype).removeprefix('torch.')} KV, {runner.device}")
+    dtype = str(runner.dtype).removeprefix("torch.")
+    quant = llm.engine.config.quantization
+    weights = f"{dtype} weights" if quant == "none" else f"{quant} weights, {dtype} activations"
+    return f"{weights}, {str(runner.pool.k[0].dtype).removeprefix('torch.')} KV, {runner.device}"
 
 
 def run_eval(args: argparse.Namespace) -> int:

@@ -2,7 +2,10 @@
 column's rounding error onto the columns not yet quantized, weighted by the inverse Hessian of
 the layer's inputs (H = Σ x xᵀ over calibration tokens), so the layer's output moves as little as
 the 4-bit grid allows. Groups get their scale and zero when their first column comes up (from
-the weights as updated so far); no activation reordering.
+the weights as updated so far); or, with act_order, columns go in order of decreasing H[j, j]
+(the inputs with the most energy first, while the most columns remain to absorb their error)
+and each group's scale and zero come from the original weights ("static groups", so a group
+stays one contiguous run of inputs on disk).
 
 Hessians come from the engine itself: forward pre-hooks on every layer matmul accumulate the
 inputs the matmul sees (after a fused RMSNorm) while calibration text runs through.
@@ -53,7 +56,7 @@ def hessians(model: nn.Module) -> Iterator[dict[str, torch.Tensor]]:
 
 
 def gptq(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, symmetric: bool,
-         damp: float = 0.01, block: int = 128) -> Int4Weight:
+         damp: float = 0.01, block: int = 128, act_order: bool = False) -> Int4Weight:
     """weight [N, K] float, hessian [K, K] (xᵀx of the inputs; any positive scale) -> INT4 with
     integer zeros, as quant.int4.quantize_rtn but error-compensated. damp: fraction of the mean
     diagonal added to H for a stable Cholesky factorization."""
@@ -65,11 +68,16 @@ def gptq(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, symmetric
     dead = torch.diag(h) == 0  # inputs that were always 0: their weights do not matter
     h[dead, dead] = 1.0
     w[:, dead] = 0.0
+    scales = torch.zeros(n, k // group_size, dtype=torch.float64)
+    zeros = torch.zeros_like(scales)
+    order = torch.arange(k)
+    if act_order:
+        scales, zeros = group_params(w.view(n, -1, group_size), symmetric)
+        order = torch.argsort(torch.diag(h), descending=True)
+        w, h = w[:, order], h[order][:, order]
     h += damp * torch.diag(h).mean() * torch.eye(k, dtype=h.dtype)
     hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
     codes = torch.zeros(n, k, dtype=torch.uint8)
-    scales = torch.zeros(n, k // group_size, dtype=torch.float64)
-    zeros = torch.zeros_like(scales)
     for start in range(0, k, block):
         stop = min(start + block, k)
         w_block = w[:, start:stop].clone()
@@ -77,13 +85,12 @@ def gptq(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, symmetric
         h_block = hinv[start:stop, start:stop]
         for j in range(stop - start):
             col = start + j
-            if col % group_size == 0:
+            g = int(order[col]) // group_size
+            if not act_order and col % group_size == 0:
                 ahead = torch.cat([w_block[:, j:], w[:, stop:]], dim=1)[:, :group_size]
-                scale, zero = group_params(ahead, symmetric)
-                scales[:, col // group_size], zeros[:, col // group_size] = scale, zero
-            g = col // group_size
+                scales[:, g], zeros[:, g] = group_params(ahead, symmetric)
             q = torch.round(w_block[:, j] / scales[:, g] + zeros[:, g]).clamp(0, 15)
-            codes[:, col] = q.to(torch.uint8)
+            codes[:, order[col]] = q.to(torch.uint8)
             error = (w_block[:, j] - (q - zeros[:, g]) * scales[:, g]) / h_block[j, j]
             w_block[:, j:] -= error[:, None] * h_block[j, j:][None, :]
             errors[:, j] = error

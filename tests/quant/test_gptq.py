@@ -12,14 +12,16 @@ from frugal.quant.int4 import quantize_rtn
 from tests.engine.test_fp8_kv import tiny_dir
 
 
+@pytest.mark.parametrize("act_order", [False, True])
 @pytest.mark.parametrize("symmetric", [True, False])
-def test_gptq_beats_rtn_on_correlated_inputs(symmetric):
+def test_gptq_beats_rtn_on_correlated_inputs(symmetric, act_order):
     g = torch.Generator().manual_seed(1)
     n, k = 96, 256
     w = torch.randn(n, k, generator=g) * 0.05
     x = torch.randn(2048, k, generator=g) @ (torch.randn(k, k, generator=g) / k ** 0.5)
     x[:, 5] = 0.0  # an input that never fires: its weights may be anything
-    q = gptq(w, x.double().t() @ x.double(), 64, symmetric)
+    x[:, 40:48] *= 6.0  # a few loud inputs (act_order takes them first)
+    q = gptq(w, x.double().t() @ x.double(), 64, symmetric, act_order=act_order)
     ref = x @ w.t()
 
     def err(weight):
@@ -54,4 +56,4 @@ def test_quantize_gptq_writes_a_loadable_checkpoint(tmp_path, capsys):
     assert len(llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))[0]
                .outputs[0].token_ids) == 4
     assert cli(["quantize", str(src), "--output", str(out), "--calibration-file", "x.txt"]) == 2
-    assert "calibration_file: only with --method gptq" in capsys.readouterr().err
+    assert "calibration_file, act_order: only with --method gptq" in capsys.readouterr().err
