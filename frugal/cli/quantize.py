@@ -39,8 +39,9 @@ def add_quantize_parser(subparsers) -> None:
                    help="fp8: one scale per block × block tile (e.g. 128) instead of per channel")
     p.add_argument("--method", default="rtn", choices=["rtn", "gptq"],
                    help="rtn: round to nearest; gptq: error-compensated, calibrated on text")
-    p.add_argument("--act-order", action="store_true",
-                   help="gptq: quantize inputs in order of decreasing activation energy")
+    p.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=None,
+                   help="gptq: quantize inputs in order of decreasing activation energy, "
+                        "groups fixed beforehand (default on for gptq)")
     p.add_argument("--calibration-file", default=None,
                    help="GPTQ calibration text (default: Wikipedia passages of the eval data "
                         "that perplexity is not measured on, else text the model writes)")
@@ -52,7 +53,7 @@ def add_quantize_parser(subparsers) -> None:
 
 
 def run_quantize(args: argparse.Namespace) -> int:
-    if args.method != "gptq" and (args.calibration_file or args.act_order):
+    if args.method != "gptq" and (args.calibration_file or args.act_order is not None):
         raise ValueError("calibration_file, act_order: only with --method gptq")
     int4 = args.scheme == "w4a16"
     if not int4 and args.method == "gptq":
@@ -89,7 +90,7 @@ def run_quantize(args: argparse.Namespace) -> int:
             module = _module_of(name)
             h = found[module] / found[module + "#"]
             q = gptq(w, h, args.group_size, symmetric=not args.asymmetric,
-                     act_order=args.act_order)
+                     act_order=args.act_order is not False)
         else:
             q = quantize_rtn(w, args.group_size, symmetric=not args.asymmetric)
         err = (q.dequantize() - w.float()).norm() / w.float().norm()
