@@ -56,8 +56,8 @@ def run_quantize(args: argparse.Namespace) -> int:
     if args.method != "gptq" and (args.calibration_file or args.act_order is not None):
         raise ValueError("calibration_file, act_order: only with --method gptq")
     int4 = args.scheme == "w4a16"
-    if not int4 and args.method == "gptq":
-        raise ValueError("method: gptq is for --scheme w4a16 (FP8 rounds to nearest)")
+    if args.method == "gptq" and args.weight_block_size is not None:
+        raise ValueError("method: gptq quantizes FP8 per channel (no --weight-block-size)")
     if int4 and args.weight_block_size is not None:
         raise ValueError("weight_block_size: only with --scheme fp8")
     if args.weight_block_size is not None and args.weight_block_size < 16:
@@ -82,15 +82,16 @@ def run_quantize(args: argparse.Namespace) -> int:
         if int4 and w.shape[1] % args.group_size:
             raise ValueError(f"group_size: {name} has {w.shape[1]} inputs, not a multiple of "
                              f"{args.group_size}")
-        if not int4:
-            q = fp8.quantize_fp8(w, args.weight_block_size)
-        elif args.method == "gptq":
-            from frugal.quant.gptq import gptq
+        if args.method == "gptq":
+            from frugal.quant.gptq import gptq, gptq_fp8
 
             module = _module_of(name)
             h = found[module] / found[module + "#"]
-            q = gptq(w, h, args.group_size, symmetric=not args.asymmetric,
-                     act_order=args.act_order is not False)
+            act_order = args.act_order is not False
+            q = (gptq(w, h, args.group_size, symmetric=not args.asymmetric, act_order=act_order)
+                 if int4 else gptq_fp8(w, h, act_order=act_order))
+        elif not int4:
+            q = fp8.quantize_fp8(w, args.weight_block_size)
         else:
             q = quantize_rtn(w, args.group_size, symmetric=not args.asymmetric)
         err = (q.dequantize() - w.float()).norm() / w.float().norm()

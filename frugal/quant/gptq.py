@@ -21,6 +21,7 @@ from torch import nn
 
 from frugal.layers.linear import Linear
 from frugal.ops.torch_ref.norm import rms_norm
+from frugal.quant.fp8 import FP8, FP8_MAX, Fp8Weight, quantize_fp8
 from frugal.quant.int4 import Int4Weight, group_params, pack
 
 
@@ -63,36 +64,69 @@ def gptq(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, symmetric
     n, k = weight.shape
     if k % group_size:
         raise ValueError(f"group_size: {k} inputs do not split into groups of {group_size}")
+    scales = torch.zeros(n, k // group_size, dtype=torch.float64)
+    zeros = torch.zeros_like(scales)
+    codes = torch.zeros(n, k, dtype=torch.uint8)
+    if act_order:  # static groups: from the original weights
+        scales, zeros = group_params(weight.double().view(n, -1, group_size), symmetric)
+
+    def round_column(col: int, w_col: torch.Tensor, ahead) -> torch.Tensor:
+        g = col // group_size
+        if not act_order and col % group_size == 0:
+            scales[:, g], zeros[:, g] = group_params(ahead()[:, :group_size], symmetric)
+        q = torch.round(w_col / scales[:, g] + zeros[:, g]).clamp(0, 15)
+        codes[:, col] = q.to(torch.uint8)
+        return (q - zeros[:, g]) * scales[:, g]
+
+    _compensate(weight, hessian, round_column, damp, block, act_order)
+    return Int4Weight(pack(codes), scales.float(), zeros=zeros.float())
+
+
+def gptq_fp8(weight: torch.Tensor, hessian: torch.Tensor, damp: float = 0.01,
+             block: int = 128, act_order: bool = True) -> Fp8Weight:
+    """GPTQ onto the FP8 e4m3 grid with one scale per output channel (amax / 448 of the
+    original weights): as quant.fp8.quantize_fp8, error-compensated."""
+    scale = quantize_fp8(weight).scales.double()[:, 0]
+    data = torch.zeros(weight.shape, dtype=FP8)
+
+    def round_column(col: int, w_col: torch.Tensor, ahead) -> torch.Tensor:
+        q = (w_col / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        data[:, col] = q
+        return q.double() * scale
+
+    _compensate(weight, hessian, round_column, damp, block, act_order)
+    return Fp8Weight(data, scale.float()[:, None])
+
+
+def _compensate(weight: torch.Tensor, hessian: torch.Tensor, round_column, damp: float,
+                block: int, act_order: bool) -> None:
+    """The GPTQ sweep: round_column(original column index, its current values [N], ahead: a
+    function giving the columns from it on in quantization order [N, *]) rounds one column and
+    returns what it became; its
+    error is spread over the columns not yet rounded through the inverse Hessian's Cholesky
+    factor. act_order: columns in order of decreasing H[j, j]."""
+    k = weight.shape[1]
     w = weight.double().clone()
     h = hessian.double().clone()
     dead = torch.diag(h) == 0  # inputs that were always 0: their weights do not matter
     h[dead, dead] = 1.0
     w[:, dead] = 0.0
-    scales = torch.zeros(n, k // group_size, dtype=torch.float64)
-    zeros = torch.zeros_like(scales)
-    order = torch.arange(k)
-    if act_order:
-        scales, zeros = group_params(w.view(n, -1, group_size), symmetric)
-        order = torch.argsort(torch.diag(h), descending=True)
-        w, h = w[:, order], h[order][:, order]
+    order = torch.argsort(torch.diag(h), descending=True) if act_order else torch.arange(k)
+    w, h = w[:, order], h[order][:, order]
     h += damp * torch.diag(h).mean() * torch.eye(k, dtype=h.dtype)
     hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
-    codes = torch.zeros(n, k, dtype=torch.uint8)
     for start in range(0, k, block):
         stop = min(start + block, k)
         w_block = w[:, start:stop].clone()
         errors = torch.zeros_like(w_block)
         h_block = hinv[start:stop, start:stop]
         for j in range(stop - start):
-            col = start + j
-            g = int(order[col]) // group_size
-            if not act_order and col % group_size == 0:
-                ahead = torch.cat([w_block[:, j:], w[:, stop:]], dim=1)[:, :group_size]
-                scales[:, g], zeros[:, g] = group_params(ahead, symmetric)
-            q = torch.round(w_block[:, j] / scales[:, g] + zeros[:, g]).clamp(0, 15)
-            codes[:, order[col]] = q.to(torch.uint8)
-            error = (w_block[:, j] - (q - zeros[:, g]) * scales[:, g]) / h_block[j, j]
+            def ahead(j: int = j, w_block: torch.Tensor = w_block, stop: int = stop
+                      ) -> torch.Tensor:
+                return torch.cat([w_block[:, j:], w[:, stop:]], dim=1)
+
+            done = round_column(int(order[start + j]), w_block[:, j], ahead)
+            error = (w_block[:, j] - done) / h_block[j, j]
             w_block[:, j:] -= error[:, None] * h_block[j, j:][None, :]
             errors[:, j] = error
         w[:, stop:] -= errors @ hinv[start:stop, stop:]
-    return Int4Weight(pack(codes), scales.float(), zeros=zeros.float())
