@@ -60,6 +60,8 @@ def run_quantize(args: argparse.Namespace) -> int:
         raise ValueError("method: gptq quantizes FP8 per channel (no --weight-block-size)")
     if int4 and args.weight_block_size is not None:
         raise ValueError("weight_block_size: only with --scheme fp8")
+    if not int4 and args.asymmetric:
+        raise ValueError("asymmetric: only with --scheme w4a16 (FP8 scales are symmetric)")
     if args.weight_block_size is not None and args.weight_block_size < 16:
         raise ValueError(f"weight_block_size: at least 16, got {args.weight_block_size}")
     ckpt = open_checkpoint(args.model)

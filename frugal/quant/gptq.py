@@ -67,8 +67,10 @@ def gptq(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, symmetric
     scales = torch.zeros(n, k // group_size, dtype=torch.float64)
     zeros = torch.zeros_like(scales)
     codes = torch.zeros(n, k, dtype=torch.uint8)
-    if act_order:  # static groups: from the original weights
-        scales, zeros = group_params(weight.double().view(n, -1, group_size), symmetric)
+    if act_order:  # static groups: from the original weights (inputs never seen: as 0)
+        alive = (torch.diag(hessian) != 0).double()
+        scales, zeros = group_params((weight.double() * alive).view(n, -1, group_size),
+                                     symmetric)
 
     def round_column(col: int, w_col: torch.Tensor, ahead) -> torch.Tensor:
         g = col // group_size

@@ -146,6 +146,7 @@ def test_rotary_store_kv_fp8_quantizes_and_saturates():
     k = torch.randn(tokens, kv_heads, dim, generator=g).to(torch.bfloat16)
     v = torch.randn(tokens, kv_heads, dim, generator=g).to(torch.bfloat16)
     k[0, 1, 3], v[2, 0, 5] = 1e4, -1e4  # far beyond 448 · scale
+    v[1, 1, 2] = float("nan")  # stored as 0: an FP8 pool never holds NaN
     positions, slots = torch.tensor([0, 3, 9]), torch.tensor([5, 0, 2])
     freqs = torch.arange(16).float()[:, None] * (1.0 / (10000 ** (torch.arange(0, dim, 2) / dim)))
     cos_sin = torch.cat([freqs.cos(), freqs.sin()], -1)
@@ -159,6 +160,9 @@ def test_rotary_store_kv_fp8_quantizes_and_saturates():
     for ours, ref in ((k_cache, ref_k), (v_cache, ref_v)):
         ours, ref = ours.cpu().float(), ref.float()
         assert torch.isfinite(ours).all() and torch.isfinite(ref).all()
+    assert float(v_cache.cpu().float()[0, 1, 2, 0]) == 0.0 == float(ref_v.float()[0, 1, 2, 0])
+    for ours, ref in ((k_cache, ref_k), (v_cache, ref_v)):
+        ours, ref = ours.cpu().float(), ref.float()
         assert ref.abs().max() == 448
         # within one FP8 step (1/8 relative); Triton's CPU interpreter converts fp32 -> fp8
         # wrongly for some values, so there a few may be further off

@@ -102,3 +102,15 @@ def test_linear_dispatch_of_quantized_weights(scheme):
         ref = torch_ref.linear(x, q, None, norm, 1e-5, True, r.clone())
         got = linear(x.to(DEVICE), packed, None, norm.to(DEVICE), 1e-5, True, r.to(DEVICE))
         torch.testing.assert_close(got.cpu(), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_kernel_layouts_reject_what_they_cannot_run():
+    """Groups under 16 inputs (INT4) and FP8 blocks that are not whole 128-input tiles get a
+    clear error when the weights are packed, not wrong numbers later."""
+    from frugal.ops.triton.linear import pack_weight
+    from frugal.quant.fp8 import quantize_fp8
+
+    with pytest.raises(ValueError, match="group size 8"):
+        pack_weight(quantize_rtn(torch.randn(16, 128), 8, symmetric=True), torch.float32)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        pack_weight(quantize_fp8(torch.randn(128, 128), 64), torch.float32)

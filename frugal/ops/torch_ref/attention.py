@@ -29,12 +29,13 @@ def v_key_minor(dtype: torch.dtype) -> bool:
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """x: [num_tokens, num_kv_heads, head_dim] -> the cache's dtype; for FP8, x / scale ([heads])
-    saturated to the FP8 range."""
+    saturated to the FP8 range, NaN stored as 0 (an FP8 cache never holds NaN)."""
     if dtype != torch.float8_e4m3fn:
         return x.to(dtype)
     if scale is None:
         raise ValueError("an FP8 KV cache needs kv_scales")
-    return (x.float() / scale[None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(dtype)
+    y = (x.float() / scale[None, :, None]).nan_to_num(nan=0.0)
+    return y.clamp(-FP8_MAX, FP8_MAX).to(dtype)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

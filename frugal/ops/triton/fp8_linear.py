@@ -146,10 +146,10 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
 def dequantize(w: Fp8Weight, dtype: torch.dtype) -> torch.Tensor:
     """The weight [N, K] in dtype (for matmuls of many rows, which cuBLAS then runs)."""
     n, k = w.shape
-    if w.block is None:
-        return w.data.to(dtype) * w.scales.to(dtype)
+    if w.block is None:  # (in fp32, then rounded once: the weights the kernel multiplies by)
+        return (w.data.float() * w.scales).to(dtype)
     b = w.block
     if n % b == 0 and k % b == 0:
-        tiles = w.data.view(n // b, b, k // b, b).to(dtype)
-        return (tiles * w.scales.to(dtype)[:, None, :, None]).view(n, k)
+        tiles = w.data.view(n // b, b, k // b, b).float()
+        return (tiles * w.scales[:, None, :, None]).view(n, k).to(dtype)
     return w.dequantize(dtype)

@@ -58,9 +58,9 @@ def repack(q: Int4Weight, dtype: torch.dtype) -> Int4Tiles:
     """q (on the GPU) in the kernel's layout, scales and mins in dtype (the activations')."""
     n, k = q.shape
     group = q.group_size
-    if TILE_K % group and group % TILE_K:
-        raise ValueError(f"INT4 kernel: group size {group} neither divides nor is a multiple "
-                         f"of {TILE_K}")
+    if group < 16 or (TILE_K % group and group % TILE_K):
+        raise ValueError(f"INT4 kernel: group size {group} must be 16, 32, 64 or a multiple of "
+                         f"{TILE_K}")
     kp = triton.cdiv(k, TILE_K) * TILE_K
     codes = F.pad(q.codes(), (0, kp - k)).to(torch.int32).view(n, kp // TILE_K, 8, _SLICE)
     words = torch.zeros(n, kp // TILE_K, _SLICE, dtype=torch.int32, device=codes.device)

@@ -72,9 +72,11 @@ def _rotary_store_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, slot_ptr, q_
 
 @triton.jit
 def _store(ptr, x, scale, mask, FP8: tl.constexpr):
-    """Store x in the cache's dtype; FP8: x / scale, saturated to ±448."""
+    """Store x in the cache's dtype; FP8: x / scale, saturated to ±448, NaN stored as 0 (an FP8
+    pool never holds NaN: the attention kernels read whole last pages)."""
     if FP8:
-        y = tl.clamp(x.to(tl.float32) / scale, -448.0, 448.0)
+        y = x.to(tl.float32) / scale
+        y = tl.clamp(tl.where(y == y, y, 0.0), -448.0, 448.0)
         tl.store(ptr, y.to(ptr.dtype.element_ty), mask=mask)
     else:
         tl.store(ptr, x.to(ptr.dtype.element_ty), mask=mask)

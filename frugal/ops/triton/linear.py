@@ -213,7 +213,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 def pack_weight(weight: Int4Weight | Fp8Weight, dtype: torch.dtype) -> Int4Tiles | Fp8Weight:
     """A quantized weight (on the GPU) in the layout linear's kernels read; dtype: the
     activations'."""
-    return repack(weight, dtype) if isinstance(weight, Int4Weight) else weight
+    if isinstance(weight, Int4Weight):
+        return repack(weight, dtype)
+    if weight.block is not None and weight.block % 128:
+        raise ValueError(f"FP8 weights: block scales of {weight.block} on the GPU need a "
+                         "multiple of 128 (the kernel's tile)")
+    return weight
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | Int4Tiles | Fp8Weight,
