@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from frugal.ops.triton.launch import pdl
-from frugal.ops.triton.split_k import MAX_BLOCKS, counters, finish, partials
+from frugal.ops.triton.split_k import MAX_BLOCKS, counters, finish, partials, tile_range
 from frugal.quant.fp8 import Fp8Weight
 
 BLOCK_K = 128
@@ -43,9 +43,7 @@ def _fp8_kernel(x_ptr, w_ptr, s_ptr, b_ptr, r_ptr, out_ptr, part_ptr, count_ptr,
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_k = tl.arange(0, 128)
-    tiles_per = tl.cdiv(tl.cdiv(K, 128), SPLIT_K)
-    first = tl.program_id(2) * tiles_per
-    last = tl.minimum(first + tiles_per, tl.cdiv(K, 128))
+    first, last = tile_range(tl.cdiv(K, 128), SPLIT_K)
     w_ptrs = w_ptr + offs_n.to(tl.int64)[None, :] * K + offs_k[:, None]  # [128, BLOCK_N]
     x_ptrs = x_ptr + offs_m[:, None] * K + offs_k[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from frugal.ops.triton.launch import pdl
-from frugal.ops.triton.split_k import MAX_BLOCKS, counters, finish, partials
+from frugal.ops.triton.split_k import MAX_BLOCKS, counters, finish, partials, tile_range
 from frugal.quant.int4 import Int4Weight
 
 TILE_K = 128
@@ -93,9 +93,7 @@ def _int4_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, r_ptr, out_ptr, part_ptr, co
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_s = tl.arange(0, SLICE)
-    tiles_per = tl.cdiv(KP // 128, SPLIT_K)
-    first = tl.program_id(2) * tiles_per
-    last = tl.minimum(first + tiles_per, KP // 128)
+    first, last = tile_range(KP // 128, SPLIT_K)
     w_ptrs = w_ptr + offs_n.to(tl.int64)[None, :] * (KP // 8) + offs_s[:, None]
     x_rows = x_ptr + offs_m[:, None] * K
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -159,9 +157,7 @@ def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, r_ptr, out_ptr, part_pt
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_s = tl.arange(0, SLICE)
-    tiles_per = tl.cdiv(KP // 128, SPLIT_K)
-    first = tl.program_id(2) * tiles_per
-    last = tl.minimum(first + tiles_per, KP // 128)
+    first, last = tile_range(KP // 128, SPLIT_K)
     width = 2 * N if GATED else N
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * (KP // 8) + offs_s[None, :]
     acc = tl.zeros([BLOCK_N, SLICE], tl.float32)

@@ -31,6 +31,7 @@ from frugal.ops.triton.fp8_linear import fp8_linear
 from frugal.ops.triton.int4_linear import Int4Tiles, int4_linear, repack
 from frugal.ops.triton.int4_linear import dequantize as dequantize_int4
 from frugal.ops.triton.launch import pdl
+from frugal.ops.triton.split_k import epilogue
 from frugal.quant.fp8 import Fp8Weight
 from frugal.quant.int4 import Int4Weight
 
@@ -152,19 +153,8 @@ def _small_m_kernel(x_ptr, w_ptr, b_ptr, r_ptr, out_ptr, M, N, K: tl.constexpr,
             acc_up = tl.dot(x, tl.trans(w_up), acc_up)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    y = acc
-    if HAS_BIAS:
-        y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    if GATED:
-        up = acc_up
-        if HAS_BIAS:
-            up += tl.load(b_ptr + N + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        y = y / (1.0 + tl.exp(-y)) * up
-    out_offs = offs_m[:, None] * N + offs_n[None, :]
-    out_mask = m_mask[:, None] & n_mask[None, :]
-    if HAS_RESIDUAL:
-        y += tl.load(r_ptr + out_offs, mask=out_mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + out_offs, y.to(out_ptr.dtype.element_ty), mask=out_mask)
+    epilogue(acc, acc_up, offs_m, offs_n, m_mask, n_mask, N, b_ptr, r_ptr, out_ptr, GATED,
+             HAS_BIAS, HAS_RESIDUAL)
 
 
 def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -31,6 +31,14 @@ def partials(split: int, m: int, width: int, device: torch.device) -> torch.Tens
 
 
 @triton.jit
+def tile_range(tiles, SPLIT_K: tl.constexpr):
+    """This program's share [first, last) of the inputs' tiles (split over grid axis 2)."""
+    per = tl.cdiv(tiles, SPLIT_K)
+    first = tl.program_id(2) * per
+    return first, tl.minimum(first + per, tiles)
+
+
+@triton.jit
 def finish(acc, acc_up, offs_m, offs_n, m_mask, n_mask, M, N, part_ptr, count_ptr, b_ptr, r_ptr,
            out_ptr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
            SPLIT_K: tl.constexpr):
@@ -38,7 +46,7 @@ def finish(acc, acc_up, offs_m, offs_n, m_mask, n_mask, M, N, part_ptr, count_pt
     (offs_m, offs_n) of an [M, N] result. SPLIT_K > 1: part_ptr [SPLIT_K, M, width] scratch,
     count_ptr the launch's counters (one per (program_id(0), program_id(1)) block)."""
     if SPLIT_K == 1:
-        _epilogue(acc, acc_up, offs_m, offs_n, m_mask, n_mask, N, b_ptr, r_ptr, out_ptr, GATED,
+        epilogue(acc, acc_up, offs_m, offs_n, m_mask, n_mask, N, b_ptr, r_ptr, out_ptr, GATED,
                   HAS_BIAS, HAS_RESIDUAL)
     else:
         width = 2 * N if GATED else N
@@ -60,12 +68,12 @@ def finish(acc, acc_up, offs_m, offs_n, m_mask, n_mask, M, N, part_ptr, count_pt
                     acc_up += tl.load(part_ptr + s * M * width + rows + N, mask=mask,
                                       other=0.0, cache_modifier=".cg")
             tl.store(count_ptr + block, 0)
-            _epilogue(acc, acc_up, offs_m, offs_n, m_mask, n_mask, N, b_ptr, r_ptr, out_ptr,
+            epilogue(acc, acc_up, offs_m, offs_n, m_mask, n_mask, N, b_ptr, r_ptr, out_ptr,
                       GATED, HAS_BIAS, HAS_RESIDUAL)
 
 
 @triton.jit
-def _epilogue(acc, acc_up, offs_m, offs_n, m_mask, n_mask, N, b_ptr, r_ptr, out_ptr,
+def epilogue(acc, acc_up, offs_m, offs_n, m_mask, n_mask, N, b_ptr, r_ptr, out_ptr,
               GATED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
     """out[m, n] = silu(gate) · up if GATED (each with its bias), plus the residual."""
     y = acc
