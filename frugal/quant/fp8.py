@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
 @dataclass
@@ -39,9 +39,13 @@ class Fp8Weight:
         return tuple(self.data.shape)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """[N, K] in dtype, computed in fp32."""
+        """[N, K] in dtype, computed in fp32 and rounded once."""
         n, k = self.shape
-        return (self.data.float() * expand(self.scales, self.block, n, k)).to(dtype)
+        b = self.block
+        if b is not None and n % b == 0 and k % b == 0:  # scales broadcast over whole tiles
+            tiles = self.data.view(n // b, b, k // b, b).float()
+            return (tiles * self.scales.float()[:, None, :, None]).view(n, k).to(dtype)
+        return (self.data.float() * expand(self.scales, b, n, k)).to(dtype)
 
     def dense(self, dtype: torch.dtype) -> torch.Tensor:
         """dequantize(dtype), kept after the first call (the CPU reference path)."""

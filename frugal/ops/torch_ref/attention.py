@@ -15,8 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from frugal.ops.torch_ref.rotary import apply_rotary
-
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
+from frugal.quant.fp8 import FP8_MAX
 
 
 def v_key_minor(dtype: torch.dtype) -> bool:

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from frugal.ops.triton.launch import pdl
-from frugal.ops.triton.split_k import MAX_BLOCKS, counters, finish, partials, tile_range
+from frugal.ops.triton.split_k import counters, finish, grid, partials, tile_range
 from frugal.quant.fp8 import Fp8Weight
 
 BLOCK_K = 128
@@ -126,13 +126,11 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
         raise ValueError(f"fp8_linear: block scales of {w.block} need a multiple of {BLOCK_K} "
                          "(and gate/up halves in whole blocks)")
     block_m, block_n, split, num_warps, num_stages = config or _config(m, rows, k)
-    grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m), split)
-    if grid[0] * grid[1] > MAX_BLOCKS:
-        grid, split = grid[:2] + (1,), 1
+    launch, split = grid(triton.cdiv(n, block_n), triton.cdiv(m, block_m), split)
     f32 = x.dtype == torch.float32 or _INTERPRET
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     launch_pdl = pdl(x.device)
-    _fp8_kernel[grid](
+    _fp8_kernel[launch](
         x, w.data, w.scales, bias, residual, out, partials(split, m, rows, x.device),
         counters(x.device), m, n, k, w.scales.stride(0), SCALE_BLOCK=w.block or 0, GATED=gated,
         HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, BLOCK_M=block_m,
@@ -140,14 +138,3 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
         num_warps=num_warps, num_stages=num_stages, launch_pdl=launch_pdl)
     return out
 
-
-def dequantize(w: Fp8Weight, dtype: torch.dtype) -> torch.Tensor:
-    """The weight [N, K] in dtype (for matmuls of many rows, which cuBLAS then runs)."""
-    n, k = w.shape
-    if w.block is None:  # (in fp32, then rounded once: the weights the kernel multiplies by)
-        return (w.data.float() * w.scales).to(dtype)
-    b = w.block
-    if n % b == 0 and k % b == 0:
-        tiles = w.data.view(n // b, b, k // b, b).float()
-        return (tiles * w.scales[:, None, :, None]).view(n, k).to(dtype)
-    return w.dequantize(dtype)

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from frugal.ops.triton.launch import pdl
-from frugal.ops.triton.split_k import MAX_BLOCKS, counters, finish, partials, tile_range
+from frugal.ops.triton.split_k import counters, finish, grid, partials, tile_range
 from frugal.quant.int4 import Int4Weight
 
 TILE_K = 128
@@ -146,9 +146,9 @@ def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, r_ptr, out_ptr, part_pt
                       SPLIT_K: tl.constexpr, UNROLL: tl.constexpr, PDL: tl.constexpr):
     """One row of x (decode at batch 1) on the CUDA cores: out[n] = epilogue(Σ_k x[k] w[n, k])
     for BLOCK_N outputs over this program's share of the tiles (SPLIT_K > 1: reduced in
-    split_k.finish). A code becomes a float with two integer ops and one add
-    (the bits 0x4B000000 | u are 2^23 + u), so a weight costs four instructions in all; each
-    group's scale and min are applied to its partial sums, Σ x · (u · scale + min)."""
+    split_k.finish). A code becomes a float with one integer op and one add (see _code: the
+    bits 0x4B000000 | u are 2^23 + u), so a weight costs three instructions with its multiply;
+    each group's scale and min are applied to its partial sums, Σ x · (u · scale + min)."""
     if PDL:
         tl.extra.cuda.gdc_wait()
     SLICE: tl.constexpr = 16
@@ -259,14 +259,12 @@ def int4_linear(x: torch.Tensor, w: Int4Tiles, bias: torch.Tensor | None = None,
     if m == 1 and (config is None or len(config) == 4):
         return _gemv(x, w, bias, gated, residual, config)
     block_m, block_n, split, num_warps, num_stages = config or _config(m, rows, k)
-    grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m), split)
-    if grid[0] * grid[1] > MAX_BLOCKS:
-        grid, split = grid[:2] + (1,), 1
+    launch, split = grid(triton.cdiv(n, block_n), triton.cdiv(m, block_m), split)
     f32 = x.dtype == torch.float32 or _INTERPRET
     magic, offset = (0, 0.0) if f32 else _MAGIC[x.dtype]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     launch_pdl = pdl(x.device)
-    _int4_kernel[grid](
+    _int4_kernel[launch](
         x, w.words, w.scales, w.mins, bias, residual, out, partials(split, m, rows, x.device),
         counters(x.device), m, n, k, KP=w.words.shape[1] * 8, GROUP=w.group, GATED=gated,
         HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, BLOCK_M=block_m,
@@ -293,9 +291,10 @@ def _gemv(x: torch.Tensor, w: Int4Tiles, bias: torch.Tensor | None, gated: bool,
     n = rows // 2 if gated else rows
     k = x.shape[1]
     block_n, split, num_warps, unroll = config or _gemv_config(rows, k)
+    launch, split = grid(triton.cdiv(n, block_n), 1, split)
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     launch_pdl = pdl(x.device)
-    _int4_gemv_kernel[(triton.cdiv(n, block_n), 1, split)](
+    _int4_gemv_kernel[launch](
         x, w.words, w.scales, w.mins, bias, residual, out, partials(split, 1, rows, x.device),
         counters(x.device), n, k, KP=w.words.shape[1] * 8, GROUP=w.group, GATED=gated,
         HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, BLOCK_N=block_n,

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from frugal.ops.triton.elementwise import rms_norm, silu_and_mul
-from frugal.ops.triton.fp8_linear import dequantize as dequantize_fp8
+from frugal.ops.triton.fp8_linear import BLOCK_K as FP8_TILE_K
 from frugal.ops.triton.fp8_linear import fp8_linear
 from frugal.ops.triton.int4_linear import Int4Tiles, int4_linear, repack
 from frugal.ops.triton.int4_linear import dequantize as dequantize_int4
@@ -205,9 +205,9 @@ def pack_weight(weight: Int4Weight | Fp8Weight, dtype: torch.dtype) -> Int4Tiles
     activations'."""
     if isinstance(weight, Int4Weight):
         return repack(weight, dtype)
-    if weight.block is not None and weight.block % 128:
+    if weight.block is not None and weight.block % FP8_TILE_K:
         raise ValueError(f"FP8 weights: block scales of {weight.block} on the GPU need a "
-                         "multiple of 128 (the kernel's tile)")
+                         f"multiple of {FP8_TILE_K} (the kernel's tile)")
     return weight
 
 
@@ -223,7 +223,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Int4Tiles | Fp8Weight,
     if isinstance(weight, (Int4Tiles, Fp8Weight)):
         int4 = isinstance(weight, Int4Tiles)
         if m > SMALL_M_MAX or m == 0:  # prefill: dequantized for the step, then cuBLAS
-            weight = (dequantize_int4 if int4 else dequantize_fp8)(weight, x.dtype)
+            weight = dequantize_int4(weight, x.dtype) if int4 else weight.dequantize(x.dtype)
         else:
             if norm is not None:
                 x = rms_norm(x, norm, eps)

@@ -25,6 +25,14 @@ def counters(device: torch.device) -> torch.Tensor:
     return _counters[device]
 
 
+def grid(n_blocks: int, m_blocks: int, split: int) -> tuple[tuple[int, int, int], int]:
+    """The launch grid (output blocks along N, along M, splits) and the split it uses: no
+    split when the blocks would outnumber the counters."""
+    if n_blocks * m_blocks > MAX_BLOCKS:
+        split = 1
+    return (n_blocks, m_blocks, split), split
+
+
 def partials(split: int, m: int, width: int, device: torch.device) -> torch.Tensor:
     """Scratch for split-K partial sums [split, m, width] fp32 (any content)."""
     return torch.empty(split if split > 1 else 0, m, width, dtype=torch.float32, device=device)
