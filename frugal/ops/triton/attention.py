@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from frugal.ops.triton.launch import pdl
+from frugal.ops.triton.launch import enter, pdl
 
 # The CPU interpreter's bf16 tl.dot is wrong: compute the products in fp32 there.
 _DOT_F32 = os.environ.get("TRITON_INTERPRET") == "1"
@@ -110,8 +110,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, scales_ptr, page_table_ptr, 
     """DIRECT (one split): write the normalized output itself, no partials to merge.
     FP8: K/V are read as FP8 and widened in registers; the head's K scale joins the softmax
     scale and its V scale multiplies the output (scales_ptr: [2, NUM_KV_HEADS])."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
+    enter(PDL)
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -167,8 +166,7 @@ def _merge_kernel(partial_ptr, lse_ptr, out_ptr, cu_ptr, seq_lens_ptr, num_split
                   NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
                   SPLITS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr,
                   PDL: tl.constexpr):
-    if PDL:
-        tl.extra.cuda.gdc_wait()
+    enter(PDL)
     b = tl.program_id(0)
     head = tl.program_id(1)
     s = tl.arange(0, SPLITS_PAD)
@@ -287,13 +285,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
             DIM_PAD=dim_pad, PAGE_SIZE=page_size, BLOCK_N=_block_n(fp8), DOT_F32=_DOT_F32,
             PRECISION=precision, DIRECT=splits == 1, MIN_SPLIT=_MIN_SPLIT, FP8=fp8, PDL=launch_pdl,
-            launch_pdl=launch_pdl, **_DECODE_LAUNCH)
+            launch_pdl=launch_pdl > 0, **_DECODE_LAUNCH)
         if splits > 1:
             _merge_kernel[(batch, num_heads)](
                 partial, lse, out, cu_seqlens_q, seq_lens, splits, NUM_HEADS=num_heads,
                 HEAD_DIM=head_dim, DIM_PAD=dim_pad,
                 SPLITS_PAD=max(2, triton.next_power_of_2(splits)), BLOCK_N=_block_n(fp8),
-                MIN_SPLIT=_MIN_SPLIT, PDL=launch_pdl, launch_pdl=launch_pdl)
+                MIN_SPLIT=_MIN_SPLIT, PDL=launch_pdl, launch_pdl=launch_pdl > 0)
         return out
     block_m = 64 if max_query_len >= 64 else 16
     _extend_kernel[(batch, num_heads, triton.cdiv(max_query_len, block_m))](

@@ -7,14 +7,13 @@ import torch
 import triton
 import triton.language as tl
 
-from frugal.ops.triton.launch import pdl
+from frugal.ops.triton.launch import enter, pdl
 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, eps, N: tl.constexpr, BLOCK: tl.constexpr,
                      PDL: tl.constexpr):
-    if PDL:
-        tl.extra.cuda.gdc_wait()
+    enter(PDL)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
@@ -35,7 +34,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     n = shape[-1]
     launch_pdl = pdl(x.device)
     _rms_norm_kernel[(x.shape[0],)](x, weight, out, eps, N=n, BLOCK=triton.next_power_of_2(n),
-                                    PDL=launch_pdl, launch_pdl=launch_pdl)
+                                    PDL=launch_pdl, launch_pdl=launch_pdl > 0)
     return out.reshape(shape)
 
 

@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from frugal.ops.triton.launch import pdl
+from frugal.ops.triton.launch import enter, pdl
 
 
 @triton.jit
@@ -21,8 +21,7 @@ def _rotary_store_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, slot_ptr, q_
     with its v heads at its slot (unless the slot is negative). FP8: divided by the head's scale
     (scales_ptr: [2, NUM_KV_HEADS], K then V) and saturated; V key-minor ([pages, NUM_KV_HEADS,
     head_dim, PAGE_SIZE])."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
+    enter(PDL)
     t = tl.program_id(0)
     pos = tl.load(pos_ptr + t)
     i = tl.arange(0, HALF_PAD)
@@ -109,5 +108,5 @@ def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
         HEADS_PAD=triton.next_power_of_2(num_heads), KV_PAD=triton.next_power_of_2(num_kv_heads),
         HALF=head_dim // 2, HALF_PAD=triton.next_power_of_2(head_dim // 2),
         PAGE_SIZE=k_cache.shape[1], FP8=fp8,
-        PDL=launch_pdl, launch_pdl=launch_pdl)
+        PDL=launch_pdl, launch_pdl=launch_pdl > 0)
     return out
