@@ -98,9 +98,14 @@ class ModelRunner:
         checkpoint.load_into(self.model)
         if config.quantization != "none":
             quantize_layers(self.model, config.quantization)
+        quantized = False
         for module in self.model.modules():  # into the layout the backend's kernels read
             if getattr(module, "qweight", None) is not None:
                 module.qweight = self.backend.pack_weight(module.qweight, self.dtype)
+                quantized = True
+        if self.backend.__name__.endswith("triton"):  # see ops.triton.launch
+            from frugal.ops.triton.launch import set_default
+            set_default("wait" if quantized else "trigger")
         logger.info("loaded %s (%s, %d layers) in %.1f s as %s on %s, %s ops", mc.architecture,
                     type(checkpoint).__name__, mc.num_layers, time.perf_counter() - start,
                     str(self.dtype).removeprefix("torch."), self.device,

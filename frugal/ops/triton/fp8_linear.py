@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from frugal.ops.triton.launch import enter, pdl, prefetch_bytes, prefetch_rows
+from frugal.ops.triton.launch import enter, pdl
 from frugal.ops.triton.split_k import counters, finish, grid, partials, tile_range
 from frugal.quant.fp8 import Fp8Weight
 
@@ -30,23 +30,12 @@ def _fp8_kernel(x_ptr, w_ptr, s_ptr, b_ptr, r_ptr, out_ptr, part_ptr, count_ptr,
                 SCALE_BLOCK: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
                 HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
-                PREFETCH: tl.constexpr, PDL: tl.constexpr):
+                PDL: tl.constexpr):
     """out[m, n] = epilogue(Σ_k x[m, k] · w[n, k] · scale) for a [BLOCK_M, BLOCK_N] block over
     this program's share of the 128-input tiles (SPLIT_K > 1: reduced in split_k.finish).
     SCALE_BLOCK: 0 for per-channel scales (s_ptr: [rows]),
     else the block size of scales [rows / SCALE_BLOCK, K / SCALE_BLOCK] (row stride
-    s_stride). GATED: w holds 2N rows (gate, then up); the output is silu(gate) · up.
-    PREFETCH: bytes of each row's share of w asked of L2 before the wait (0: none; K must then
-    be a multiple of 16)."""
-    if PREFETCH > 0:
-        rows = tl.minimum(tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N), N - 1)
-        start, end = tile_range(tl.cdiv(K, 128), SPLIT_K)
-        ptrs = w_ptr + rows.to(tl.int64) * K + start * 128
-        size = tl.minimum(tl.minimum(end * 128, K) - start * 128, PREFETCH) // 16 * 16
-        if size > 0:
-            prefetch_rows(ptrs, size)
-            if GATED:
-                prefetch_rows(ptrs + N * K, size)
+    s_stride). GATED: w holds 2N rows (gate, then up); the output is silu(gate) · up."""
     enter(PDL)
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
@@ -144,9 +133,7 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
         x, w.data, w.scales, bias, residual, out, partials(split, m, rows, x.device),
         counters(x.device), m, n, k, w.scales.stride(0), SCALE_BLOCK=w.block or 0, GATED=gated,
         HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, BLOCK_M=block_m,
-        BLOCK_N=block_n, SPLIT_K=split, EVEN_K=k % BLOCK_K == 0, DOT_F32=f32,
-        PREFETCH=prefetch_bytes(x.device) // block_n // 16 * 16 if k % 16 == 0 else 0,
-        PDL=launch_pdl,
+        BLOCK_N=block_n, SPLIT_K=split, EVEN_K=k % BLOCK_K == 0, DOT_F32=f32, PDL=launch_pdl,
         num_warps=num_warps, num_stages=num_stages, launch_pdl=launch_pdl > 0)
     return out
 

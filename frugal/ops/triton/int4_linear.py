@@ -27,7 +27,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from frugal.ops.triton.launch import enter, pdl, prefetch_bytes, prefetch_rows
+from frugal.ops.triton.launch import enter, pdl
 from frugal.ops.triton.split_k import counters, finish, grid, partials, tile_range
 from frugal.quant.int4 import Int4Weight
 
@@ -79,13 +79,10 @@ def _int4_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, r_ptr, out_ptr, part_ptr, co
                  HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, MAGIC: tl.constexpr,
                  OFFSET: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
-                 PRECISION: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
+                 PRECISION: tl.constexpr, PDL: tl.constexpr):
     """out[m, n] = epilogue(Σ_k x[m, k] · w[n, k]) for a [BLOCK_M, BLOCK_N] block of outputs
     over this program's share of the K tiles (SPLIT_K > 1: reduced in split_k.finish).
-    GATED: w holds 2N rows (gate, then up); the output is silu(gate) · up.
-    PREFETCH: bytes of each row's share of the words asked of L2 before the wait (0: none)."""
-    if PREFETCH > 0:
-        _prefetch(w_ptr, N, KP, GATED, BLOCK_N, SPLIT_K, PREFETCH)
+    GATED: w holds 2N rows (gate, then up); the output is silu(gate) · up."""
     enter(PDL)
     SLICE: tl.constexpr = 16
     GROUP_K: tl.constexpr = GROUP if GROUP < 128 else 128  # inputs per scale within a tile
@@ -145,15 +142,12 @@ def _int4_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, r_ptr, out_ptr, part_ptr, co
 def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, r_ptr, out_ptr, part_ptr, count_ptr, N, K,
                       KP: tl.constexpr, GROUP: tl.constexpr, GATED: tl.constexpr,
                       HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr,
-                      SPLIT_K: tl.constexpr, UNROLL: tl.constexpr, PREFETCH: tl.constexpr,
-                      PDL: tl.constexpr):
+                      SPLIT_K: tl.constexpr, UNROLL: tl.constexpr, PDL: tl.constexpr):
     """One row of x (decode at batch 1) on the CUDA cores: out[n] = epilogue(Σ_k x[k] w[n, k])
     for BLOCK_N outputs over this program's share of the tiles (SPLIT_K > 1: reduced in
     split_k.finish). A code becomes a float with one integer op and one add (see _code: the
     bits 0x4B000000 | u are 2^23 + u), so a weight costs three instructions with its multiply;
     each group's scale and min are applied to its partial sums, Σ x · (u · scale + min)."""
-    if PREFETCH > 0:
-        _prefetch(w_ptr, N, KP, GATED, BLOCK_N, SPLIT_K, PREFETCH)
     enter(PDL)
     SLICE: tl.constexpr = 16
     GROUP_K: tl.constexpr = GROUP if GROUP < 128 else 128
@@ -197,20 +191,6 @@ def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, m_ptr, b_ptr, r_ptr, out_ptr, part_pt
     one = tl.arange(0, 1)  # (the shared ending works on [rows, outputs] blocks: one row here)
     finish(tl.sum(acc, 1)[None, :], tl.sum(acc_up, 1)[None, :], one, offs_n, one < 1, n_mask, 1,
            N, part_ptr, count_ptr, b_ptr, r_ptr, out_ptr, GATED, HAS_BIAS, HAS_RESIDUAL, SPLIT_K)
-
-
-@triton.jit
-def _prefetch(w_ptr, N, KP: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr,
-              SPLIT_K: tl.constexpr, PREFETCH: tl.constexpr):
-    """Ask L2 for up to PREFETCH bytes of each of the program's rows' share of the words."""
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    first, last = tile_range(KP // 128, SPLIT_K)
-    ptrs = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64) * (KP // 8) + first * 16
-    size = tl.minimum((last - first) * 64, PREFETCH)
-    if size > 0:
-        prefetch_rows(ptrs, size)
-        if GATED:
-            prefetch_rows(ptrs + N * (KP // 8), size)
 
 
 @triton.jit
@@ -287,16 +267,9 @@ def int4_linear(x: torch.Tensor, w: Int4Tiles, bias: torch.Tensor | None = None,
         counters(x.device), m, n, k, KP=w.words.shape[1] * 8, GROUP=w.group, GATED=gated,
         HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, BLOCK_M=block_m,
         BLOCK_N=block_n, SPLIT_K=split, MAGIC=magic, OFFSET=offset, EVEN_K=k % TILE_K == 0,
-        DOT_F32=f32, PRECISION="ieee" if f32 else "tf32", PREFETCH=_row_prefetch(x, block_n),
-        PDL=launch_pdl,
+        DOT_F32=f32, PRECISION="ieee" if f32 else "tf32", PDL=launch_pdl,
         num_warps=num_warps, num_stages=num_stages, launch_pdl=launch_pdl > 0)
     return out
-
-
-def _row_prefetch(x: torch.Tensor, block_n: int) -> int:
-    """Bytes of each weight row a program asks L2 for before its wait (launch.prefetch_bytes
-    shared by the block's rows)."""
-    return prefetch_bytes(x.device) // block_n // 16 * 16
 
 
 def _gemv_config(n: int, k: int) -> tuple[int, int, int, int]:
@@ -323,8 +296,7 @@ def _gemv(x: torch.Tensor, w: Int4Tiles, bias: torch.Tensor | None, gated: bool,
         x, w.words, w.scales, w.mins, bias, residual, out, partials(split, 1, rows, x.device),
         counters(x.device), n, k, KP=w.words.shape[1] * 8, GROUP=w.group, GATED=gated,
         HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, BLOCK_N=block_n,
-        SPLIT_K=split, UNROLL=unroll, PREFETCH=_row_prefetch(x, block_n), PDL=launch_pdl,
-        num_warps=num_warps, num_stages=1,
+        SPLIT_K=split, UNROLL=unroll, PDL=launch_pdl, num_warps=num_warps, num_stages=1,
         launch_pdl=launch_pdl > 0)
     return out
 

@@ -30,7 +30,7 @@ from frugal.ops.triton.fp8_linear import BLOCK_K as FP8_TILE_K
 from frugal.ops.triton.fp8_linear import fp8_linear
 from frugal.ops.triton.int4_linear import Int4Tiles, int4_linear, repack
 from frugal.ops.triton.int4_linear import dequantize as dequantize_int4
-from frugal.ops.triton.launch import enter, pdl, prefetch, prefetch_bytes
+from frugal.ops.triton.launch import enter, pdl
 from frugal.ops.triton.split_k import epilogue
 from frugal.quant.fp8 import Fp8Weight
 from frugal.quant.int4 import Int4Weight
@@ -58,22 +58,13 @@ def _gemv_config(n: int, k: int, gated: bool) -> tuple[int, int, int, int, int]:
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, g_ptr, r_ptr, out_ptr, N, eps, K: tl.constexpr,
                  NORM: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
                  HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 UNROLL: tl.constexpr, W_BYTES: tl.constexpr, PREFETCH: tl.constexpr,
-                 PDL: tl.constexpr):
+                 UNROLL: tl.constexpr, PDL: tl.constexpr):
     """out[n] = epilogue(Σ_k w[n, k] · prologue(x)[k]) for one block of BLOCK_N outputs.
 
     x: [K]; w: [N, K] row-major ([2N, K], gate rows then up rows, if GATED); out: [N].
     UNROLL: blocks of the K loop unrolled into one step, so their loads are in flight together
     (a small matrix is latency-bound otherwise: one memory round trip per block).
-    PREFETCH: bytes of the block's rows (contiguous) asked of L2 before waiting for x (0: none;
-    K * w's element size must then be a multiple of 16).
     """
-    if PREFETCH > 0:
-        first = tl.program_id(0) * BLOCK_N
-        size = tl.minimum(tl.minimum(N - first, BLOCK_N) * (K * W_BYTES), PREFETCH)
-        prefetch(w_ptr + first.to(tl.int64) * K, size)
-        if GATED:
-            prefetch(w_ptr + N * K + first.to(tl.int64) * K, size)
     enter(PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
@@ -199,12 +190,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     block_n, block_k, num_warps, num_stages, unroll = config or _gemv_config(n, k, gated)
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     launch_pdl = pdl(x.device)
-    prefetch = prefetch_bytes(x.device) if k * weight.element_size() % 16 == 0 else 0
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias, norm, residual, out, n, eps, K=k,
         NORM=norm is not None, GATED=gated, HAS_BIAS=bias is not None,
         HAS_RESIDUAL=residual is not None, BLOCK_N=block_n, BLOCK_K=block_k, UNROLL=unroll,
-        W_BYTES=weight.element_size(), PREFETCH=prefetch, PDL=launch_pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=launch_pdl > 0)
+        PDL=launch_pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=launch_pdl > 0)
     return out
 
 
