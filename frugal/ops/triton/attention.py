@@ -2,8 +2,7 @@
 
 Decode (one new token per request) is split-K and GQA-aware: a program owns one request, one KV
 head and one slice of the context, reads each K/V row of that slice once for every query head of
-the group, and leaves a partial result with its log-sum-exp; the last slice of a (request, KV
-head) to finish merges them (no second kernel).
+the group, and leaves a partial result with its log-sum-exp; a second kernel merges the slices.
 Prefill/extend (several new tokens) runs one program per (request, query head, block of new
 tokens) over the cached context, causally masked.
 """
@@ -17,7 +16,6 @@ import triton
 import triton.language as tl
 
 from frugal.ops.triton.launch import enter, pdl
-from frugal.ops.triton.split_k import MAX_BLOCKS, counters
 
 # The CPU interpreter's bf16 tl.dot is wrong: compute the products in fp32 there.
 _DOT_F32 = os.environ.get("TRITON_INTERPRET") == "1"
@@ -25,7 +23,6 @@ _DOT_F32 = os.environ.get("TRITON_INTERPRET") == "1"
 # H200's 132 SMs; then aim for eight waves (B=1 L=32k: 3.4 TB/s vs 3.0 at two waves; splitting
 # a batch that already fills the GPU only adds the merge, as measured in benchmarks/).
 _SPLIT_BELOW = 264
-assert _SPLIT_BELOW <= MAX_BLOCKS  # a split-K counter per (request, KV head) when splitting
 _SPLIT_TARGET = 1056
 # A split covers at least this many keys (one block: at batch 1 many short splits beat few
 # long ones). The merge reads only the splits that saw keys, so the many splits of a CUDA graph
@@ -104,16 +101,13 @@ def _split_len(seq_len, num_splits, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constex
 
 @triton.jit(do_not_specialize=["pages_stride", "num_splits"])
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, scales_ptr, page_table_ptr, seq_lens_ptr,
-                   cu_ptr, partial_ptr, lse_ptr, count_ptr, out_ptr, scale, pages_stride,
-                   num_splits, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
-                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                   DOT_F32: tl.constexpr,
+                   cu_ptr, partial_ptr, lse_ptr, out_ptr, scale, pages_stride, num_splits,
+                   NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
+                   GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+                   PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
                    PRECISION: tl.constexpr, DIRECT: tl.constexpr, MIN_SPLIT: tl.constexpr,
-                   FP8: tl.constexpr, SPLITS_PAD: tl.constexpr, PDL: tl.constexpr):
-    """DIRECT (one split): write the normalized output itself, no partials to merge. Else the
-    last split of (request, KV head) to finish (a ticket from count_ptr, as in
-    split_k.finish) merges the partials of the group's heads.
+                   FP8: tl.constexpr, PDL: tl.constexpr):
+    """DIRECT (one split): write the normalized output itself, no partials to merge.
     FP8: K/V are read as FP8 and widened in registers; the head's K scale joins the softmax
     scale and its V scale multiplies the output (scales_ptr: [2, NUM_KV_HEADS])."""
     enter(PDL)
@@ -165,33 +159,30 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, scales_ptr, page_table_ptr, 
     lse = tl.where(has_work, (m_i + tl.log2(tl.where(has_work, l_i, 1.0))) / 1.4426950408889634,
                    float("-inf"))
     tl.store(lse_ptr + out_row, lse, mask=g_mask)
-    tl.debug_barrier()  # every thread's partials stored before the ticket is taken
-    counter = count_ptr + b * NUM_KV_HEADS + kv_head
-    if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
-        for i in tl.static_range(GROUP):
-            _merge(partial_ptr, lse_ptr, out_ptr, b, kv_head * GROUP + i, row, seq_len,
-                   num_splits, NUM_HEADS, HEAD_DIM, DIM_PAD, SPLITS_PAD, BLOCK_N, MIN_SPLIT)
-        tl.store(counter, 0)
 
 
-@triton.jit
-def _merge(partial_ptr, lse_ptr, out_ptr, b, head, row, seq_len, num_splits,
-           NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
-           SPLITS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr):
-    """out[row, head] = the splits' partial outputs of (request b, head) weighted by their
-    softmax mass (exp of each split's LSE), reading only the splits that saw keys."""
+@triton.jit(do_not_specialize=["num_splits"])
+def _merge_kernel(partial_ptr, lse_ptr, out_ptr, cu_ptr, seq_lens_ptr, num_splits,
+                  NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+                  SPLITS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr,
+                  PDL: tl.constexpr):
+    enter(PDL)
+    b = tl.program_id(0)
+    head = tl.program_id(1)
     s = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, DIM_PAD)
     base = (b * NUM_HEADS + head) * num_splits
+    # only the splits that saw keys (as the decode kernel cut the context)
+    seq_len = tl.load(seq_lens_ptr + b)
     per_split = _split_len(seq_len, num_splits, BLOCK_N, MIN_SPLIT)
     live = s < tl.minimum(tl.cdiv(seq_len, per_split), num_splits)
-    # (.cg: from L2, never a stale L1 line, when another program of this kernel wrote them)
-    lse = tl.load(lse_ptr + base + s, mask=live, other=float("-inf"), cache_modifier=".cg")
+    lse = tl.load(lse_ptr + base + s, mask=live, other=float("-inf"))
     top = tl.max(lse, 0)
     w = tl.where(lse > float("-inf"), tl.exp(lse - top), 0.0)
     part = tl.load(partial_ptr + (base + s)[:, None] * HEAD_DIM + d[None, :],
-                   mask=live[:, None] & (d < HEAD_DIM)[None, :], other=0.0, cache_modifier=".cg")
+                   mask=live[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
     out = tl.sum(part * w[:, None], 0) / tl.maximum(tl.sum(w, 0), 1e-30)
+    row = tl.load(cu_ptr + b)
     tl.store(out_ptr + (row * NUM_HEADS + head) * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty),
              mask=d < HEAD_DIM)
 
@@ -287,15 +278,20 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         rows = batch * num_heads * splits if splits > 1 else 1  # partials only to merge
         partial = torch.empty(rows, head_dim, dtype=torch.float32, device=q.device)
         lse = torch.empty(rows, dtype=torch.float32, device=q.device)
-        splits_pad = max(2, triton.next_power_of_2(splits))
         _decode_kernel[(batch, num_kv_heads, splits)](
-            q, k_cache, v_cache, scales, page_table, seq_lens, cu_seqlens_q, partial, lse,
-            counters(q.device), out, scale, page_table.stride(0), splits, NUM_HEADS=num_heads,
-            NUM_KV_HEADS=num_kv_heads, GROUP=group,
-            GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+            q, k_cache, v_cache, scales, page_table, seq_lens, cu_seqlens_q, partial, lse, out,
+            scale,
+            page_table.stride(0), splits, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
+            GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
             DIM_PAD=dim_pad, PAGE_SIZE=page_size, BLOCK_N=_block_n(fp8), DOT_F32=_DOT_F32,
-            PRECISION=precision, DIRECT=splits == 1, MIN_SPLIT=_MIN_SPLIT, FP8=fp8,
-            SPLITS_PAD=splits_pad, PDL=launch_pdl, launch_pdl=launch_pdl > 0, **_DECODE_LAUNCH)
+            PRECISION=precision, DIRECT=splits == 1, MIN_SPLIT=_MIN_SPLIT, FP8=fp8, PDL=launch_pdl,
+            launch_pdl=launch_pdl > 0, **_DECODE_LAUNCH)
+        if splits > 1:
+            _merge_kernel[(batch, num_heads)](
+                partial, lse, out, cu_seqlens_q, seq_lens, splits, NUM_HEADS=num_heads,
+                HEAD_DIM=head_dim, DIM_PAD=dim_pad,
+                SPLITS_PAD=max(2, triton.next_power_of_2(splits)), BLOCK_N=_block_n(fp8),
+                MIN_SPLIT=_MIN_SPLIT, PDL=launch_pdl, launch_pdl=launch_pdl > 0)
         return out
     block_m = 64 if max_query_len >= 64 else 16
     _extend_kernel[(batch, num_heads, triton.cdiv(max_query_len, block_m))](
