@@ -112,7 +112,10 @@ class ModelRunner:
                     self.backend.__name__.rsplit(".", 1)[-1])
         tokenizer = checkpoint.tokenizer
         eos = tokenizer.eos_token_ids if tokenizer is not None else list(mc.eos_token_ids)
-        self.sampler = Sampler(self.device, config.seed, eos)
+        argmax = None
+        if self.backend.__name__.endswith("triton") and self.device.startswith("cuda"):
+            from frugal.ops.triton.sampling import argmax
+        self.sampler = Sampler(self.device, config.seed, eos, argmax)
         self.graphs: DecodeGraphs | None = None
         self.integrity = False  # (the FP8 calibration below runs steps unchecked)
         self._unread: list[Launched] = []  # steps that sampled nothing, status not yet read

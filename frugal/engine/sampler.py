@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from frugal.request import Request, TokenLogprob
@@ -15,8 +17,11 @@ class Sampler:
     and logits, never on what else is in the batch.
     """
 
-    def __init__(self, device: str, seed: int, eos_token_ids: list[int]) -> None:
+    def __init__(self, device: str, seed: int, eos_token_ids: list[int],
+                 argmax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        """argmax: [n, vocab] -> [n] int64 for the greedy rows (default: torch's)."""
         self.device = device
+        self.argmax = argmax or (lambda logits: logits.argmax(dim=-1))
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.eos_token_ids = list(eos_token_ids)
 
@@ -34,7 +39,7 @@ class Sampler:
                 p = params[i]
                 banned = p.stop_token_ids + ([] if p.ignore_eos else self.eos_token_ids)
                 logits[i, banned] = float("-inf")
-        greedy = logits.argmax(dim=-1)
+        greedy = self.argmax(logits)
         if all(p.greedy for p in params):
             return greedy
         n, vocab = logits.shape
@@ -56,7 +61,7 @@ class Sampler:
         for i, r in enumerate(requests):
             if r.generator is not None:
                 noise[i].exponential_(generator=r.generator)
-        sampled = (probs / noise).argmax(dim=-1)
+        sampled = self.argmax(probs / noise)
         is_greedy = torch.tensor([p.greedy for p in params], device=logits.device)
         return torch.where(is_greedy, greedy, sampled)
 
