@@ -198,7 +198,7 @@ def format_table(results: list[Result], engine: LLMEngine, device: Device,
     lines = [
         f"model: {mc.architecture} {mc.num_layers} layers, hidden {mc.hidden_size} | "
         f"{str(runner.dtype).removeprefix('torch.')} on {name} | weights: "
-        f"{engine.config.quantization} | {args.input_len} in / {args.output_len} out | "
+        f"{runner.weights_quantization} | {args.input_len} in / {args.output_len} out | "
         f"torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads | median of {args.repeats} run(s)",
         f"measured: copy bandwidth {device.bandwidth / 1e12:.2f} TB/s, matmul "

@@ -22,6 +22,7 @@ from frugal.kv_cache.pool import KVPool
 from frugal.layers.linear import quantize_layers
 from frugal.loader import Checkpoint
 from frugal.models.registry import model_class
+from frugal.quant.fp8 import Fp8Weight
 from frugal.request import Request, TokenLogprob
 
 logger = logging.getLogger("frugal")
@@ -98,14 +99,15 @@ class ModelRunner:
         checkpoint.load_into(self.model)
         if config.quantization != "none":
             quantize_layers(self.model, config.quantization)
-        quantized = False
+        kinds = set()  # the quantized weights loaded (from the checkpoint or quantized here)
         for module in self.model.modules():  # into the layout the backend's kernels read
             if getattr(module, "qweight", None) is not None:
+                kinds.add("fp8" if isinstance(module.qweight, Fp8Weight) else "int4")
                 module.qweight = self.backend.pack_weight(module.qweight, self.dtype)
-                quantized = True
+        self.weights_quantization = "+".join(sorted(kinds)) or "none"
         if self.backend.__name__.endswith("triton"):  # see ops.triton.launch
             from frugal.ops.triton.launch import set_default
-            set_default("wait" if quantized else "trigger")
+            set_default("wait" if kinds else "trigger")
         logger.info("loaded %s (%s, %d layers) in %.1f s as %s on %s, %s ops", mc.architecture,
                     type(checkpoint).__name__, mc.num_layers, time.perf_counter() - start,
                     str(self.dtype).removeprefix("torch."), self.device,

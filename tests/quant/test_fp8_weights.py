@@ -29,6 +29,8 @@ def test_on_the_fly_fp8_equals_its_dequantization(tmp_path):
     assert isinstance(q, Fp8Weight) and q.block is None and q.scales.shape == (2 * 96, 1)
     assert model.lm_head.qweight is None
     ref = LLM(str(src), device="cpu", dtype="float32", kv_cache_memory="8MiB")
+    assert (llm.engine.runner.weights_quantization, ref.engine.runner.weights_quantization) == (
+        "fp8", "none")
     for name, module in ref.engine.runner.model.named_modules():
         if getattr(module, "qweight", 1) is None and name.startswith("model.layers."):
             module.weight.data = quantize_fp8(module.weight.data).dequantize()
@@ -64,6 +66,7 @@ def test_quantize_fp8_writes_what_loads_back(tmp_path, block, capsys):
     llm = LLM(str(out), device="cpu", kv_cache_memory="8MiB")
     assert isinstance(llm.engine.runner.model.model.layers[1].self_attn.o_proj.qweight,
                       Fp8Weight)
+    assert llm.engine.runner.weights_quantization == "fp8"  # (loaded as stored, no flag)
     assert len(llm.generate([[5, 6, 7]], PARAMS)[0].outputs[0].token_ids) == 6
 
 
