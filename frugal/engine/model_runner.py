@@ -105,7 +105,8 @@ class ModelRunner:
                 kinds.add("fp8" if isinstance(module.qweight, Fp8Weight) else "int4")
                 module.qweight = self.backend.pack_weight(module.qweight, self.dtype)
         self.weights_quantization = "+".join(sorted(kinds)) or "none"
-        if self.backend.__name__.endswith("triton"):  # see ops.triton.launch
+        triton_ops = self.backend.__name__.endswith("triton")
+        if triton_ops:  # see ops.triton.launch
             from frugal.ops.triton.launch import set_default
             set_default("wait" if kinds else "trigger")
         logger.info("loaded %s (%s, %d layers) in %.1f s as %s on %s, %s ops", mc.architecture,
@@ -115,7 +116,7 @@ class ModelRunner:
         tokenizer = checkpoint.tokenizer
         eos = tokenizer.eos_token_ids if tokenizer is not None else list(mc.eos_token_ids)
         argmax = None
-        if self.backend.__name__.endswith("triton") and self.device.startswith("cuda"):
+        if triton_ops and self.device.startswith("cuda"):
             from frugal.ops.triton.sampling import argmax
         self.sampler = Sampler(self.device, config.seed, eos, argmax)
         self.graphs: DecodeGraphs | None = None
@@ -130,7 +131,7 @@ class ModelRunner:
         page_bytes = KVPool.page_bytes(mc.num_layers, cache.page_size, mc.num_kv_heads,
                                        mc.head_dim, kv_dtype)
         self.use_graphs = (self.device.startswith("cuda") and not config.enforce_eager
-                           and self.backend.__name__.endswith("triton"))
+                           and triton_ops)
         budget = kv_budget(self, config)
         num_pages = budget // page_bytes
         if num_pages < 1:

@@ -104,9 +104,8 @@ def _compensate(weight: torch.Tensor, hessian: torch.Tensor, round_column, damp:
                 block: int, act_order: bool) -> None:
     """The GPTQ sweep: round_column(original column index, its current values [N], ahead: a
     function giving the columns from it on in quantization order [N, *]) rounds one column and
-    returns what it became; its
-    error is spread over the columns not yet rounded through the inverse Hessian's Cholesky
-    factor. act_order: columns in order of decreasing H[j, j]."""
+    returns what it became; its error is spread over the columns not yet rounded through the
+    inverse Hessian's Cholesky factor. act_order: columns in order of decreasing H[j, j]."""
     k = weight.shape[1]
     w = weight.double().clone()
     h = hessian.double().clone()

@@ -46,11 +46,11 @@ def _gemv_config(n: int, k: int, gated: bool) -> tuple[int, int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages, UNROLL): the best of `benchmarks/linear.py
     --sweep` on the H200 for each kind of matmul of a Llama-3.1-8B layer. (gate_up: 4 rows a
     program ran at 4.34 TB/s on one H200 but 3.6 on others, where 2 rows run at 4.29.)"""
-    if n * k <= 4096 * 4096 and not gated:
+    if gated or n * k > 6144 * 4096:
+        return 2, 1024, 4, 1, 4  # gate_up, down, lm_head
+    if n * k <= 4096 * 4096:
         return 4, 512, 4, 1, 4  # o
-    if n * k <= 6144 * 4096 and not gated:
-        return 16, 512, 4, 1, 2  # qkv
-    return 2, 1024, 4, 1, 4  # gate_up, down, lm_head
+    return 16, 512, 4, 1, 2  # qkv
 
 
 @triton.jit

@@ -34,8 +34,8 @@ def _argmax_kernel(x_ptr, out_ptr, V, stride, BLOCK: tl.constexpr, UNROLL: tl.co
     nan = best != best
     top = tl.max(tl.where(nan, float("-inf"), best), 0)
     pick = tl.where(tl.max(nan.to(tl.int32), 0) > 0, nan, best == top)
-    first = tl.min(tl.where(pick, best_i, V), 0)
-    tl.store(out_ptr + row, tl.where(first < V, first, 0).to(tl.int64))
+    # (some lane is always picked: a NaN lane, else one holding the largest value, -inf too)
+    tl.store(out_ptr + row, tl.min(tl.where(pick, best_i, V), 0).to(tl.int64))
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
