@@ -22,6 +22,7 @@ from torch import nn
 from frugal import ops
 from frugal.engine.step_inputs import StepInputs
 from frugal.layers.attention import AttentionMetadata
+from frugal.ops.torch_ref.integrity import STATUS_FIELDS
 
 logger = logging.getLogger("frugal")
 
@@ -39,7 +40,8 @@ class DecodeGraphs:
     cu_seqlens [max_bs + 1] int32 = 0..max_bs; page_table, page_tags [max_bs, max_pages] int32
     (the two halves of tables [2, max_bs, max_pages]);
     logits [max_bs, vocab] in the model's dtype (as the LM head computes them), the output of
-    every graph, and with tags each graph's integrity status [bs, 4] int32.
+    every graph; check_status [max_bs, 4] int32, the integrity status the graphs with tags
+    write (allocated even without tags, so both kinds of graph set lay out memory alike).
     """
 
     def __init__(self, model: nn.Module, backend: ModuleType, max_bs: int, max_model_len: int,
@@ -61,8 +63,9 @@ class DecodeGraphs:
             self.tables = torch.zeros(2, max_bs, self.max_pages, dtype=torch.int32)
             self.page_table, self.page_tags = self.tables
             self.logits = torch.zeros(max_bs, vocab_size, dtype=dtype)
+            # static too, so a graph set with the check lays out its memory as one without
+            self.check_status = torch.zeros(max_bs, STATUS_FIELDS, dtype=torch.int32)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.status: dict[int, torch.Tensor | None] = {}
         start, before = time.perf_counter(), torch.cuda.memory_reserved(device)
         pool = None
         for bs in reversed(self.sizes):  # the largest first: smaller ones reuse its memory
@@ -70,7 +73,7 @@ class DecodeGraphs:
             torch.cuda.synchronize(device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.status[bs] = self._forward(bs)
+                self._forward(bs)
             pool = graph.pool()
             self.graphs[bs] = graph
         torch.cuda.synchronize(device)
@@ -79,18 +82,16 @@ class DecodeGraphs:
                     len(self.sizes), self.max_bs, time.perf_counter() - start,
                     self.num_bytes / 2**30)
 
-    def _forward(self, bs: int) -> torch.Tensor | None:
+    def _forward(self, bs: int) -> None:
         meta = AttentionMetadata(self.slots[:bs], self.page_table[:bs], self.cu_seqlens[:bs + 1],
                                  self.seq_lens[:bs], max_query_len=1, max_seq_len=self.max_seq_len)
-        status = None
         with ops.use(self.backend):
             if self.tags is not None:
-                status = ops.check_kv_pages(meta.page_table, self.page_tags[:bs], self.tags,
+                ops.check_kv_pages(meta.page_table, self.page_tags[:bs], self.tags,
                                             meta.seq_lens, meta.cu_seqlens_q, meta.slot_mapping,
-                                            self.page_size)
+                                            self.page_size, status=self.check_status[:bs])
             hidden = self.model(self.input_ids[:bs], self.positions[:bs], meta)
             self.logits[:bs].copy_(self.model.compute_logits(hidden, upcast=False))
-        return status
 
     def fits(self, inputs: StepInputs) -> bool:
         return (inputs.decode and inputs.num_requests <= self.max_bs
@@ -116,5 +117,4 @@ class DecodeGraphs:
             self.slots[b:bs].fill_(-1)
             self.seq_lens[b:bs].zero_()
         self.graphs[bs].replay()
-        status = self.status[bs]
-        return self.logits[:b], None if status is None else status[:b]
+        return self.logits[:b], None if self.tags is None else self.check_status[:b]

@@ -27,12 +27,17 @@ def make_case(seq_lens, new_tokens, page_size, num_pages, num_stale, seed):
     return [t.to(DEVICE) for t in (table, expected, tags, lens, cu, slots)]
 
 
-def check(case, page_size):
+def check(case, page_size, into=False):
+    """into: both write into given status buffers (as a captured graph does), filled with junk."""
     table, expected, tags, lens, cu, slots = case
     want_lens, want_slots = lens.clone(), slots.clone()
-    want = reference(table, expected, tags, want_lens, cu, want_slots, page_size)
-    got = triton_check(table, expected, tags, lens, cu, slots, page_size)
+    junk = [torch.full((len(lens), 4), -7, dtype=torch.int32, device=DEVICE) if into else None
+            for _ in range(2)]
+    want = reference(table, expected, tags, want_lens, cu, want_slots, page_size, status=junk[0])
+    got = triton_check(table, expected, tags, lens, cu, slots, page_size, status=junk[1])
     assert torch.equal(got, want)
+    if into:
+        assert got.data_ptr() == junk[1].data_ptr() and want.data_ptr() == junk[0].data_ptr()
     assert torch.equal(lens, want_lens) and torch.equal(slots, want_slots)
     return want
 
@@ -41,7 +46,7 @@ def check(case, page_size):
 def test_matches_torch_ref(seed):
     # decode and prefill rows, an empty (padding) row, tables longer than one block of 256
     case = make_case([1, 17, 0, 40, 4100, 3], [1, 5, 0, 40, 1, 3], 4, 3000, 6, seed)
-    status = check(case, 4)
+    status = check(case, 4, into=seed % 2 == 1)
     assert status[2].tolist() == [0, 0, 0, 0]
 
 

@@ -18,7 +18,8 @@ STATUS_FIELDS = 4  # failed (0/1), page id, expected tag, found tag (of the firs
 
 def check_kv_pages(page_table: torch.Tensor, expected_tags: torch.Tensor, tags: torch.Tensor,
                    seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                   slot_mapping: torch.Tensor, page_size: int) -> torch.Tensor:
+                   slot_mapping: torch.Tensor, page_size: int,
+                   status: torch.Tensor | None = None) -> torch.Tensor:
     """Compare each request's expected tags with its pages' tags; mask failing requests.
 
     page_table, expected_tags: [num_requests, max_pages] int32 (entries past a request's
@@ -26,10 +27,14 @@ def check_kv_pages(page_table: torch.Tensor, expected_tags: torch.Tensor, tags: 
     tag; seq_lens: [num_requests] int32; cu_seqlens_q: [num_requests + 1] int32;
     slot_mapping: [num_tokens] int64. Returns status [num_requests, 4] int32: (1, page, expected,
     found) for the first stale entry of a failing request, zeros for one that passes. A failing
-    request gets seq_lens 0 and its slots -1, in place.
+    request gets seq_lens 0 and its slots -1, in place. status: where to write it (a captured
+    graph's static buffer), else a new tensor.
     """
     num_requests, width = page_table.shape
-    status = torch.zeros(num_requests, STATUS_FIELDS, dtype=torch.int32, device=tags.device)
+    if status is None:
+        status = torch.zeros(num_requests, STATUS_FIELDS, dtype=torch.int32, device=tags.device)
+    else:
+        status.zero_()
     if num_requests == 0 or width == 0:
         return status
     num_pages = (seq_lens.long() + page_size - 1) // page_size

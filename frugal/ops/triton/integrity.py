@@ -52,10 +52,13 @@ def _check_kernel(table_ptr, expected_ptr, tags_ptr, seq_lens_ptr, cu_ptr, slots
 
 def check_kv_pages(page_table: torch.Tensor, expected_tags: torch.Tensor, tags: torch.Tensor,
                    seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                   slot_mapping: torch.Tensor, page_size: int) -> torch.Tensor:
+                   slot_mapping: torch.Tensor, page_size: int,
+                   status: torch.Tensor | None = None) -> torch.Tensor:
     """See torch_ref.integrity.check_kv_pages."""
     num_requests = page_table.shape[0]
-    status = torch.empty(num_requests, STATUS_FIELDS, dtype=torch.int32, device=tags.device)
+    if status is None:
+        status = torch.empty(num_requests, STATUS_FIELDS, dtype=torch.int32, device=tags.device)
+    assert status.shape == (num_requests, STATUS_FIELDS) and status.is_contiguous()
     if num_requests == 0:
         return status
     assert expected_tags.stride() == page_table.stride() and page_table.stride(1) == 1
