@@ -65,33 +65,32 @@ def run_quantize(args: argparse.Namespace) -> int:
     if args.weight_block_size is not None and args.weight_block_size < 16:
         raise ValueError(f"weight_block_size: at least 16, got {args.weight_block_size}")
     ckpt = open_checkpoint(args.model)
-    found = _hessians(args) if args.method == "gptq" else {}
     out = Path(args.output)
-    out.mkdir(parents=True, exist_ok=True)
     ignore = [s for s in args.ignore.split(",") if s]
+    names = list(ckpt.weights())
+
+    def wanted(name: str) -> bool:
+        return (name.endswith(".weight") and name[:-7].rsplit(".", 1)[-1] in _MATRICES
+                and not any(s in name for s in ignore))
+
+    for name, w in names:
+        if wanted(name) and int4 and w.shape[1] % args.group_size:
+            raise ValueError(f"group_size: {name} has {w.shape[1]} inputs, not a multiple of "
+                             f"{args.group_size}")
+    done = (_gptq(args, [(n, w) for n, w in names if wanted(n)], int4)
+            if args.method == "gptq" else {})
+    out.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
     bf16_bytes = quant_bytes = kept_bytes = 0
     errors = []
-    names = list(ckpt.weights())
     for name, w in tqdm(names, desc="quantize", file=sys.stderr):
         prefix = name.removesuffix(".weight")
-        wanted = (name.endswith(".weight") and prefix.rsplit(".", 1)[-1] in _MATRICES
-                  and not any(s in name for s in ignore))
-        if not wanted:
+        if not wanted(name):
             tensors[name] = w.contiguous()
             kept_bytes += w.numel() * w.element_size()
             continue
-        if int4 and w.shape[1] % args.group_size:
-            raise ValueError(f"group_size: {name} has {w.shape[1]} inputs, not a multiple of "
-                             f"{args.group_size}")
         if args.method == "gptq":
-            from frugal.quant.gptq import gptq, gptq_fp8
-
-            module = _module_of(name)
-            h = found[module] / found[module + "#"]
-            act_order = args.act_order is not False
-            q = (gptq(w, h, args.group_size, symmetric=not args.asymmetric, act_order=act_order)
-                 if int4 else gptq_fp8(w, h, act_order=act_order))
+            q = done[name]
         elif not int4:
             q = fp8.quantize_fp8(w, args.weight_block_size)
         else:
@@ -133,11 +132,35 @@ def _module_of(name: str) -> str:
     return f"{head}.{fused[0]}" if fused else prefix
 
 
-def _hessians(args: argparse.Namespace) -> dict:
-    """Inputs' xᵀx of every layer matmul while calibration text runs through the model."""
+def _gptq(args: argparse.Namespace, matrices: list[tuple[str, torch.Tensor]],
+          int4: bool) -> dict:
+    """Checkpoint name -> GPTQ-quantized matrix, layer by layer (quant.gptq.sequential) on the
+    engine's model run over calibration text."""
+    from frugal.quant.gptq import gptq, gptq_fp8, sequential
+
+    llm, calibrate = _calibration(args)
+    layers: dict[int, list] = {}
+    for name, w in matrices:
+        layers.setdefault(int(name.split(".")[2]), []).append((name, w, _module_of(name)))
+    act_order = args.act_order is not False
+
+    def quantize(w: torch.Tensor, h: torch.Tensor):
+        if int4:
+            return gptq(w, h, args.group_size, symmetric=not args.asymmetric,
+                        act_order=act_order)
+        return gptq_fp8(w, h, act_order=act_order)
+
+    with tqdm(total=len(layers), desc="GPTQ layers", file=sys.stderr) as bar:
+        return sequential(llm.engine.runner.model, calibrate, layers, quantize,
+                          lambda layer: bar.update(1))
+
+
+def _calibration(args: argparse.Namespace):
+    """An fp32 (CPU) or bf16 engine of the model and calibrate(), which runs the calibration
+    text through it once: --calibration-file, else Wikipedia passages of the eval data, else
+    text the model writes from the built-in prompts."""
     from frugal import LLM, SamplingParams
     from frugal.engine.kv_scales import PROMPTS
-    from frugal.quant.gptq import hessians
 
     llm = LLM(args.model, device=args.device, dtype="float32" if args.device == "cpu" else
               "auto", kv_cache_memory="512MiB", enforce_eager=True)
@@ -157,28 +180,31 @@ def _hessians(args: argparse.Namespace) -> dict:
             text = None
     if text is not None and tok is None:
         raise ValueError("calibration_file: the model has no tokenizer")
-    with hessians(llm.engine.runner.model) as found:
-        if text is not None:
-            ids = tok.encode(text)
-            chunks = [ids[i:i + 512] for i in range(0, len(ids), 512)][:GPTQ_WINDOWS]
-            if not chunks:
-                raise ValueError("calibration_file: no text")
+    if text is not None:
+        ids = tok.encode(text)
+        chunks = [ids[i:i + 512] for i in range(0, len(ids), 512)][:GPTQ_WINDOWS]
+        if not chunks:
+            raise ValueError("calibration_file: no text")
+        what = f"{len(chunks)} windows of {what} ({sum(map(len, chunks))} tokens)"
+
+        def calibrate() -> None:
             llm.generate(chunks, SamplingParams(max_tokens=1))
-            what = f"{len(chunks)} windows of {what}"
-        else:
-            params = SamplingParams(max_tokens=GPTQ_PROMPT_TOKENS, temperature=0.8, seed=0,
-                                    ignore_eos=True)
+    else:  # the same sampled text every pass (seeded)
+        params = SamplingParams(max_tokens=GPTQ_PROMPT_TOKENS, temperature=0.8, seed=0,
+                                ignore_eos=True)
+        what = f"{len(PROMPTS)} built-in prompts and {GPTQ_PROMPT_TOKENS} tokens each"
+        if tok is None:  # no tokenizer: prompts of random token ids
+            g = torch.Generator().manual_seed(0)
+            vocab = llm.engine.model_config.vocab_size
+            prompts = torch.randint(vocab, (len(PROMPTS), 24), generator=g).tolist()
+
+        def calibrate() -> None:
             if tok is not None:
                 llm.chat([[{"role": "user", "content": p}] for p in PROMPTS], params)
-            else:  # no tokenizer: prompts of random token ids
-                g = torch.Generator().manual_seed(0)
-                vocab = llm.engine.model_config.vocab_size
-                llm.generate(torch.randint(vocab, (len(PROMPTS), 24), generator=g).tolist(),
-                             params)
-            what = f"{len(PROMPTS)} built-in prompts and {GPTQ_PROMPT_TOKENS} tokens each"
-    rows = next(v for k, v in found.items() if k.endswith("#"))
-    print(f"GPTQ calibration: {what} ({int(rows)} tokens)", file=sys.stderr)
-    return found
+            else:
+                llm.generate(prompts, params)
+    print(f"GPTQ calibration: {what}, layer by layer", file=sys.stderr)
+    return llm, calibrate
 
 
 def _hf_config(ckpt) -> dict:

@@ -127,8 +127,10 @@ class LlamaForCausalLM(nn.Module):
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load HF-named tensors; every parameter (every shard of a fused one) must be filled."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
+                     strict: bool = True) -> None:
+        """Load HF-named tensors; strict: every parameter (every shard of a fused one) must be
+        filled (else: replace just the ones given, as GPTQ does layer by layer)."""
         params = dict(self.named_parameters())
         pending = {name: set(getattr(self.get_submodule(name.rsplit(".", 1)[0]), "shards", [None]))
                    for name in params}
@@ -159,5 +161,5 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"checkpoint tensor {name!r}: {e}") from e
             pending[target].discard(shard)
         missing = sorted(name for name, shards in pending.items() if shards)
-        if missing:
+        if missing and strict:
             raise ValueError(f"checkpoint lacks {len(missing)} parameters, e.g. {missing[:3]}")

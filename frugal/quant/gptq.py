@@ -7,14 +7,16 @@ the weights as updated so far); or, with act_order, columns go in order of decre
 and each group's scale and zero come from the original weights ("static groups", so a group
 stays one contiguous run of inputs on disk).
 
-Hessians come from the engine itself: forward pre-hooks on every layer matmul accumulate the
-inputs the matmul sees (after a fused RMSNorm) while calibration text runs through.
+Hessians come from the engine itself: forward pre-hooks on a layer's matmuls accumulate the
+inputs the matmul sees (after a fused RMSNorm) while calibration text runs through. `sequential`
+goes layer by layer, as the paper's reference code does: layer i's Hessians are collected with
+layers 0..i-1 already quantized, so each layer also compensates the errors of those before it.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -26,9 +28,11 @@ from frugal.quant.int4 import Int4Weight, group_params, pack
 
 
 @contextlib.contextmanager
-def hessians(model: nn.Module) -> Iterator[dict[str, torch.Tensor]]:
-    """While open, every Linear under model.layers adds xᵀx of its inputs ([in, in], fp64 on
-    the CPU) to the yielded dict under its module name; the count of rows is under name + '#'."""
+def hessians(model: nn.Module, prefix: str = "model.layers."
+             ) -> Iterator[dict[str, torch.Tensor]]:
+    """While open, every Linear whose name starts with prefix adds xᵀx of its inputs ([in, in],
+    fp64 on the CPU) to the yielded dict under its module name; the count of rows is under
+    name + '#'."""
     found: dict[str, torch.Tensor] = {}
     handles = []
 
@@ -47,13 +51,37 @@ def hessians(model: nn.Module) -> Iterator[dict[str, torch.Tensor]]:
         return pre
 
     for name, module in model.named_modules():
-        if isinstance(module, Linear) and name.startswith("model.layers."):
+        if isinstance(module, Linear) and name.startswith(prefix):
             handles.append(module.register_forward_pre_hook(hook(name), with_kwargs=True))
     try:
         yield found
     finally:
         for h in handles:
             h.remove()
+
+
+Quantized = Int4Weight | Fp8Weight
+
+
+def sequential(model: nn.Module, calibrate: Callable[[], None],
+               layers: dict[int, list[tuple[str, torch.Tensor, str]]],
+               quantize: Callable[[torch.Tensor, torch.Tensor], Quantized],
+               progress: Callable[[int], None] = lambda layer: None) -> dict[str, Quantized]:
+    """Layer-by-layer GPTQ. model: the engine's model (unquantized; each layer's weights are
+    replaced by their dequantized results as it goes, so the next layer calibrates on them);
+    calibrate(): runs the calibration text through the model once; layers: layer index ->
+    [(checkpoint name, weight [N, K], name of the model's Linear it feeds)]; quantize(weight,
+    hessian [K, K] per calibration row) -> the quantized matrix. Returns name -> quantized."""
+    done: dict[str, Quantized] = {}
+    for layer in sorted(layers):
+        with hessians(model, prefix=f"model.layers.{layer}.") as found:
+            calibrate()
+        for name, weight, module in layers[layer]:
+            done[name] = quantize(weight, found[module] / found[module + "#"])
+        model.load_weights(((name, done[name].dequantize()) for name, _, _ in layers[layer]),
+                           strict=False)
+        progress(layer)
+    return done
 
 
 def gptq(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, symmetric: bool,

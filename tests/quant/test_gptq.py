@@ -7,7 +7,7 @@ import torch
 from frugal import LLM, SamplingParams
 from frugal.cli.main import main as cli
 from frugal.loader.safetensors import SafetensorsCheckpoint
-from frugal.quant.gptq import gptq, hessians
+from frugal.quant.gptq import gptq, hessians, sequential
 from frugal.quant.int4 import quantize_rtn
 from tests.engine.test_fp8_kv import tiny_dir
 
@@ -42,6 +42,41 @@ def test_hessians_see_what_each_matmul_multiplies(llm):
     h = found[f"{layer}.mlp.down_proj"]
     assert h.shape == (1536, 1536) and bool(torch.allclose(h, h.t()))
     assert all(not m._forward_pre_hooks for m in model.modules())  # removed on exit
+
+
+def test_sequential_calibrates_each_layer_after_the_ones_before_are_quantized(tmp_path):
+    src = tiny_dir(tmp_path / "src")
+    llm = LLM(str(src), device="cpu", dtype="float32", kv_cache_memory="8MiB",
+              enforce_eager=True)
+    model = llm.engine.runner.model
+
+    def calibrate():
+        llm.generate([[5, 6, 7, 8, 9, 10, 11]], SamplingParams(max_tokens=1))
+
+    with hessians(model) as unquantized:
+        calibrate()
+    layers = {}
+    for name, w in SafetensorsCheckpoint(src).weights():
+        if name.endswith(("q_proj.weight", "down_proj.weight")):
+            module = name.removesuffix(".weight").replace("q_proj", "qkv_proj")
+            layers.setdefault(int(name.split(".")[2]), []).append((name, w, module))
+    seen = []
+
+    def quantize(w, h):
+        seen.append(h)
+        return quantize_rtn(w, 32, symmetric=True)
+
+    done = sequential(model, calibrate, layers, quantize)
+    seen = dict(zip([m for i in sorted(layers) for _, _, m in layers[i]], seen))
+    assert len(done) == len(seen) == 4
+    for module in seen:
+        same = torch.allclose(seen[module], unquantized[module] / 7)
+        # layer 0 sees the embeddings as before; layer 1 the output of quantized layer 0
+        assert same == module.startswith("model.layers.0."), module
+    q = model.model.layers[1].self_attn.qkv_proj.weight[:done["model.layers.1.self_attn.q_proj"
+                                                            ".weight"].shape[0]]
+    assert torch.equal(q, done["model.layers.1.self_attn.q_proj.weight"].dequantize())
+    assert all(not m._forward_pre_hooks for m in model.modules())
 
 
 def test_quantize_gptq_writes_a_loadable_checkpoint(tmp_path, capsys):
