@@ -4,6 +4,7 @@ Prints time and achieved KV read bandwidth per shape for a bf16 and an FP8 (e4m3
 scales) cache; SDPA (unpaged, contiguous, bf16) is the peer measured in the same run.
 Llama-3.1-8B attention: 32 query heads, 8 KV heads, d=128, page 16.
    python benchmarks/decode_attention.py
+   python benchmarks/decode_attention.py --sweep   # FP8 kernel: launch variants, two shapes
 
 Times are medians of CUDA-graph replays of 20 calls (as the engine runs decode, and without the
 host's launch cost), each call on its own copy of the KV when one copy would fit in L2.
@@ -12,6 +13,7 @@ host's launch cost), each call on its own copy of the KV when one copy would fit
 from __future__ import annotations
 
 import argparse
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -60,15 +62,65 @@ def bench(batch: int, seq_len: int, heads: int, kv_heads: int, dim: int, page: i
             "fp8_64_us": fp8_64_ms * 1e3}
 
 
+# FP8 decode launch variants: (keys per block, warps, pipeline stages), each with the split
+# count the kernel picks (None) and fixed ones
+SWEEP_LAUNCH = [(128, 4, 3), (128, 4, 5), (128, 4, 7), (64, 4, 5), (64, 2, 3), (128, 2, 5),
+                (32, 1, 3), (32, 1, 4), (64, 1, 3), (256, 4, 5), (128, 8, 3)]
+SWEEP_SPLITS = [None, 2, 4, 8, 16]
+SWEEP_SHAPES = [(1, 32768), (64, 4096)]
+
+
+def sweep(heads: int, kv_heads: int, dim: int, page: int) -> None:
+    """Time the FP8 decode kernel under each launch variant (module settings patched)."""
+    dev, dt = "cuda", torch.bfloat16
+    print("| batch | seq_len | keys per block | warps | stages | splits | µs | FP8 TB/s |")
+    print("|---|---|---|---|---|---|---|---|")
+    default = (attention._FP8_BLOCK_N, attention._DECODE_LAUNCH, attention.num_decode_splits)
+    for batch, seq_len in SWEEP_SHAPES:
+        kv_bytes = batch * seq_len * kv_heads * dim * 2  # FP8 K and V
+        copies = min(20, -(-2**28 // kv_bytes))
+        pages_per = -(-seq_len // page)
+        q = torch.randn(batch, heads, dim, device=dev, dtype=dt)
+        cu = torch.arange(batch + 1, device=dev, dtype=torch.int32)
+        lens = torch.full((batch,), seq_len, device=dev, dtype=torch.int32)
+        scales = torch.full((2, kv_heads), 4.0 / 448, device=dev)
+        caches = []
+        for _ in range(copies):
+            shape = (batch * pages_per, page, kv_heads, dim)
+            k, v = (torch.randn(shape, device=dev, dtype=dt).div(scales[0, 0]).clamp(-448, 448)
+                    .to(torch.float8_e4m3fn) for _ in range(2))
+            table = torch.randperm(batch * pages_per, device=dev).to(torch.int32).view(batch, -1)
+            caches.append((k, v, table))
+        calls = [functools.partial(paged_attention, q, k, v, t, cu, lens, dim ** -0.5, 1,
+                                   seq_len, scales)
+                 for k, v, t in (caches[i % copies] for i in range(20))]
+        for block_n, warps, stages in SWEEP_LAUNCH:
+            for splits in SWEEP_SPLITS:
+                attention._FP8_BLOCK_N = block_n
+                attention._DECODE_LAUNCH = {"num_warps": warps, "num_stages": stages}
+                attention.num_decode_splits = (default[2] if splits is None
+                                               else lambda *_, n=splits, **__: n)
+                ms = graph_time(calls)
+                print(f"| {batch} | {seq_len} | {block_n} | {warps} | {stages} | "
+                      f"{splits or 'auto'} | {ms * 1e3:.1f} | {kv_bytes / ms / 1e9:.2f} |",
+                      flush=True)
+        attention._FP8_BLOCK_N, attention._DECODE_LAUNCH, attention.num_decode_splits = default
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--sweep", action="store_true",
+                   help="time the FP8 kernel's launch variants instead (SWEEP_* above)")
     a = p.parse_args()
     print(f"{torch.cuda.get_device_name()} | {a.heads}/{a.kv_heads} heads, d={a.head_dim}, "
           f"page {a.page_size}, bf16 queries | CUDA-graph replay medians\n")
+    if a.sweep:
+        sweep(a.heads, a.kv_heads, a.head_dim, a.page_size)
+        return
     print("| batch | seq_len | frugal bf16 µs | TB/s | SDPA contiguous µs | SDPA TB/s | "
           "SDPA / frugal | frugal FP8 µs | FP8 TB/s | FP8 speed-up over bf16 | "
           "FP8 with 64-key blocks µs |")
