@@ -25,15 +25,27 @@ from frugal.ops.triton.attention import paged_attention
 SHAPES = [(1, 4096), (1, 32768), (8, 4096), (32, 4096), (64, 4096), (64, 16384)]
 
 
+def decode_inputs(batch: int, seq_len: int, heads: int, kv_heads: int, dim: int, page: int):
+    """(q, cu_seqlens, seq_lens, FP8 scales, copies of the KV to cycle through, pages a request)
+    for one decode step of `batch` requests of `seq_len` tokens."""
+    kv_bytes = 2 * batch * seq_len * kv_heads * dim * 2  # bf16 K and V
+    copies = min(20, -(-2**28 // kv_bytes))  # together well past the 50 MB L2
+    q = torch.randn(batch, heads, dim, device="cuda", dtype=torch.bfloat16)
+    cu = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
+    lens = torch.full((batch,), seq_len, device="cuda", dtype=torch.int32)
+    scales = torch.full((2, kv_heads), 4.0 / 448, device="cuda")
+    return q, cu, lens, scales, copies, -(-seq_len // page)
+
+
+def to_fp8(x: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return (x / scales[0, 0]).clamp(-448, 448).to(torch.float8_e4m3fn)
+
+
 def bench(batch: int, seq_len: int, heads: int, kv_heads: int, dim: int, page: int) -> dict:
     dev, dt = "cuda", torch.bfloat16
     kv_bytes = 2 * batch * seq_len * kv_heads * dim * 2
-    copies = min(20, -(-2**28 // kv_bytes))  # together well past the 50 MB L2
-    pages_per = -(-seq_len // page)
-    q = torch.randn(batch, heads, dim, device=dev, dtype=dt)
-    cu = torch.arange(batch + 1, device=dev, dtype=torch.int32)
-    lens = torch.full((batch,), seq_len, device=dev, dtype=torch.int32)
-    scales = torch.full((2, kv_heads), 4.0 / 448, device=dev)
+    q, cu, lens, scales, copies, pages_per = decode_inputs(batch, seq_len, heads, kv_heads, dim,
+                                                           page)
     ours, fp8, sdpa = [], [], []
     for _ in range(copies):
         k_cache = torch.randn(batch * pages_per, page, kv_heads, dim, device=dev, dtype=dt)
@@ -41,8 +53,7 @@ def bench(batch: int, seq_len: int, heads: int, kv_heads: int, dim: int, page: i
         table = torch.randperm(batch * pages_per, device=dev).to(torch.int32).view(batch, -1)
         ours.append(lambda k=k_cache, v=v_cache, t=table: paged_attention(
             q, k, v, t, cu, lens, dim ** -0.5, 1, seq_len))
-        k8, v8 = ((x / scales[0, 0]).clamp(-448, 448).to(torch.float8_e4m3fn)
-                  for x in (k_cache, v_cache))
+        k8, v8 = to_fp8(k_cache, scales), to_fp8(v_cache, scales)
         fp8.append(lambda k=k8, v=v8, t=table: paged_attention(
             q, k, v, t, cu, lens, dim ** -0.5, 1, seq_len, scales))
         kc = torch.randn(batch, kv_heads, seq_len, dim, device=dev, dtype=dt)
@@ -72,24 +83,19 @@ SWEEP_SHAPES = [(1, 32768), (64, 4096)]
 
 def sweep(heads: int, kv_heads: int, dim: int, page: int) -> None:
     """Time the FP8 decode kernel under each launch variant (module settings patched)."""
-    dev, dt = "cuda", torch.bfloat16
     print("| batch | seq_len | keys per block | warps | stages | splits | µs | FP8 TB/s |")
     print("|---|---|---|---|---|---|---|---|")
     default = (attention._FP8_BLOCK_N, attention._DECODE_LAUNCH, attention.num_decode_splits)
     for batch, seq_len in SWEEP_SHAPES:
         kv_bytes = batch * seq_len * kv_heads * dim * 2  # FP8 K and V
-        copies = min(20, -(-2**28 // kv_bytes))
-        pages_per = -(-seq_len // page)
-        q = torch.randn(batch, heads, dim, device=dev, dtype=dt)
-        cu = torch.arange(batch + 1, device=dev, dtype=torch.int32)
-        lens = torch.full((batch,), seq_len, device=dev, dtype=torch.int32)
-        scales = torch.full((2, kv_heads), 4.0 / 448, device=dev)
+        q, cu, lens, scales, copies, pages_per = decode_inputs(batch, seq_len, heads, kv_heads,
+                                                               dim, page)
         caches = []
         for _ in range(copies):
             shape = (batch * pages_per, page, kv_heads, dim)
-            k, v = (torch.randn(shape, device=dev, dtype=dt).div(scales[0, 0]).clamp(-448, 448)
-                    .to(torch.float8_e4m3fn) for _ in range(2))
-            table = torch.randperm(batch * pages_per, device=dev).to(torch.int32).view(batch, -1)
+            k, v = (to_fp8(torch.randn(shape, device="cuda", dtype=torch.bfloat16), scales)
+                    for _ in range(2))
+            table = torch.randperm(batch * pages_per, device="cuda").to(torch.int32).view(batch, -1)
             caches.append((k, v, table))
         calls = [functools.partial(paged_attention, q, k, v, t, cu, lens, dim ** -0.5, 1,
                                    seq_len, scales)

@@ -70,7 +70,8 @@ def run_quantize(args: argparse.Namespace) -> int:
     names = list(ckpt.weights())
 
     def wanted(name: str) -> bool:
-        return (name.endswith(".weight") and name[:-7].rsplit(".", 1)[-1] in _MATRICES
+        return (name.endswith(".weight")
+                and name.removesuffix(".weight").rsplit(".", 1)[-1] in _MATRICES
                 and not any(s in name for s in ignore))
 
     for name, w in names:

@@ -88,8 +88,8 @@ class DecodeGraphs:
         with ops.use(self.backend):
             if self.tags is not None:
                 ops.check_kv_pages(meta.page_table, self.page_tags[:bs], self.tags,
-                                            meta.seq_lens, meta.cu_seqlens_q, meta.slot_mapping,
-                                            self.page_size, status=self.check_status[:bs])
+                                   meta.seq_lens, meta.cu_seqlens_q, meta.slot_mapping,
+                                   self.page_size, status=self.check_status[:bs])
             hidden = self.model(self.input_ids[:bs], self.positions[:bs], meta)
             self.logits[:bs].copy_(self.model.compute_logits(hidden, upcast=False))
 
