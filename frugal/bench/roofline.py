@@ -91,18 +91,30 @@ class Bound:
 
 
 def bound(cost: ModelCost, device: Device, concurrency: int, input_len: int,
-          output_len: int) -> Bound:
-    """Roofline of `concurrency` prompts of input_len tokens each generating output_len."""
+          output_len: int, rounds: int = 1) -> Bound:
+    """Roofline of `concurrency` prompts of input_len tokens each generating output_len.
+
+    One round: the prompts' compute, then output_len - 1 decode steps, each reading the weights
+    and every request's KV. rounds > 1 (a closed loop, `concurrency` in flight): decode steps
+    may ride on prompt chunks, so only the totals bind: time >= max(all FLOPs / matmul rate,
+    bytes / bandwidth), with the weights read once per step of each round's output_len - 1."""
     c = concurrency
     prefill_flops = c * (input_len * cost.flops_per_token + cost.lm_head_flops
                          + cost.attention_flops * input_len * (input_len + 1) / 2)
     prefill = prefill_flops / device.matmul_flops
-    decode = 0.0
+    decode = decode_flops = decode_kv = 0.0
     for step in range(1, output_len):
         context = input_len + step
         read = cost.weight_bytes + c * context * cost.kv_bytes_per_token
         flops = c * (cost.flops_per_token + cost.lm_head_flops + cost.attention_flops * context)
         decode += max(read / device.bandwidth, flops / device.matmul_flops)
+        decode_flops += flops
+        decode_kv += c * context * cost.kv_bytes_per_token
     steps = max(output_len - 1, 1)
-    return Bound(output_tok_s=c * output_len / (prefill + decode),
-                 decode_step_ms=1e3 * decode / steps)
+    if rounds > 1:
+        reads = (output_len - 1) * cost.weight_bytes + decode_kv
+        wave = max((prefill_flops + decode_flops) / device.matmul_flops,
+                   reads / device.bandwidth)
+    else:
+        wave = prefill + decode
+    return Bound(output_tok_s=c * output_len / wave, decode_step_ms=1e3 * decode / steps)

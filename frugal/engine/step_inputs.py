@@ -106,6 +106,8 @@ def prepare(out: SchedulerOutput, page_size: int, device: str,
         seq_lens=ints[num_requests + 1:2 * num_requests + 1],
         max_query_len=max(out.num_new_tokens),
         max_seq_len=max(seq_lens),
+        num_decodes=next((i for i, n in enumerate(out.num_new_tokens) if n != 1),
+                         num_requests),
     )
     input_ids = longs[:num_tokens] if next_tokens is None else next_tokens
     num_logits = len(logits_indices)

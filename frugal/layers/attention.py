@@ -17,7 +17,8 @@ class AttentionMetadata:
     slot_mapping: [num_tokens] int64, where each new token's K/V is written;
     page_table: [num_requests, max_pages] int32; cu_seqlens_q: [num_requests + 1] int32;
     seq_lens: [num_requests] int32, each request's context length after this step;
-    max_query_len, max_seq_len: host-side bounds of the new tokens and of seq_lens.
+    max_query_len, max_seq_len: host-side bounds of the new tokens and of seq_lens;
+    num_decodes: how many requests at the front of the batch have one new token each.
     """
 
     slot_mapping: torch.Tensor
@@ -26,6 +27,7 @@ class AttentionMetadata:
     seq_lens: torch.Tensor
     max_query_len: int
     max_seq_len: int
+    num_decodes: int = 0
 
 
 class Attention(nn.Module):
@@ -54,4 +56,5 @@ class Attention(nn.Module):
                                 self.v_cache, meta.slot_mapping, self.kv_scales)
         return ops.paged_attention(q, self.k_cache, self.v_cache, meta.page_table,
                                    meta.cu_seqlens_q, meta.seq_lens, self.scale,
-                                   meta.max_query_len, meta.max_seq_len, self.kv_scales)
+                                   meta.max_query_len, meta.max_seq_len, self.kv_scales,
+                                   meta.num_decodes)

@@ -31,3 +31,16 @@ def test_graph_batch_sizes_cover_every_batch():
     sizes = capture_sizes(256)
     assert sizes[:5] == [1, 2, 4, 8, 16] and sizes[-1] == 256 and len(sizes) == 20
     assert all(b - a <= 16 for a, b in zip(sizes, sizes[1:]))
+
+
+def test_closed_loop_bound_lets_decode_ride_on_prompt_compute():
+    cost = ModelCost(weight_bytes=16e9, kv_bytes_per_token=131072, flops_per_token=14e9,
+                     lm_head_flops=1e9, attention_flops=0.0)
+    device = Device(bandwidth=4e12, matmul_flops=700e12)
+    one = bound(cost, device, concurrency=8, input_len=4096, output_len=4)
+    loop = bound(cost, device, concurrency=8, input_len=4096, output_len=4, rounds=3)
+    flops = 8 * (4096 * 14e9 + 1e9) + 3 * 8 * (14e9 + 1e9)  # prompts, then 3 decode steps
+    reads = 3 * 16e9 + sum(8 * (4096 + s) * 131072 for s in (1, 2, 3))
+    assert loop.output_tok_s == pytest.approx(8 * 4 / max(flops / 700e12, reads / 4e12))
+    assert loop.output_tok_s > one.output_tok_s  # the steps' weight reads hide under prompts
+    assert loop.decode_step_ms == one.decode_step_ms

@@ -60,6 +60,8 @@ CASES = [  # (seq_lens, num_new, heads, kv_heads, head_dim, page_size)
     ([200, 5], [1, 1], 4, 4, 32, 16),  # decode, MHA, long enough to split
     ([17, 40, 9], [17, 8, 1], 6, 2, 16, 4),  # prefill, extend on a cache, and a decode
     ([70], [70], 8, 2, 64, 16),  # one longer prefill spanning several blocks
+    ([50, 9], [20, 1], 6, 2, 16, 4),  # extend blocks of 16 tokens x a group of 3 (padded to 4)
+    ([150, 20], [150, 20], 4, 4, 32, 16),  # MHA prefill in blocks of 64 tokens
 ]
 
 
@@ -92,6 +94,23 @@ def test_paged_attention_fp8_cache_matches_torch_ref(case, dtype):
     torch.testing.assert_close(ours.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
     with pytest.raises(ValueError, match="kv_scales"):
         triton_attention.paged_attention(*args)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_mixed_batch_runs_its_leading_decodes_in_the_decode_kernel(fp8):
+    """Decodes at the front of a batch with prompt chunks go to the decode kernel (here split:
+    few requests), the rest (a later decode too) to the extend kernel: same result either way."""
+    seq_lens, num_new = [300, 37, 20, 9], [1, 1, 12, 1]
+    scales = fp8_scales(2, seed=5) if fp8 else None
+    q, k_cache, v_cache, table, cu, lens = make_case(seq_lens, num_new, 6, 2, 16, 4,
+                                                     torch.bfloat16, seed=5, scales=scales)
+    args = (q, k_cache, v_cache, table, cu, lens, 16 ** -0.5, max(num_new), max(seq_lens),
+            None if scales is None else scales.to(DEVICE))
+    ref = torch_ref.paged_attention(*args)
+    for num_decodes in (0, 2):
+        ours = triton_attention.paged_attention(*args, num_decodes)
+        torch.testing.assert_close(ours.float(), ref.float(), atol=TOL[torch.bfloat16],
+                                   rtol=TOL[torch.bfloat16])
 
 
 @pytest.mark.parametrize("splits", [1, 3, 7])

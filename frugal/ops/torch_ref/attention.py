@@ -75,7 +75,7 @@ def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     page_table: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
                     scale: float, max_query_len: int, max_seq_len: int,
-                    kv_scales: torch.Tensor | None = None) -> torch.Tensor:
+                    kv_scales: torch.Tensor | None = None, num_decodes: int = 0) -> torch.Tensor:
     """Causal attention of each request's new tokens over its whole cached context.
 
     q: [num_tokens, num_heads, head_dim], the new tokens of all requests back to back;
@@ -86,7 +86,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     attends to positions <= its own. max_query_len, max_seq_len: host-side bounds of n_b and
     seq_lens (GPU kernels size their grids with them). Returns [num_tokens, num_heads, head_dim]
     in q's dtype (zeros for a request with seq_len 0). kv_scales: [2, num_kv_heads] for an FP8
-    cache.
+    cache. num_decodes: the first num_decodes requests have one new token each (kernels may run
+    them apart; the result is the same).
     """
     out = torch.empty_like(q)
     starts = cu_seqlens_q.tolist()

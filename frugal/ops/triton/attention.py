@@ -3,8 +3,9 @@
 Decode (one new token per request) is split-K and GQA-aware: a program owns one request, one KV
 head and one slice of the context, reads each K/V row of that slice once for every query head of
 the group, and leaves a partial result with its log-sum-exp; a second kernel merges the slices.
-Prefill/extend (several new tokens) runs one program per (request, query head, block of new
-tokens) over the cached context, causally masked.
+Prefill/extend (several new tokens) runs one program per (request, KV head, block of new
+tokens) over the cached context, causally masked; its rows are the block's tokens times the
+group's query heads, so K/V are read once per group, as in decode.
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ _SPLIT_TARGET = 1056
 # long ones). The merge reads only the splits that saw keys, so the many splits of a CUDA graph
 # captured for the longest context cost a short one nothing.
 _MIN_SPLIT = 64
+# At most this many slices. The merge kernel is compiled for this many whatever the count (a
+# count met first in an eager step, a batch mixing decodes with prompt chunks, would otherwise
+# compile a kernel inside it); slices that saw no keys are not read.
+_MAX_SPLITS = 64
 _DECODE_LAUNCH = {"num_warps": 4, "num_stages": 3}  # Triton's defaults, measured in benchmarks/
 
 
@@ -187,29 +192,35 @@ def _merge_kernel(partial_ptr, lse_ptr, out_ptr, cu_ptr, seq_lens_ptr, num_split
              mask=d < HEAD_DIM)
 
 
-@triton.jit(do_not_specialize=["pages_stride"])
+@triton.jit(do_not_specialize=["pages_stride", "first"])
 def _extend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, scales_ptr, page_table_ptr, seq_lens_ptr,
-                   cu_ptr, out_ptr, scale, pages_stride, NUM_HEADS: tl.constexpr,
-                   NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
-                   FP8: tl.constexpr):
-    """FP8: as in _decode_kernel."""
-    b = tl.program_id(0)
-    head = tl.program_id(1)
+                   cu_ptr, out_ptr, scale, pages_stride, first, NUM_HEADS: tl.constexpr,
+                   NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
+                   PRECISION: tl.constexpr, FP8: tl.constexpr):
+    """One program: BLOCK_M // GROUP_PAD new tokens of one request, for every query head of one
+    KV head (row r: token r // GROUP_PAD, head r % GROUP_PAD of the group), so each K/V block is
+    loaded (FP8: and widened) once for the group. Requests from `first` on. FP8: as in
+    _decode_kernel."""
+    b = first + tl.program_id(0)
+    kv_head = tl.program_id(1)
     block = tl.program_id(2)
+    TOKENS: tl.constexpr = BLOCK_M // GROUP_PAD
     start = tl.load(cu_ptr + b)
     num_new = tl.load(cu_ptr + b + 1) - start
-    if block * BLOCK_M < num_new:
+    if block * TOKENS < num_new:
         seq_len = tl.load(seq_lens_ptr + b)
-        kv_head = head // GROUP
-        i = block * BLOCK_M + tl.arange(0, BLOCK_M)
+        r = tl.arange(0, BLOCK_M)
+        i = block * TOKENS + r // GROUP_PAD  # the row's new token
+        g = r % GROUP_PAD
+        heads = kv_head * GROUP + g
         d = tl.arange(0, DIM_PAD)
-        i_mask = i < num_new
+        row_mask = (i < num_new) & (g < GROUP)
         d_mask = d < HEAD_DIM
         q_pos = seq_len - num_new + i  # absolute position of each new token
-        q = tl.load(q_ptr + ((start + i) * NUM_HEADS + head)[:, None] * HEAD_DIM + d[None, :],
-                    mask=i_mask[:, None] & d_mask[None, :], other=0.0)
+        offs = ((start + i) * NUM_HEADS + heads)[:, None] * HEAD_DIM + d[None, :]
+        q = tl.load(q_ptr + offs, mask=row_mask[:, None] & d_mask[None, :], other=0.0)
         q = _dot_dtype(q, DOT_F32, FP8)
         qk_scale = scale * 1.4426950408889634
         v_scale = 1.0
@@ -220,7 +231,7 @@ def _extend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, scales_ptr, page_table_ptr, 
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
         # keys up to the last new token of this block (causal)
-        end = tl.minimum(seq_len, seq_len - num_new + (block + 1) * BLOCK_M)
+        end = tl.minimum(seq_len, seq_len - num_new + (block + 1) * TOKENS)
         n = tl.arange(0, BLOCK_N)
         for kv_start in range(0, end, BLOCK_N):
             pos = tl.multiple_of(kv_start, BLOCK_N) + n
@@ -231,8 +242,8 @@ def _extend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, scales_ptr, page_table_ptr, 
             allowed = (pos[None, :] <= q_pos[:, None]) & n_mask[None, :]
             m_i, l_i, acc = _softmax_step(q, k, v, allowed, m_i, l_i, acc, qk_scale, PRECISION)
         out = acc * (v_scale / tl.where(l_i > 0, l_i, 1.0))[:, None]
-        tl.store(out_ptr + ((start + i) * NUM_HEADS + head)[:, None] * HEAD_DIM + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=i_mask[:, None] & d_mask[None, :])
+        tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty),
+                 mask=row_mask[:, None] & d_mask[None, :])
 
 
 # Keys per inner step of the decode kernel: 64 of bf16 (32 KB of K and V), and of FP8 the same
@@ -244,59 +255,84 @@ def _block_n(fp8: bool) -> int:
     return _FP8_BLOCK_N if fp8 else 64
 
 
+# Rows (new tokens x query heads of a group) per extend program and its launch, by how many rows
+# the longest request brings: the best of `benchmarks/extend_attention.py --sweep` on the H200
+# (128 rows were no faster on prompt chunks and slower on chunks batched with decodes).
+_EXTEND_LAUNCH = {64: {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
+                  16: {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}}
+
+
+def _extend_launch(rows: int, group_pad: int) -> tuple[int, dict]:
+    """(BLOCK_M, launch options) for a batch whose longest request has `rows` query rows: the
+    largest block it fills, and at least one whole group."""
+    block_m = next((m for m in sorted(_EXTEND_LAUNCH, reverse=True) if rows >= m), 16)
+    block_m = max(block_m, group_pad)
+    return block_m, _EXTEND_LAUNCH.get(block_m, _EXTEND_LAUNCH[16])
+
+
 def num_decode_splits(num_requests: int, num_kv_heads: int, max_seq_len: int,
                       fp8: bool = False) -> int:
     """Context slices per (request, KV head) so a decode step fills the GPU: few long requests
     get many slices, a big batch one. Depends on host values only (CUDA-graph friendly)."""
     programs = max(num_requests * num_kv_heads, 1)
     wanted = 1 if programs >= _SPLIT_BELOW else triton.cdiv(_SPLIT_TARGET, programs)
-    return max(1, min(wanted, triton.cdiv(max_seq_len, _block_n(fp8)), 64))
+    return max(1, min(wanted, triton.cdiv(max_seq_len, _block_n(fp8)), _MAX_SPLITS))
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     page_table: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
                     scale: float, max_query_len: int, max_seq_len: int,
-                    kv_scales: torch.Tensor | None = None) -> torch.Tensor:
+                    kv_scales: torch.Tensor | None = None, num_decodes: int = 0) -> torch.Tensor:
     """See torch_ref.paged_attention. max_query_len / max_seq_len: host-side upper bounds of the
-    new tokens and the context length of any request (they size the launch grid)."""
+    new tokens and the context length of any request (they size the launch grid). The first
+    num_decodes requests (all of them when max_query_len is 1) run the decode kernel, the rest
+    the extend kernel."""
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     if fp8 and kv_scales is None:
         raise ValueError("an FP8 KV cache needs kv_scales")
     scales = kv_scales if fp8 else seq_lens  # (any tensor: not read unless FP8)
-    num_tokens, num_heads, head_dim = q.shape
-    num_pages, page_size, num_kv_heads, _ = k_cache.shape
+    num_heads, head_dim = q.shape[1:]
+    page_size, num_kv_heads = k_cache.shape[1:3]
     group = num_heads // num_kv_heads
     batch = seq_lens.shape[0]
+    decodes = batch if max_query_len == 1 else num_decodes
     q = q.contiguous()
     out = torch.empty_like(q)
-    dim_pad = triton.next_power_of_2(head_dim)
+    args = (q, k_cache, v_cache, scales, page_table, seq_lens, cu_seqlens_q)
     # fp32 activations get exact fp32 products (no TF32), so GPU and CPU paths agree
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    if max_query_len == 1:
-        splits = num_decode_splits(batch, num_kv_heads, max_seq_len, fp8)
-        launch_pdl = pdl(q.device)
-        rows = batch * num_heads * splits if splits > 1 else 1  # partials only to merge
-        partial = torch.empty(rows, head_dim, dtype=torch.float32, device=q.device)
-        lse = torch.empty(rows, dtype=torch.float32, device=q.device)
-        _decode_kernel[(batch, num_kv_heads, splits)](
-            q, k_cache, v_cache, scales, page_table, seq_lens, cu_seqlens_q, partial, lse, out,
-            scale,
-            page_table.stride(0), splits, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
-            GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-            DIM_PAD=dim_pad, PAGE_SIZE=page_size, BLOCK_N=_block_n(fp8), DOT_F32=_DOT_F32,
-            PRECISION=precision, DIRECT=splits == 1, MIN_SPLIT=_MIN_SPLIT, FP8=fp8, PDL=launch_pdl,
-            launch_pdl=launch_pdl > 0, **_DECODE_LAUNCH)
-        if splits > 1:
-            _merge_kernel[(batch, num_heads)](
-                partial, lse, out, cu_seqlens_q, seq_lens, splits, NUM_HEADS=num_heads,
-                HEAD_DIM=head_dim, DIM_PAD=dim_pad,
-                SPLITS_PAD=max(2, triton.next_power_of_2(splits)), BLOCK_N=_block_n(fp8),
-                MIN_SPLIT=_MIN_SPLIT, PDL=launch_pdl, launch_pdl=launch_pdl > 0)
-        return out
-    block_m = 64 if max_query_len >= 64 else 16
-    _extend_kernel[(batch, num_heads, triton.cdiv(max_query_len, block_m))](
-        q, k_cache, v_cache, scales, page_table, seq_lens, cu_seqlens_q, out, scale,
-        page_table.stride(0), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group,
-        HEAD_DIM=head_dim, DIM_PAD=dim_pad, PAGE_SIZE=page_size, BLOCK_M=block_m,
-        BLOCK_N=64, DOT_F32=_DOT_F32, PRECISION=precision, FP8=fp8)
+    consts = dict(NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim,
+                  DIM_PAD=triton.next_power_of_2(head_dim), PAGE_SIZE=page_size,
+                  DOT_F32=_DOT_F32, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+                  FP8=fp8)
+    if decodes:
+        _decode(args, out, scale, decodes, max_seq_len, consts)
+    if decodes < batch:
+        group_pad = triton.next_power_of_2(group)
+        block_m, launch = _extend_launch(max_query_len * group_pad, group_pad)
+        grid = (batch - decodes, num_kv_heads, triton.cdiv(max_query_len, block_m // group_pad))
+        _extend_kernel[grid](*args, out, scale, page_table.stride(0), decodes,
+                             GROUP_PAD=group_pad, BLOCK_M=block_m, **consts, **launch)
     return out
+
+
+def _decode(args: tuple, out: torch.Tensor, scale: float, batch: int, max_seq_len: int,
+            consts: dict) -> None:
+    """The decode kernel (and the merge of its splits) for requests 0 .. batch - 1."""
+    q, page_table = args[0], args[4]
+    fp8, num_heads, head_dim = consts["FP8"], consts["NUM_HEADS"], consts["HEAD_DIM"]
+    splits = num_decode_splits(batch, consts["NUM_KV_HEADS"], max_seq_len, fp8)
+    launch_pdl = pdl(q.device)
+    rows = batch * num_heads * splits if splits > 1 else 1  # partials only to merge
+    partial = torch.empty(rows, head_dim, dtype=torch.float32, device=q.device)
+    lse = torch.empty(rows, dtype=torch.float32, device=q.device)
+    _decode_kernel[(batch, consts["NUM_KV_HEADS"], splits)](
+        *args, partial, lse, out, scale, page_table.stride(0), splits,
+        GROUP_PAD=max(16, triton.next_power_of_2(consts["GROUP"])), BLOCK_N=_block_n(fp8),
+        DIRECT=splits == 1, MIN_SPLIT=_MIN_SPLIT, PDL=launch_pdl, launch_pdl=launch_pdl > 0,
+        **consts, **_DECODE_LAUNCH)
+    if splits > 1:
+        _merge_kernel[(batch, num_heads)](
+            partial, lse, out, args[6], args[5], splits, NUM_HEADS=num_heads,
+            HEAD_DIM=head_dim, DIM_PAD=consts["DIM_PAD"],
+            SPLITS_PAD=_MAX_SPLITS, BLOCK_N=_block_n(fp8),
+            MIN_SPLIT=_MIN_SPLIT, PDL=launch_pdl, launch_pdl=launch_pdl > 0)
