@@ -17,6 +17,7 @@ import argparse
 import itertools
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -71,8 +72,9 @@ def add_bench_parser(subparsers) -> None:
     o.add_argument("--plot", default=None, help="write a PNG of output tok/s by concurrency")
     o.set_defaults(func=run_offline)
     add_serve_parser(sub)
-    g = sub.add_parser("plot", help="redraw the PNG of a `bench offline --output` JSON")
-    g.add_argument("results", help="JSON written by bench offline --output")
+    g = sub.add_parser("plot", help="draw the PNG of `bench offline --output` JSONs (several: "
+                                    "one line each, named after the file)")
+    g.add_argument("results", nargs="+", help="JSON written by bench offline --output")
     g.add_argument("--plot", required=True, help="PNG to write")
     g.set_defaults(func=run_plot)
 
@@ -188,7 +190,8 @@ def run_offline(args: argparse.Namespace) -> int:
     if args.output:
         with open(args.output, "w") as f:
             workload = {"model": args.model, "input_len": args.input_len,
-                        "output_len": args.output_len, "rounds": args.rounds}
+                        "output_len": args.output_len, "rounds": args.rounds,
+                        "kv_cache_dtype": runner.pool.describe()["kv_cache_dtype"]}
             json.dump({"command": command_line(), "workload": workload, "device": asdict(device),
                        "cost": asdict(cost),
                        "results": [asdict(r) for r in results],
@@ -270,15 +273,22 @@ def format_table(results: list[Result], engine: LLMEngine, device: Device,
 
 
 def run_plot(args: argparse.Namespace) -> int:
-    with open(args.results) as f:
-        saved = json.load(f)
-    workload = argparse.Namespace(**saved["workload"], plot=args.plot)
-    plot([Result(**r) for r in saved["results"]], workload)
+    results: list[Result] = []
+    for path in args.results:
+        with open(path) as f:
+            saved = json.load(f)
+        workload = argparse.Namespace(**saved["workload"], plot=args.plot)
+        for r in saved["results"]:
+            r = Result(**r)
+            if len(args.results) > 1:  # one line per file
+                r.system = f"{r.system} ({os.path.splitext(os.path.basename(path))[0]})"
+            results.append(r)
+    plot(results, workload)
     return 0
 
 
 def plot(results: list[Result], args: argparse.Namespace) -> None:
-    """Output tok/s by concurrency for each system, with the roofline."""
+    """Output tok/s by concurrency for each system, with its roofline (dashed)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -287,16 +297,18 @@ def plot(results: list[Result], args: argparse.Namespace) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     for system in dict.fromkeys(r.system for r in results):
         rows = [r for r in results if r.system == system]
-        ax.plot([r.concurrency for r in rows], [r.output_tok_s for r in rows], "o-", label=system)
-    ours = [r for r in results if r.system == "frugal"]
-    ax.plot([r.concurrency for r in ours], [r.bound_tok_s for r in ours], "k--", label="roofline")
+        line, = ax.plot([r.concurrency for r in rows], [r.output_tok_s for r in rows], "o-",
+                        label=system)
+        if system.startswith("frugal") and not system.startswith(OFF):
+            ax.plot([r.concurrency for r in rows], [r.bound_tok_s for r in rows], "--",
+                    color=line.get_color(), label=f"roofline of {system}")
     ax.set(xlabel="concurrency", ylabel="output tokens/s", xscale="log", yscale="log",
            title=f"{args.model or 'default model'}: {args.input_len} in / {args.output_len} out")
     concurrencies = sorted({r.concurrency for r in results})
     ax.set_xticks(concurrencies, [str(c) for c in concurrencies])
     ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(args.plot, dpi=120)
     plt.close(fig)
