@@ -60,6 +60,19 @@ def hessians(model: nn.Module, prefix: str = "model.layers."
             h.remove()
 
 
+@contextlib.contextmanager
+def first_layers(model: nn.Module, n: int) -> Iterator[None]:
+    """While open, the model's forward runs only its first n decoder layers (model.model.layers
+    cut short; the final norm and the logits then read layer n - 1's output)."""
+    decoder = model.model
+    all_layers = decoder.layers
+    decoder.layers = all_layers[:n]
+    try:
+        yield
+    finally:
+        decoder.layers = all_layers
+
+
 Quantized = Int4Weight | Fp8Weight
 
 
@@ -69,12 +82,15 @@ def sequential(model: nn.Module, calibrate: Callable[[], None],
                progress: Callable[[int], None] = lambda layer: None) -> dict[str, Quantized]:
     """Layer-by-layer GPTQ. model: the engine's model (unquantized; each layer's weights are
     replaced by their dequantized results as it goes, so the next layer calibrates on them);
-    calibrate(): runs the calibration text through the model once; layers: layer index ->
-    [(checkpoint name, weight [N, K], name of the model's Linear it feeds)]; quantize(weight,
-    hessian [K, K] per calibration row) -> the quantized matrix. Returns name -> quantized."""
+    calibrate(): runs the calibration text through the model once (while layer i calibrates,
+    the model runs only its layers 0..i: the ones after cannot change layer i's inputs);
+    layers: layer index -> [(checkpoint name, weight [N, K], name of the model's Linear it
+    feeds)]; quantize(weight, hessian [K, K] per calibration row) -> the quantized matrix.
+    Returns name -> quantized."""
     done: dict[str, Quantized] = {}
     for layer in sorted(layers):
-        with hessians(model, prefix=f"model.layers.{layer}.") as found:
+        with (hessians(model, prefix=f"model.layers.{layer}.") as found,
+              first_layers(model, layer + 1)):
             calibrate()
         for name, weight, module in layers[layer]:
             done[name] = quantize(weight, found[module] / found[module + "#"])

@@ -60,13 +60,17 @@ def test_sequential_calibrates_each_layer_after_the_ones_before_are_quantized(tm
         if name.endswith(("q_proj.weight", "down_proj.weight")):
             module = name.removesuffix(".weight").replace("q_proj", "qkv_proj")
             layers.setdefault(int(name.split(".")[2]), []).append((name, w, module))
-    seen = []
+    seen, ran = [], []
+    last = model.model.layers[-1].register_forward_hook(lambda *_: ran.append(len(seen)))
 
     def quantize(w, h):
         seen.append(h)
         return quantize_rtn(w, 32, symmetric=True)
 
     done = sequential(model, calibrate, layers, quantize)
+    last.remove()
+    assert ran == [2]  # the last layer ran only in its own pass (after layer 0's 2 matrices)
+    assert len(model.model.layers) == 2
     seen = dict(zip([m for i in sorted(layers) for _, _, m in layers[i]], seen))
     assert len(done) == len(seen) == 4
     for module in seen:
