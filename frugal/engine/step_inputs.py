@@ -73,12 +73,10 @@ def prepare(out: SchedulerOutput, page_size: int, device: str,
             tags.append(row_tags)
             tags.append(pad)
     updates = tag_updates or {}
-    decode = True
     for i, (request, n) in enumerate(zip(out.requests, out.num_new_tokens)):
         start = request.num_computed_tokens + ahead
         end = start + n
         table = tables[2 * i]
-        decode = decode and n == 1
         if not ahead:
             ids += request.token_ids(start, end)
         positions += range(start, end)
@@ -89,6 +87,9 @@ def prepare(out: SchedulerOutput, page_size: int, device: str,
             logits_indices.append(cu_seqlens[-1] - 1)
             sampled.append(i)
     num_tokens, num_requests = len(positions), len(seq_lens)
+    # requests at the front with one new token each (all of them: a decode step)
+    num_decodes = next((i for i, n in enumerate(out.num_new_tokens) if n != 1), num_requests)
+    decode = num_decodes == num_requests
     if ahead:
         if not decode or next_tokens.shape != (num_requests,):
             raise ValueError("next_tokens: only a decode step of the same requests follows")
@@ -106,8 +107,7 @@ def prepare(out: SchedulerOutput, page_size: int, device: str,
         seq_lens=ints[num_requests + 1:2 * num_requests + 1],
         max_query_len=max(out.num_new_tokens),
         max_seq_len=max(seq_lens),
-        num_decodes=next((i for i, n in enumerate(out.num_new_tokens) if n != 1),
-                         num_requests),
+        num_decodes=num_decodes,
     )
     input_ids = longs[:num_tokens] if next_tokens is None else next_tokens
     num_logits = len(logits_indices)

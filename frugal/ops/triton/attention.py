@@ -318,7 +318,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 def _decode(args: tuple, out: torch.Tensor, scale: float, batch: int, max_seq_len: int,
             consts: dict) -> None:
     """The decode kernel (and the merge of its splits) for requests 0 .. batch - 1."""
-    q, page_table = args[0], args[4]
+    q, _, _, _, page_table, seq_lens, cu_seqlens_q = args
     fp8, num_heads, head_dim = consts["FP8"], consts["NUM_HEADS"], consts["HEAD_DIM"]
     splits = num_decode_splits(batch, consts["NUM_KV_HEADS"], max_seq_len, fp8)
     launch_pdl = pdl(q.device)
@@ -332,7 +332,7 @@ def _decode(args: tuple, out: torch.Tensor, scale: float, batch: int, max_seq_le
         **consts, **_DECODE_LAUNCH)
     if splits > 1:
         _merge_kernel[(batch, num_heads)](
-            partial, lse, out, args[6], args[5], splits, NUM_HEADS=num_heads,
+            partial, lse, out, cu_seqlens_q, seq_lens, splits, NUM_HEADS=num_heads,
             HEAD_DIM=head_dim, DIM_PAD=consts["DIM_PAD"],
             SPLITS_PAD=_MAX_SPLITS, BLOCK_N=_block_n(fp8),
             MIN_SPLIT=_MIN_SPLIT, PDL=launch_pdl, launch_pdl=launch_pdl > 0)
