@@ -23,16 +23,13 @@ import torch.nn.functional as F
 from timing import graph_time
 
 from frugal.ops.triton.fp8_linear import fp8_linear
-from frugal.ops.triton.int4_linear import _config, _gemv_config, int4_linear, repack
+from frugal.ops.triton.int4_linear import _config, int4_linear, repack
 from frugal.quant.fp8 import quantize_fp8
 from frugal.quant.int4 import quantize_rtn
 
 SHAPES = [(4096, 14336), (14336, 4096), (4096, 6144), (4096, 4096)]  # (K, N)
-CONFIGS = [c for c in itertools.product((16, 32, 64), (16, 32, 64, 128), (1, 2, 4), (2, 4, 8),
-                                        (3, 4)) if c[1] // 16 >= c[3] // 4]
-# (BLOCK_M, BLOCK_N, SPLIT_K, warps, stages); at one row the CUDA-core kernel's
-# (BLOCK_N, SPLIT_K, warps, UNROLL)
-GEMV_CONFIGS = list(itertools.product((128, 256, 512), (2, 4, 8, 16), (4, 8), (1,)))
+CONFIGS = list(itertools.product((64, 128), (1, 2, 4, 8, 16), (4,), (3, 4, 6)))
+# (BLOCK_N, SPLIT_K, warps, STAGES) of int4_mma's kernel
 
 
 def copies_for(nbytes: int) -> int:
@@ -74,13 +71,11 @@ def bench_shape(k: int, n: int, ms: list[int], sweep: bool) -> list[dict]:
                                          for i in range(16)])
         r["ours_fp8_us"] = 1e3 * graph_time([lambda i=i, x=x: fp8_linear(x, ours8[i % len(ours8)])
                                              for i in range(16)])
-        r["config"] = _gemv_config(n, k) if m == 1 else _config(m, n, k)
+        r["config"] = _config(m, n, k)
         if sweep:
             best = (r["int4_us"], r["config"])
-            for c in GEMV_CONFIGS if m == 1 else CONFIGS:
-                if m > 1 and c[0] != _config(m, n, k)[0]:
-                    continue
-                if c[-3 if m == 1 else 2] * 2 > k // 128:
+            for c in CONFIGS:
+                if c[1] * 2 > k // 128 or -(-n // c[0]) * c[1] < 100:
                     continue
                 try:
                     calls = [lambda i=i, x=x, c=c: int4_linear(x, tiles[i % copies], config=c)

@@ -40,15 +40,32 @@ def run(m, n, k, group, form, dtype, gated=False, bias=False, residual=False, co
 
 
 def test_repack_layout():
-    """Nibble j of word w of a tile holds input 16 j + w; scales and mins group-major."""
+    """Word 4 t + q of a tile holds input 32 q + 16 a + 8 b + 2 t + c in nibble 2 a + b + 4 c;
+    scales and mins group-major."""
     q = quantize_rtn(torch.randn(3, 256), 64, symmetric=False)
     t = tri.repack(q, torch.float32)
-    words = t.words.view(3, 2, 16)
-    codes = q.codes().view(3, 2, 8, 16)
-    for j in range(8):
-        assert torch.equal((words >> (4 * j)) & 0xF, codes[:, :, j].int())
-    assert torch.equal(t.scales, q.scales.t())
-    assert torch.equal(t.mins, (-q.zeros * q.scales).t())
+    words = t.words.view(3, 2, 4, 4)  # row, tile, t, q
+    codes = q.codes().view(3, 2, 4, 2, 2, 4, 2)  # row, tile, q, a, b, t, c
+    for a in range(2):
+        for b in range(2):
+            for c in range(2):
+                nibble = (words >> (4 * (2 * a + b + 4 * c))) & 0xF
+                assert torch.equal(nibble, codes[:, :, :, a, b, :, c].transpose(2, 3).int())
+    assert torch.equal(t.params[..., 0], q.scales.t())  # [group, row, (scale, min)]
+    assert torch.equal(t.params[..., 1], (-q.zeros * q.scales).t())
+
+
+@pytest.mark.parametrize("group,form,k", [(32, "sym", 160), (64, "asym", 256), (128, "mins", 384),
+                                          (256, "sym", 512)])
+def test_dequantize_kernel(group, form, k):
+    """The Triton dequantization (prefill's path, and every path off the GPU) reads the layout
+    back to exactly Int4Weight.dequantize, padding cut off."""
+    q = weight(40, k, group, form, torch.Generator().manual_seed(k))
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        got = tri.dequantize(tri.repack(q.to(DEVICE), dtype), torch.float32)
+        mins = q.mins if q.mins is not None else -q.zeros * q.scales
+        half = Int4Weight(q.packed, q.scales.to(dtype).float(), mins=mins.to(dtype).float())
+        torch.testing.assert_close(got.cpu(), half.dequantize(), rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("group,form", [(32, "sym"), (64, "asym"), (128, "mins"), (256, "sym")])
@@ -62,12 +79,6 @@ def test_int4_linear_epilogues(gated, bias, residual):
     run(2, 16, 128, 32, "asym", torch.float32, gated, bias, residual)
 
 
-def test_int4_linear_pads_k_and_splits():
-    """K = 160 is padded to two tiles of 128; split-K sums partials (and runs the epilogue)."""
-    run(5, 24, 160, 32, "sym", torch.float32, gated=True, residual=True, config=(16, 16, 2, 4, 2))
-    run(1, 16, 384, 128, "mins", torch.float32, config=(16, 16, 3, 4, 2))
-
-
 def test_int4_linear_rejects_wrong_inputs():
     q = quantize_rtn(torch.randn(16, 128), 32, symmetric=True)
     with pytest.raises(ValueError, match="inputs"):
@@ -78,10 +89,21 @@ def test_int4_linear_rejects_wrong_inputs():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m", [1, 8, 16, 33, 64, 200])
 def test_int4_linear_gpu(dtype, m):
-    """The bitwise code-to-operand conversion and the real configs, at real shapes."""
+    """The tensor-core kernel (up to 64 rows; 200 rows dequantize) with its real configs, at
+    real shapes: groups of 32, 64 and 128, K padded (576), every epilogue."""
     run(m, 1024, 4096, 128, "sym", dtype, seed=m)
     run(m, 512, 576, 32, "mins", dtype, gated=True, residual=True, seed=m + 1)
     run(m, 768, 1536, 64, "asym", dtype, bias=True, seed=m + 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [(64, 1, 4, 2), (128, 3, 4, 3), (64, 16, 4, 6), (128, 2, 8, 4)])
+def test_int4_linear_gpu_configs(config):
+    """Blocks of 64 and 128 outputs, one to 16 splits (the last split shorter: 5 tiles in 3),
+    4 and 8 warps, 2 to 6 stages (more stages than a split has tiles)."""
+    run(4, 200, 640, 32, "sym", torch.bfloat16, gated=True, bias=True, residual=True,
+        config=config)
+    run(16, 96, 4096, 128, "mins", torch.float16, config=config)
 
 
 @pytest.mark.parametrize("scheme", ["int4", "fp8"])
