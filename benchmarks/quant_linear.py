@@ -28,7 +28,8 @@ from frugal.quant.fp8 import quantize_fp8
 from frugal.quant.int4 import quantize_rtn
 
 SHAPES = [(4096, 14336), (14336, 4096), (4096, 6144), (4096, 4096)]  # (K, N)
-CONFIGS = list(itertools.product((64, 128), (1, 2, 4, 8, 16), (4,), (3, 4, 6)))
+CONFIGS = [c for c in itertools.product((64, 128, 256), (1, 2, 4, 8, 16), (4, 8), (3, 4))
+           if c[0] >= 8 * c[2]]
 # (BLOCK_N, SPLIT_K, warps, STAGES) of int4_mma's kernel
 
 
@@ -75,7 +76,7 @@ def bench_shape(k: int, n: int, ms: list[int], sweep: bool) -> list[dict]:
         if sweep:
             best = (r["int4_us"], r["config"])
             for c in CONFIGS:
-                if c[1] * 2 > k // 128 or -(-n // c[0]) * c[1] < 100:
+                if c[1] * 2 > k // 128 or not 100 <= -(-n // c[0]) * c[1] <= 1200:
                     continue
                 try:
                     calls = [lambda i=i, x=x, c=c: int4_linear(x, tiles[i % copies], config=c)

@@ -73,14 +73,16 @@ def repack(q: Int4Weight, dtype: torch.dtype) -> Int4Tiles:
 
 
 def _config(m: int, n: int, k: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, SPLIT_K, num_warps, STAGES) for x [m, k] and n outputs: near the best of
+    """(BLOCK_N, SPLIT_K, num_warps, STAGES) for x [m, k] and n outputs, near the best of
     `benchmarks/quant_linear.py --sweep` on the H200 (Llama-3.1-8B shapes): blocks of 128
-    outputs for one row or many outputs, else 64; the inputs split so that there are about 384
-    programs (three waves' worth of blocks of four warps on 132 SMs)."""
-    block_n = 128 if m == 1 or n >= 8192 else 64
+    outputs for the large matrices, else 64; the inputs split until there are about 256
+    programs (128 beyond 16 rows, whose blocks do 4x the work); four stages for long K."""
+    block_n = 128 if n >= 8192 or k >= 8192 else 64
     blocks = triton.cdiv(n, block_n)
-    split = min(triton.next_power_of_2(max(1, 384 // blocks)), max(1, triton.cdiv(k, TILE_K) // 2))
-    return block_n, split, 4, 3
+    target = 256 if m <= 16 else 128
+    split = min(triton.next_power_of_2(triton.cdiv(target, blocks)),
+                max(1, triton.cdiv(k, TILE_K) // 2))
+    return block_n, split, 4, 4 if k >= 8192 else 3
 
 
 def int4_linear(x: torch.Tensor, w: Int4Tiles, bias: torch.Tensor | None = None,
@@ -121,25 +123,30 @@ def int4_linear(x: torch.Tensor, w: Int4Tiles, bias: torch.Tensor | None = None,
 @triton.jit
 def _dequantize_kernel(w_ptr, p_ptr, out_ptr, N, K, KP: tl.constexpr, GROUP: tl.constexpr,
                        BLOCK_N: tl.constexpr):
-    """out[n, k] = u · scale + min for one block of rows and one 128-input tile: nibble p + 4 c
-    of word 4 t + q is input 32 q + 16 (p // 2) + 8 (p % 2) + 2 t + c."""
+    """out[n, k] = u · scale + min for one block of rows and one 128-input tile, stored as whole
+    rows: the eight nibbles of the tile's words [BN, 4 (t), 4 (q)] are joined into
+    [BN, t, q, b, a, c] (nibble 2 a + b + 4 c) and permuted to input order (q, a, b, t, c)."""
+    GK: tl.constexpr = GROUP if GROUP < 128 else 128
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     tile = tl.program_id(1)
     offs_w = tl.arange(0, 16)
     words = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * (KP // 8) + tile * 16 + offs_w[None, :],
-                    mask=n_mask[:, None], other=0)
-    base = 32 * (offs_w % 4) + 2 * (offs_w // 4)  # input of nibble 0 of each word
-    for e in tl.static_range(8):
-        offs_k = tile * 128 + base + 16 * ((e % 4) // 2) + 8 * (e % 2) + e // 4
-        row = offs_k // GROUP * N
-        pair = p_ptr + 2 * (row[None, :] + offs_n[:, None])
-        scale = tl.load(pair, mask=n_mask[:, None], other=0.0).to(tl.float32)
-        low = tl.load(pair + 1, mask=n_mask[:, None], other=0.0).to(tl.float32)
-        u = ((words >> (4 * e)) & 0xF).to(tl.float32)
-        tl.store(out_ptr + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :],
-                 (u * scale + low).to(out_ptr.dtype.element_ty),
-                 mask=n_mask[:, None] & (offs_k < K)[None, :])
+                    mask=n_mask[:, None], other=0).reshape(BLOCK_N, 4, 4)
+    low_c = tl.join(tl.join(words & 0xF, (words >> 4) & 0xF),
+                    tl.join((words >> 8) & 0xF, (words >> 12) & 0xF))  # [BN, t, q, b, a]
+    high = words >> 16
+    high_c = tl.join(tl.join(high & 0xF, (high >> 4) & 0xF),
+                     tl.join((high >> 8) & 0xF, (high >> 12) & 0xF))
+    codes = tl.join(low_c, high_c).permute(0, 2, 4, 3, 1, 5).reshape(BLOCK_N, 128 // GK, GK)
+    offs_g = (tile * 128 + tl.arange(0, 128 // GK) * GK) // GROUP
+    pair = p_ptr + 2 * (offs_g[None, :] * N + offs_n[:, None])
+    scale = tl.load(pair, mask=n_mask[:, None], other=0.0).to(tl.float32)
+    low = tl.load(pair + 1, mask=n_mask[:, None], other=0.0).to(tl.float32)
+    w = (codes.to(tl.float32) * scale[:, :, None] + low[:, :, None]).reshape(BLOCK_N, 128)
+    offs_k = tile * 128 + tl.arange(0, 128)
+    tl.store(out_ptr + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :],
+             w.to(out_ptr.dtype.element_ty), mask=n_mask[:, None] & (offs_k < K)[None, :])
 
 
 def dequantize(w: Int4Tiles, dtype: torch.dtype) -> torch.Tensor:
