@@ -97,10 +97,11 @@ def test_int4_linear_gpu(dtype, m):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [(64, 1, 4, 2), (128, 3, 4, 3), (64, 16, 4, 6), (128, 2, 8, 4)])
+@pytest.mark.parametrize("config", [(64, 1, 4, 2), (128, 3, 4, 3), (64, 16, 4, 6), (128, 2, 8, 4),
+                                    (32, 8, 1, 3), (64, 4, 2, 4)])
 def test_int4_linear_gpu_configs(config):
-    """Blocks of 64 and 128 outputs, one to 16 splits (the last split shorter: 5 tiles in 3),
-    4 and 8 warps, 2 to 6 stages (more stages than a split has tiles)."""
+    """Blocks of 32 to 128 outputs, one to 16 splits (the last split shorter: 5 tiles in 3),
+    1 to 8 warps, 2 to 6 stages (more stages than a split has tiles)."""
     run(4, 200, 640, 32, "sym", torch.bfloat16, gated=True, bias=True, residual=True,
         config=config)
     run(16, 96, 4096, 128, "mins", torch.float16, config=config)
