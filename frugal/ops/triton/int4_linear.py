@@ -26,6 +26,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from frugal.ops import torch_ref
 from frugal.ops.triton.int4_mma import _kernel
 from frugal.ops.triton.launch import pdl
 from frugal.ops.triton.split_k import counters, grid, partials
@@ -99,11 +100,7 @@ def int4_linear(x: torch.Tensor, w: Int4Tiles, bias: torch.Tensor | None = None,
     fast = (not _INTERPRET and x.device.type == "cuda" and x.dtype in _OFFSET
             and x.dtype == w.params.dtype and 0 < m <= SMALL_M and k % 2 == 0)
     if not fast:  # (the kernel copies x's rows 4 bytes at least: K even)
-        y = F.linear(x, dequantize(w, x.dtype), bias)
-        if gated:
-            gate, up = y.float().chunk(2, dim=-1)
-            y = (F.silu(gate) * up).to(x.dtype)
-        return y if residual is None else y + residual
+        return torch_ref.linear(x, dequantize(w, x.dtype), bias, gated=gated, residual=residual)
     block_n, split, num_warps, stages = config or _config(m, n, k)
     align = 8 if k % 8 == 0 else 2  # (x's rows are copied 16 or 4 bytes at a time)
     (blocks, _, split), split = grid(triton.cdiv(n, block_n), 1, split)
