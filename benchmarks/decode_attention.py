@@ -4,7 +4,7 @@ Prints time and achieved KV read bandwidth per shape for a bf16 and an FP8 (e4m3
 scales) cache; SDPA (unpaged, contiguous, bf16) is the peer measured in the same run.
 Llama-3.1-8B attention: 32 query heads, 8 KV heads, d=128, page 16.
    python benchmarks/decode_attention.py
-   python benchmarks/decode_attention.py --sweep   # FP8 kernel: launch variants, two shapes
+   python benchmarks/decode_attention.py --sweep   # FP8 kernel: variants, two shapes
 
 Times are medians of CUDA-graph replays of 20 calls (as the engine runs decode, and without the
 host's launch cost), each call on its own copy of the KV when one copy would fit in L2.
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 
 import torch
 import torch.nn.functional as F
@@ -63,29 +64,28 @@ def bench(batch: int, seq_len: int, heads: int, kv_heads: int, dim: int, page: i
     calls = 20
     ours_ms = graph_time([ours[i % copies] for i in range(calls)])
     fp8_ms = graph_time([fp8[i % copies] for i in range(calls)])
-    default, attention._FP8_BLOCK_N = attention._FP8_BLOCK_N, 64  # the bf16 block, for contrast
-    fp8_64_ms = graph_time([fp8[i % copies] for i in range(calls)])
-    attention._FP8_BLOCK_N = default
+    attention._FP8_GLUON = False  # the Triton FP8 kernel, for contrast
+    fp8_triton_ms = graph_time([fp8[i % copies] for i in range(calls)])
+    attention._FP8_GLUON = True
     sdpa_ms = graph_time([sdpa[i % copies] for i in range(calls)])
     return {"batch": batch, "seq_len": seq_len, "ours_us": ours_ms * 1e3, "sdpa_us": sdpa_ms * 1e3,
             "ours_tbs": kv_bytes / ours_ms / 1e9, "sdpa_tbs": kv_bytes / sdpa_ms / 1e9,
             "fp8_us": fp8_ms * 1e3, "fp8_tbs": kv_bytes / 2 / fp8_ms / 1e9,
-            "fp8_64_us": fp8_64_ms * 1e3}
+            "fp8_triton_us": fp8_triton_ms * 1e3}
 
 
-# FP8 decode launch variants: (keys per block, warps, pipeline stages), each with the split
-# count the kernel picks (None) and fixed ones
-SWEEP_LAUNCH = [(128, 4, 3), (128, 4, 5), (128, 4, 7), (64, 4, 5), (64, 2, 3), (128, 2, 5),
-                (32, 1, 3), (32, 1, 4), (64, 1, 3), (256, 4, 5), (128, 8, 3)]
-SWEEP_SPLITS = [None, 2, 4, 8, 16]
-SWEEP_SHAPES = [(1, 32768), (64, 4096)]
+# FP8 decode kernel variants: 16-key blocks per inner step, and the split count (None: the
+# kernel's own, one wave of programs)
+SWEEP_PAGES = [1, 2, 4]
+SWEEP_SPLITS = [None, 1, 2, 3, 4, 6, 8, 16, 64]
+SWEEP_SHAPES = [(1, 4096), (1, 32768), (8, 4096), (32, 4096), (64, 4096)]
 
 
 def sweep(heads: int, kv_heads: int, dim: int, page: int) -> None:
-    """Time the FP8 decode kernel under each launch variant (module settings patched)."""
-    print("| batch | seq_len | keys per block | warps | stages | splits | µs | FP8 TB/s |")
-    print("|---|---|---|---|---|---|---|---|")
-    default = (attention._FP8_BLOCK_N, attention._DECODE_LAUNCH, attention.num_decode_splits)
+    """Time the FP8 decode kernel under each variant (module settings patched)."""
+    print("| batch | seq_len | pages per step | splits | µs | FP8 TB/s |")
+    print("|---|---|---|---|---|---|")
+    default = (attention._FP8_PAGES, attention.fp8_decode_splits)
     for batch, seq_len in SWEEP_SHAPES:
         kv_bytes = batch * seq_len * kv_heads * dim * 2  # FP8 K and V
         q, cu, lens, scales, copies, pages_per = decode_inputs(batch, seq_len, heads, kv_heads,
@@ -100,17 +100,15 @@ def sweep(heads: int, kv_heads: int, dim: int, page: int) -> None:
         calls = [functools.partial(paged_attention, q, k, v, t, cu, lens, dim ** -0.5, 1,
                                    seq_len, scales)
                  for k, v, t in (caches[i % copies] for i in range(20))]
-        for block_n, warps, stages in SWEEP_LAUNCH:
-            for splits in SWEEP_SPLITS:
-                attention._FP8_BLOCK_N = block_n
-                attention._DECODE_LAUNCH = {"num_warps": warps, "num_stages": stages}
-                attention.num_decode_splits = (default[2] if splits is None
-                                               else lambda *_, n=splits, **__: n)
-                ms = graph_time(calls)
-                print(f"| {batch} | {seq_len} | {block_n} | {warps} | {stages} | "
-                      f"{splits or 'auto'} | {ms * 1e3:.1f} | {kv_bytes / ms / 1e9:.2f} |",
-                      flush=True)
-        attention._FP8_BLOCK_N, attention._DECODE_LAUNCH, attention.num_decode_splits = default
+        for pages, splits in itertools.product(SWEEP_PAGES, SWEEP_SPLITS):
+            attention._FP8_PAGES = pages
+            attention.fp8_decode_splits = (default[1] if splits is None
+                                           else lambda *_, n=splits: n)
+            ms = graph_time(calls)
+            shown = default[1](batch, kv_heads, seq_len, q.device) if splits is None else splits
+            print(f"| {batch} | {seq_len} | {pages} | {shown}{'' if splits else ' (own)'} | "
+                  f"{ms * 1e3:.1f} | {kv_bytes / ms / 1e9:.2f} |", flush=True)
+        attention._FP8_PAGES, attention.fp8_decode_splits = default
 
 
 def main() -> None:
@@ -129,14 +127,14 @@ def main() -> None:
         return
     print("| batch | seq_len | frugal bf16 µs | TB/s | SDPA contiguous µs | SDPA TB/s | "
           "SDPA / frugal | frugal FP8 µs | FP8 TB/s | FP8 speed-up over bf16 | "
-          "FP8 with 64-key blocks µs |")
+          "Triton FP8 kernel µs |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for batch, seq_len in SHAPES:
         r = bench(batch, seq_len, a.heads, a.kv_heads, a.head_dim, a.page_size)
         print(f"| {batch} | {seq_len} | {r['ours_us']:.1f} | {r['ours_tbs']:.2f} | "
               f"{r['sdpa_us']:.1f} | {r['sdpa_tbs']:.2f} | {r['sdpa_us'] / r['ours_us']:.2f}x | "
               f"{r['fp8_us']:.1f} | {r['fp8_tbs']:.2f} | {r['ours_us'] / r['fp8_us']:.2f}x | "
-              f"{r['fp8_64_us']:.1f} |",
+              f"{r['fp8_triton_us']:.1f} |",
               flush=True)
 
 

@@ -214,3 +214,28 @@ def test_fp8_prefill_on_gpu():
     args = (q, k_cache, v_cache, table, cu, lens_t, 128 ** -0.5, 1000, 1300, scales.to(DEVICE))
     torch.testing.assert_close(triton_attention.paged_attention(*args).float(),
                                torch_ref.paged_attention(*args).float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pages", [1, 2, 4])
+@pytest.mark.parametrize("heads, kv_heads, dim, page", [(32, 8, 128, 16), (9, 3, 64, 16),
+                                                        (16, 2, 128, 32), (8, 8, 256, 16)])
+@pytest.mark.parametrize("splits", [None, 1, 5, 64])
+def test_fp8_decode_kernel_on_gpu(pages, heads, kv_heads, dim, page, splits, monkeypatch):
+    """The FP8 decode kernel (fp8_decode) in each variant: keys per step, its own split count,
+    one split (its output written directly) or many, groups of 1-8 heads, d of 64-256, pages of
+    16 and 32, context lengths around page and block edges."""
+    monkeypatch.setattr(triton_attention, "_FP8_PAGES", pages)
+    if splits is not None:
+        monkeypatch.setattr(triton_attention, "fp8_decode_splits", lambda *_: splits)
+    lens = [1, 15, 16, 17, 33, 100, 1000, 2049]
+    scales = fp8_scales(kv_heads, seed=pages)
+    q, k_cache, v_cache, table, cu, lens_t = make_case(lens, [1] * len(lens), heads, kv_heads,
+                                                       dim, page, torch.bfloat16, seed=dim,
+                                                       scales=scales)
+    assert triton_attention._fp8_decode_fits(q, heads // kv_heads, dim, page)
+    args = (q, k_cache, v_cache, table, cu, lens_t, dim ** -0.5, 1, max(lens), scales.to(DEVICE))
+    ours = triton_attention.paged_attention(*args)
+    assert torch.isfinite(ours).all()
+    torch.testing.assert_close(ours.float(), torch_ref.paged_attention(*args).float(),
+                               atol=2e-2, rtol=2e-2)

@@ -10,12 +10,14 @@ group's query heads, so K/V are read once per group, as in decode.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
 
+from frugal.ops.triton import fp8_decode
 from frugal.ops.triton.launch import enter, pdl
 
 # The CPU interpreter's bf16 tl.dot is wrong: compute the products in fp32 there.
@@ -34,6 +36,13 @@ _MIN_SPLIT = 64
 # compile a kernel inside it); slices that saw no keys are not read.
 _MAX_SPLITS = 64
 _DECODE_LAUNCH = {"num_warps": 4, "num_stages": 3}  # Triton's defaults, measured in benchmarks/
+# The FP8 decode kernel (fp8_decode, one warp per program): 16-key blocks per inner step, and
+# how many of its warps an SM holds (registers at d=128: 128, 166, 255). A step splits contexts
+# until its programs fill one such wave of warps (measured best on the H200: programs past one
+# wave wait for a second, and splits past it only add partials to merge).
+_FP8_GLUON = True
+_FP8_PAGES = 2
+_FP8_WARPS_PER_SM = {1: 16, 2: 12, 4: 8}
 
 
 @triton.jit
@@ -315,24 +324,65 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out
 
 
+def _fp8_decode_fits(q: torch.Tensor, group: int, head_dim: int, page_size: int) -> bool:
+    """Whether fp8_decode runs this decode: CUDA sm_89+ (FP8 conversions), at most 8 query
+    heads per KV head, head_dim a multiple of 64 and page_size of 16."""
+    if q.device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    return (torch.cuda.get_device_capability(q.device) >= (8, 9) and group <= 8
+            and head_dim % 64 == 0 and page_size % 16 == 0)
+
+
+@functools.cache
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def fp8_decode_splits(num_requests: int, num_kv_heads: int, max_seq_len: int,
+                      device: torch.device) -> int:
+    """Context slices per (request, KV head) for fp8_decode: as many as one wave of its
+    one-warp programs holds, each at least one block of keys. Host values only (CUDA-graph
+    friendly)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    wave = _num_sms(index) * _FP8_WARPS_PER_SM.get(_FP8_PAGES, 8)
+    wanted = wave // max(num_requests * num_kv_heads, 1)
+    return max(1, min(wanted, triton.cdiv(max_seq_len, 16 * _FP8_PAGES), _MAX_SPLITS))
+
+
 def _decode(args: tuple, out: torch.Tensor, scale: float, batch: int, max_seq_len: int,
             consts: dict) -> None:
     """The decode kernel (and the merge of its splits) for requests 0 .. batch - 1."""
-    q, _, _, _, page_table, seq_lens, cu_seqlens_q = args
+    q, k_cache, v_cache, scales, page_table, seq_lens, cu_seqlens_q = args
     fp8, num_heads, head_dim = consts["FP8"], consts["NUM_HEADS"], consts["HEAD_DIM"]
-    splits = num_decode_splits(batch, consts["NUM_KV_HEADS"], max_seq_len, fp8)
+    num_kv_heads, group = consts["NUM_KV_HEADS"], consts["GROUP"]
+    gluon = fp8 and _FP8_GLUON and _fp8_decode_fits(q, group, head_dim, consts["PAGE_SIZE"])
+    if gluon:
+        block_n = 16 * _FP8_PAGES
+        splits = fp8_decode_splits(batch, num_kv_heads, max_seq_len, q.device)
+    else:
+        block_n = _block_n(fp8)
+        splits = num_decode_splits(batch, num_kv_heads, max_seq_len, fp8)
     launch_pdl = pdl(q.device)
     rows = batch * num_heads * splits if splits > 1 else 1  # partials only to merge
     partial = torch.empty(rows, head_dim, dtype=torch.float32, device=q.device)
     lse = torch.empty(rows, dtype=torch.float32, device=q.device)
-    _decode_kernel[(batch, consts["NUM_KV_HEADS"], splits)](
-        *args, partial, lse, out, scale, page_table.stride(0), splits,
-        GROUP_PAD=max(16, triton.next_power_of_2(consts["GROUP"])), BLOCK_N=_block_n(fp8),
-        DIRECT=splits == 1, MIN_SPLIT=_MIN_SPLIT, PDL=launch_pdl, launch_pdl=launch_pdl > 0,
-        **consts, **_DECODE_LAUNCH)
+    if gluon:
+        fp8_decode._kernel[(batch, num_kv_heads, splits)](
+            q, k_cache.view(torch.int32), v_cache.view(torch.int32), scales, page_table,
+            seq_lens, cu_seqlens_q, partial, lse, out, scale, page_table.stride(0), splits,
+            NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim,
+            PAGE_SIZE=consts["PAGE_SIZE"], PAGES=_FP8_PAGES, DIRECT=splits == 1,
+            MIN_SPLIT=_MIN_SPLIT, PDL=launch_pdl, num_warps=1,
+            launch_pdl=launch_pdl > 0)
+    else:
+        _decode_kernel[(batch, num_kv_heads, splits)](
+            *args, partial, lse, out, scale, page_table.stride(0), splits,
+            GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
+            DIRECT=splits == 1, MIN_SPLIT=_MIN_SPLIT, PDL=launch_pdl, launch_pdl=launch_pdl > 0,
+            **consts, **_DECODE_LAUNCH)
     if splits > 1:
         _merge_kernel[(batch, num_heads)](
             partial, lse, out, cu_seqlens_q, seq_lens, splits, NUM_HEADS=num_heads,
             HEAD_DIM=head_dim, DIM_PAD=consts["DIM_PAD"],
-            SPLITS_PAD=_MAX_SPLITS, BLOCK_N=_block_n(fp8),
+            SPLITS_PAD=_MAX_SPLITS, BLOCK_N=block_n,
             MIN_SPLIT=_MIN_SPLIT, PDL=launch_pdl, launch_pdl=launch_pdl > 0)
