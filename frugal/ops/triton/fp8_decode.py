@@ -24,7 +24,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from frugal.ops.triton.int4_mma import _enter
+from frugal.ops.triton.launch import enter
 
 _CVT_LO = gl.constexpr("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $1; cvt.rn.f16x2.e4m3x2 $0, lo; }")
 _CVT_HI = gl.constexpr("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $1; cvt.rn.f16x2.e4m3x2 $0, hi; }")
@@ -168,7 +168,7 @@ def _kernel(q_ptr, k_ptr, v_ptr, scales_ptr, table_ptr, seq_lens_ptr, cu_ptr, pa
     VP: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(
         4, V_LAYOUT))))
     BLOCK: gl.constexpr = 16 * PAGES
-    _enter(PDL)
+    enter(PDL)
     b = gl.program_id(0)
     kv_head = gl.program_id(1)
     split = gl.program_id(2)

@@ -20,20 +20,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-
-@gluon.jit
-def _enter(PDL: gl.constexpr):
-    """launch.enter for Gluon kernels: wait for the previous kernel (PDL > 0), signalling the
-    next kernel's launch before (3) or after (2) the wait."""
-    if PDL == 3:
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [],
-                                  dtype=gl.int32, is_pure=False, pack=1)
-    if PDL > 0:
-        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32,
-                                  is_pure=False, pack=1)
-    if PDL == 2:
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [],
-                                  dtype=gl.int32, is_pure=False, pack=1)
+from frugal.ops.triton.launch import enter
+from frugal.ops.triton.split_k import epilogue
 
 
 @gluon.jit
@@ -130,7 +118,7 @@ def _kernel(x_ptr, w_ptr, p_ptr, b_ptr, r_ptr, out_ptr, part_ptr, count_ptr, M, 
     p_smem = gl.allocate_shared_memory(gl.int32, [STAGES, HALVES * G, BLOCK_N],
                                        gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     K = K_PARTS * K_ALIGN  # (so the compiler knows x's rows allow 16- or 4-byte copies)
-    _enter(PDL)
+    enter(PDL)
     pid_n = gl.program_id(0)
     per = gl.cdiv(KP // 128, SPLIT_K)
     first = gl.program_id(1) * per
@@ -201,11 +189,11 @@ def _kernel(x_ptr, w_ptr, p_ptr, b_ptr, r_ptr, out_ptr, part_ptr, count_ptr, M, 
                     acc_up += gl.load(rows + s * M * width + N, mask=mask, other=0.0,
                                       cache_modifier=".cg")
             gl.store(count_ptr + pid_n, 0)
-            _epilogue(acc, acc_up, offs_m, offs_n, mask, N, b_ptr, r_ptr, out_ptr, GATED,
-                      HAS_BIAS, HAS_RESIDUAL)
+            epilogue(acc, acc_up, offs_m, offs_n, offs_m < M, offs_n < N, N, b_ptr, r_ptr,
+                     out_ptr, GATED, HAS_BIAS, HAS_RESIDUAL)
     else:
-        _epilogue(acc, acc_up, offs_m, offs_n, mask, N, b_ptr, r_ptr, out_ptr, GATED, HAS_BIAS,
-                  HAS_RESIDUAL)
+        epilogue(acc, acc_up, offs_m, offs_n, offs_m < M, offs_n < N, N, b_ptr, r_ptr, out_ptr,
+                 GATED, HAS_BIAS, HAS_RESIDUAL)
 
 
 @gluon.jit
@@ -228,26 +216,3 @@ def _issue(t, last, w_ptrs, w_mask, x_ptrs, x_mask, xk, K, p_ptrs, p_mask, w_sme
     async_copy.async_copy_global_to_shared(x_dst, x_ptrs + t * 128, mask=x_live)
     async_copy.async_copy_global_to_shared(p_dst, p_ptrs + t * P_STRIDE, mask=p_mask & live)
     async_copy.commit_group()
-
-
-@gluon.jit
-def _epilogue(acc, acc_up, offs_m, offs_n, mask, N, b_ptr, r_ptr, out_ptr,
-              GATED: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_RESIDUAL: gl.constexpr):
-    """out[m, n] = silu(gate) · up if GATED (each with its bias), plus the residual."""
-    n_mask = offs_n < N
-    y = acc
-    if HAS_BIAS:
-        bias = gl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(gl.float32)
-        y += gl.expand_dims(bias, 0)
-    if GATED:
-        up = acc_up
-        if HAS_BIAS:
-            bias = gl.load(b_ptr + N + offs_n, mask=n_mask, other=0.0).to(gl.float32)
-            up += gl.expand_dims(bias, 0)
-        y = y / (1.0 + gl.exp(-y)) * up
-    offs = gl.expand_dims(offs_m * N, 1) + gl.expand_dims(offs_n, 0)
-    if HAS_RESIDUAL:
-        y += gl.load(r_ptr + offs, mask=mask, other=0.0).to(gl.float32)
-    gl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
-
-
