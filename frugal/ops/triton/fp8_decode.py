@@ -44,13 +44,12 @@ def _widen(words):
 
 @gluon.jit
 def _load_block(k_ptr, v_ptr, table_ptr, start, last, kv_head, k_offs, v_offs,
-                KP: gl.constexpr, VP: gl.constexpr, NUM_KV_HEADS: gl.constexpr,
+                K_LAYOUT: gl.constexpr, V_LAYOUT: gl.constexpr, NUM_KV_HEADS: gl.constexpr,
                 HEAD_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr, PAGES: gl.constexpr):
     """Issue the loads of the block of 16·PAGES keys at `start` (nothing at or past `last`):
-    K words [PAGES, 2, 8, 4, D/16] and V words [D/16, 2, 8, PAGES, 4] in their load layouts
-    (KP, VP: the layouts of the per-sub-block page indices)."""
-    kp = gl.arange(0, PAGES, KP)
-    vp = gl.arange(0, PAGES, VP)
+    K words [PAGES, 2, 8, 4, D/16] in K_LAYOUT and V words [D/16, 2, 8, PAGES, 4] in V_LAYOUT."""
+    kp = gl.arange(0, PAGES, _line(0, K_LAYOUT))
+    vp = gl.arange(0, PAGES, _line(3, V_LAYOUT))
     k_live = start + 16 * kp < last
     v_live = start + 16 * vp < last
     k_page = gl.load(table_ptr + (start + 16 * kp) // PAGE_SIZE, mask=k_live, other=0)
@@ -60,39 +59,32 @@ def _load_block(k_ptr, v_ptr, table_ptr, start, last, kv_head, k_offs, v_offs,
               + kv_head) * (HEAD_DIM // 4)
     v_base = ((v_page.to(gl.int64) * NUM_KV_HEADS + kv_head) * HEAD_DIM * (PAGE_SIZE // 4)
               + (start + 16 * vp) % PAGE_SIZE // 4)
-    k_base = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(k_base, 1), 2), 3), 4)
-    k_live = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(k_live, 1), 2), 3), 4)
-    v_base = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(v_base, 0), 1), 2), 4)
-    v_live = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(v_live, 0), 1), 2), 4)
-    k = gl.load(k_ptr + (k_base + k_offs), mask=k_live, other=0)
-    v = gl.load(v_ptr + (v_base + v_offs), mask=v_live, other=0)
+    k = gl.load(k_ptr + (_expand(k_base, 0) + k_offs), mask=_expand(k_live, 0), other=0)
+    v = gl.load(v_ptr + (_expand(v_base, 3) + v_offs), mask=_expand(v_live, 3), other=0)
     return k, v
+
+
+@gluon.constexpr_function
+def _line(dim, layout):
+    """The rank-1 layout of dimension `dim` of a rank-5 layout (the others sliced away)."""
+    for d in reversed([d for d in range(5) if d != dim]):
+        layout = gl.SliceLayout(d, layout)
+    return layout
+
+
+@gluon.jit
+def _expand(x, DIM: gl.constexpr):
+    """x [n] in _line(DIM, L) -> [1, .., n, .., 1] (n at DIM) in L."""
+    for d in gl.static_range(5):
+        if d != DIM:
+            x = gl.expand_dims(x, d)
+    return x
 
 
 @gluon.jit
 def _axis(SIZE: gl.constexpr, DIM: gl.constexpr, LAYOUT: gl.constexpr):
     """arange(SIZE) along dimension DIM of a rank-5 LAYOUT, the other dimensions 1."""
-    if DIM == 0:
-        x = gl.arange(0, SIZE, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(
-            3, gl.SliceLayout(4, LAYOUT)))))
-        x = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(x, 1), 2), 3), 4)
-    elif DIM == 1:
-        x = gl.arange(0, SIZE, gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(
-            3, gl.SliceLayout(4, LAYOUT)))))
-        x = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(x, 0), 2), 3), 4)
-    elif DIM == 2:
-        x = gl.arange(0, SIZE, gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(
-            3, gl.SliceLayout(4, LAYOUT)))))
-        x = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(x, 0), 1), 3), 4)
-    elif DIM == 3:
-        x = gl.arange(0, SIZE, gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(
-            2, gl.SliceLayout(4, LAYOUT)))))
-        x = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(x, 0), 1), 2), 4)
-    else:
-        x = gl.arange(0, SIZE, gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(
-            2, gl.SliceLayout(3, LAYOUT)))))
-        x = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(x, 0), 1), 2), 3)
-    return x
+    return _expand(gl.arange(0, SIZE, _line(DIM, LAYOUT)), DIM)
 
 
 @gluon.jit
@@ -163,10 +155,6 @@ def _kernel(q_ptr, k_ptr, v_ptr, scales_ptr, table_ptr, seq_lens_ptr, cu_ptr, pa
                                               [4, 3, 2, 1, 0])
     V_LAYOUT: gl.constexpr = gl.BlockedLayout([1, 1, 1, 1, 1], [1, 1, 8, 1, 4], [1, 1, 1, 1, 1],
                                               [4, 3, 2, 1, 0])
-    KP: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(
-        4, K_LAYOUT))))
-    VP: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(
-        4, V_LAYOUT))))
     BLOCK: gl.constexpr = 16 * PAGES
     enter(PDL)
     b = gl.program_id(0)
@@ -196,10 +184,11 @@ def _kernel(q_ptr, k_ptr, v_ptr, scales_ptr, table_ptr, seq_lens_ptr, cu_ptr, pa
     l_i = gl.zeros([8], gl.float32, layout=gl.SliceLayout(0, MMA))
     acc = gl.zeros([HEAD_DIM, 8], gl.float32, layout=MMA)
     k_words, v_words = _load_block(k_ptr, v_ptr, table, first, last, kv_head, k_offs, v_offs,
-                                   KP, VP, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, PAGES)
+                                   K_LAYOUT, V_LAYOUT, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, PAGES)
     for start in range(first, last, BLOCK):
         k_next, v_next = _load_block(k_ptr, v_ptr, table, start + BLOCK, last, kv_head, k_offs,
-                                     v_offs, KP, VP, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, PAGES)
+                                     v_offs, K_LAYOUT, V_LAYOUT, NUM_KV_HEADS, HEAD_DIM,
+                                     PAGE_SIZE, PAGES)
         m_i, l_i, acc = _step(k_words, v_words, q, start, last, m_i, l_i, acc, qk_scale, PAGES,
                               MMA)
         k_words = k_next
