@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from frugal.quant import divide
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
@@ -77,13 +79,13 @@ def quantize_fp8(weight: torch.Tensor, block: int | None = None) -> Fp8Weight:
     w = weight.float()
     n, k = w.shape
     if block is None:
-        scale = w.abs().amax(1, keepdim=True) / FP8_MAX
+        scale = divide(w.abs().amax(1, keepdim=True), FP8_MAX)
     else:
         rows, cols = -(-n // block) * block, -(-k // block) * block
         padded = torch.zeros(rows, cols, device=w.device)
         padded[:n, :k] = w
         tiles = padded.view(rows // block, block, cols // block, block)
-        scale = tiles.abs().amax((1, 3)) / FP8_MAX
+        scale = divide(tiles.abs().amax((1, 3)), FP8_MAX)
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     data = (w / expand(scale, block, n, k)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return Fp8Weight(data, scale, block)

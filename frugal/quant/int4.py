@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from frugal.quant import divide
+
 GROUP_SIZES = (32, 64, 128)
 
 
@@ -119,12 +121,12 @@ def group_params(w: torch.Tensor, symmetric: bool) -> tuple[torch.Tensor, torch.
     """Scale and integer zero of each group (the last dim of w), as quantize_rtn sets them;
     scales rounded to fp32 (as stored)."""
     if symmetric:
-        scale = w.abs().amax(-1) / 7.5
+        scale = divide(w.abs().amax(-1), 7.5)
         zero = torch.full_like(scale, 8.0)
     else:
         lo = w.amin(-1).clamp(max=0.0)
         hi = w.amax(-1).clamp(min=0.0)
-        scale = (hi - lo) / 15.0
+        scale = divide(hi - lo, 15.0)
         zero = torch.round(-lo / torch.where(scale > 0, scale, 1.0)).clamp(0, 15)
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero group
     return scale.float().to(w.dtype), zero

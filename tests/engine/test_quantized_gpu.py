@@ -2,8 +2,11 @@
 dequantize-then-cuBLAS path (prefill) scores like the CPU path on the same quantized weights."""
 
 import pytest
+import torch
 
 from frugal import LLM, SamplingParams
+from frugal.quant.fp8 import quantize_fp8
+from frugal.quant.int4 import quantize_rtn
 from tests.engine.test_fp8_kv import tiny_dir
 
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12], [100, 3] * 40]  # the last one prefills 80 rows
@@ -37,3 +40,20 @@ def test_quantized_gpu_scores_like_cpu(tmp_path, scheme, dtype, tol):
             assert abs(lp_gpu - lp_cpu) < tol
             compared += 1
     assert compared >= len(PROMPTS)
+
+
+@pytest.mark.gpu
+def test_rounding_is_the_same_on_gpu_and_cpu():
+    """The same weight gets the same codes and scales on either device (a scale of amax / 7.5
+    one ulp off sends each group's largest weight across the ±7.5 rounding tie)."""
+    torch.manual_seed(0)
+    w = torch.randn(320, 192) * 0.05
+    for symmetric in (True, False):
+        for group in (32, 64):
+            a, b = quantize_rtn(w, group, symmetric), quantize_rtn(w.cuda(), group, symmetric)
+            assert torch.equal(a.codes(), b.codes().cpu())
+            assert torch.equal(a.scales, b.scales.cpu())
+    for block in (None, 64):
+        a, b = quantize_fp8(w, block), quantize_fp8(w.cuda(), block)
+        assert torch.equal(a.scales, b.scales.cpu())
+        assert torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8).cpu())
