@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from timing import graph_time
 
-from frugal.ops.triton import attention
+from frugal.ops.triton import attention, fp8_decode
 from frugal.ops.triton.attention import paged_attention
 
 SHAPES = [(1, 4096), (1, 32768), (8, 4096), (32, 4096), (64, 4096), (64, 16384)]
@@ -85,7 +85,7 @@ def sweep(heads: int, kv_heads: int, dim: int, page: int) -> None:
     """Time the FP8 decode kernel under each variant (module settings patched)."""
     print("| batch | seq_len | pages per step | splits | µs | FP8 TB/s |")
     print("|---|---|---|---|---|---|")
-    default = (attention._FP8_PAGES, attention.fp8_decode_splits)
+    default = (fp8_decode.PAGES, fp8_decode.split_count)
     for batch, seq_len in SWEEP_SHAPES:
         kv_bytes = batch * seq_len * kv_heads * dim * 2  # FP8 K and V
         q, cu, lens, scales, copies, pages_per = decode_inputs(batch, seq_len, heads, kv_heads,
@@ -101,14 +101,14 @@ def sweep(heads: int, kv_heads: int, dim: int, page: int) -> None:
                                    seq_len, scales)
                  for k, v, t in (caches[i % copies] for i in range(20))]
         for pages, splits in itertools.product(SWEEP_PAGES, SWEEP_SPLITS):
-            attention._FP8_PAGES = pages
-            attention.fp8_decode_splits = (default[1] if splits is None
-                                           else lambda *_, n=splits: n)
+            fp8_decode.PAGES = pages
+            fp8_decode.split_count = default[1] if splits is None else lambda *_, n=splits: n
             ms = graph_time(calls)
-            shown = default[1](batch, kv_heads, seq_len, q.device) if splits is None else splits
+            shown = (default[1](batch, kv_heads, seq_len, q.device, attention._MAX_SPLITS)
+                     if splits is None else splits)
             print(f"| {batch} | {seq_len} | {pages} | {shown}{'' if splits else ' (own)'} | "
                   f"{ms * 1e3:.1f} | {kv_bytes / ms / 1e9:.2f} |", flush=True)
-        attention._FP8_PAGES, attention.fp8_decode_splits = default
+        fp8_decode.PAGES, fp8_decode.split_count = default
 
 
 def main() -> None:

@@ -9,4 +9,3 @@ def divide(x: torch.Tensor, divisor: float) -> torch.Tensor:
     amax / 7.5 then sends a group's largest weight to either side of the ±7.5 rounding tie, and
     the same checkpoint quantizes to other codes on the GPU than on the CPU.)"""
     return x / torch.full_like(x, divisor)
-

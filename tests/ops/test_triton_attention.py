@@ -8,6 +8,7 @@ from frugal.ops import torch_ref
 
 triton_attention = pytest.importorskip("frugal.ops.triton.attention")
 kv_store = pytest.importorskip("frugal.ops.triton.kv_store")
+fp8_decode = pytest.importorskip("frugal.ops.triton.fp8_decode")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 2e-3, torch.bfloat16: 3e-2}
 
@@ -225,15 +226,15 @@ def test_fp8_decode_kernel_on_gpu(pages, heads, kv_heads, dim, page, splits, mon
     """The FP8 decode kernel (fp8_decode) in each variant: keys per step, its own split count,
     one split (its output written directly) or many, groups of 1-8 heads, d of 64-256, pages of
     16 and 32, context lengths around page and block edges."""
-    monkeypatch.setattr(triton_attention, "_FP8_PAGES", pages)
+    monkeypatch.setattr(fp8_decode, "PAGES", pages)
     if splits is not None:
-        monkeypatch.setattr(triton_attention, "fp8_decode_splits", lambda *_: splits)
+        monkeypatch.setattr(fp8_decode, "split_count", lambda *_: splits)
     lens = [1, 15, 16, 17, 33, 100, 1000, 2049]
     scales = fp8_scales(kv_heads, seed=pages)
     q, k_cache, v_cache, table, cu, lens_t = make_case(lens, [1] * len(lens), heads, kv_heads,
                                                        dim, page, torch.bfloat16, seed=dim,
                                                        scales=scales)
-    assert triton_attention._fp8_decode_fits(q, heads // kv_heads, dim, page)
+    assert fp8_decode.fits(q, heads // kv_heads, dim, page)
     args = (q, k_cache, v_cache, table, cu, lens_t, dim ** -0.5, 1, max(lens), scales.to(DEVICE))
     ours = triton_attention.paged_attention(*args)
     assert torch.isfinite(ours).all()

@@ -115,4 +115,3 @@ def test_on_the_fly_int4_of_a_float_checkpoint(tmp_path):
     assert llm.engine.runner.model.lm_head.qweight is None
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 4
-

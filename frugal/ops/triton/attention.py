@@ -10,7 +10,6 @@ group's query heads, so K/V are read once per group, as in decode.
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -18,6 +17,7 @@ import triton
 import triton.language as tl
 
 from frugal.ops.triton import fp8_decode
+from frugal.ops.triton.decode_split import merge_kernel, split_len
 from frugal.ops.triton.launch import enter, pdl
 
 # The CPU interpreter's bf16 tl.dot is wrong: compute the products in fp32 there.
@@ -36,13 +36,7 @@ _MIN_SPLIT = 64
 # compile a kernel inside it); slices that saw no keys are not read.
 _MAX_SPLITS = 64
 _DECODE_LAUNCH = {"num_warps": 4, "num_stages": 3}  # Triton's defaults, measured in benchmarks/
-# The FP8 decode kernel (fp8_decode, one warp per program): 16-key blocks per inner step, and
-# how many of its warps an SM holds (registers at d=128: 128, 166, 255). A step splits contexts
-# until its programs fill one such wave of warps (measured best on the H200: programs past one
-# wave wait for a second, and splits past it only add partials to merge).
-_FP8_GLUON = True
-_FP8_PAGES = 2
-_FP8_WARPS_PER_SM = {1: 16, 2: 12, 4: 8}
+_FP8_GLUON = True  # FP8 decodes run fp8_decode's kernel where it fits (False: the Triton one)
 
 
 @triton.jit
@@ -107,12 +101,6 @@ def _softmax_step(q, k, v, allowed, m_i, l_i, acc, qk_scale, PRECISION: tl.const
     return m_new, l_i, acc
 
 
-@triton.jit
-def _split_len(seq_len, num_splits, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr):
-    """Keys per context slice of a decode request: whole blocks, at least MIN_SPLIT."""
-    return tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N, MIN_SPLIT)
-
-
 @triton.jit(do_not_specialize=["pages_stride", "num_splits"])
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, scales_ptr, page_table_ptr, seq_lens_ptr,
                    cu_ptr, partial_ptr, lse_ptr, out_ptr, scale, pages_stride, num_splits,
@@ -131,7 +119,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, scales_ptr, page_table_ptr, 
     seq_len = tl.load(seq_lens_ptr + b)
     row = tl.load(cu_ptr + b)  # the request's (single) new token
     # this split's slice of the context, in whole blocks of BLOCK_N tokens
-    per_split = _split_len(seq_len, num_splits, BLOCK_N, MIN_SPLIT)
+    per_split = split_len(seq_len, num_splits, BLOCK_N, MIN_SPLIT)
     first = split * per_split
     last = tl.minimum(first + per_split, seq_len)
 
@@ -173,32 +161,6 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, scales_ptr, page_table_ptr, 
     lse = tl.where(has_work, (m_i + tl.log2(tl.where(has_work, l_i, 1.0))) / 1.4426950408889634,
                    float("-inf"))
     tl.store(lse_ptr + out_row, lse, mask=g_mask)
-
-
-@triton.jit(do_not_specialize=["num_splits"])
-def _merge_kernel(partial_ptr, lse_ptr, out_ptr, cu_ptr, seq_lens_ptr, num_splits,
-                  NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
-                  SPLITS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr,
-                  PDL: tl.constexpr):
-    enter(PDL)
-    b = tl.program_id(0)
-    head = tl.program_id(1)
-    s = tl.arange(0, SPLITS_PAD)
-    d = tl.arange(0, DIM_PAD)
-    base = (b * NUM_HEADS + head) * num_splits
-    # only the splits that saw keys (as the decode kernel cut the context)
-    seq_len = tl.load(seq_lens_ptr + b)
-    per_split = _split_len(seq_len, num_splits, BLOCK_N, MIN_SPLIT)
-    live = s < tl.minimum(tl.cdiv(seq_len, per_split), num_splits)
-    lse = tl.load(lse_ptr + base + s, mask=live, other=float("-inf"))
-    top = tl.max(lse, 0)
-    w = tl.where(lse > float("-inf"), tl.exp(lse - top), 0.0)
-    part = tl.load(partial_ptr + (base + s)[:, None] * HEAD_DIM + d[None, :],
-                   mask=live[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
-    out = tl.sum(part * w[:, None], 0) / tl.maximum(tl.sum(w, 0), 1e-30)
-    row = tl.load(cu_ptr + b)
-    tl.store(out_ptr + (row * NUM_HEADS + head) * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty),
-             mask=d < HEAD_DIM)
 
 
 @triton.jit(do_not_specialize=["pages_stride", "first"])
@@ -324,41 +286,16 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out
 
 
-def _fp8_decode_fits(q: torch.Tensor, group: int, head_dim: int, page_size: int) -> bool:
-    """Whether fp8_decode runs this decode: CUDA sm_89+ (FP8 conversions), at most 8 query
-    heads per KV head, head_dim a multiple of 64 and page_size of 16."""
-    if q.device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
-        return False
-    return (torch.cuda.get_device_capability(q.device) >= (8, 9) and group <= 8
-            and head_dim % 64 == 0 and page_size % 16 == 0)
-
-
-@functools.cache
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def fp8_decode_splits(num_requests: int, num_kv_heads: int, max_seq_len: int,
-                      device: torch.device) -> int:
-    """Context slices per (request, KV head) for fp8_decode: as many as one wave of its
-    one-warp programs holds, each at least one block of keys. Host values only (CUDA-graph
-    friendly)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    wave = _num_sms(index) * _FP8_WARPS_PER_SM.get(_FP8_PAGES, 8)
-    wanted = wave // max(num_requests * num_kv_heads, 1)
-    return max(1, min(wanted, triton.cdiv(max_seq_len, 16 * _FP8_PAGES), _MAX_SPLITS))
-
-
 def _decode(args: tuple, out: torch.Tensor, scale: float, batch: int, max_seq_len: int,
             consts: dict) -> None:
     """The decode kernel (and the merge of its splits) for requests 0 .. batch - 1."""
     q, k_cache, v_cache, scales, page_table, seq_lens, cu_seqlens_q = args
     fp8, num_heads, head_dim = consts["FP8"], consts["NUM_HEADS"], consts["HEAD_DIM"]
     num_kv_heads, group = consts["NUM_KV_HEADS"], consts["GROUP"]
-    gluon = fp8 and _FP8_GLUON and _fp8_decode_fits(q, group, head_dim, consts["PAGE_SIZE"])
+    gluon = fp8 and _FP8_GLUON and fp8_decode.fits(q, group, head_dim, consts["PAGE_SIZE"])
     if gluon:
-        block_n = 16 * _FP8_PAGES
-        splits = fp8_decode_splits(batch, num_kv_heads, max_seq_len, q.device)
+        block_n = 16 * fp8_decode.PAGES
+        splits = fp8_decode.split_count(batch, num_kv_heads, max_seq_len, q.device, _MAX_SPLITS)
     else:
         block_n = _block_n(fp8)
         splits = num_decode_splits(batch, num_kv_heads, max_seq_len, fp8)
@@ -371,7 +308,7 @@ def _decode(args: tuple, out: torch.Tensor, scale: float, batch: int, max_seq_le
             q, k_cache.view(torch.int32), v_cache.view(torch.int32), scales, page_table,
             seq_lens, cu_seqlens_q, partial, lse, out, scale, page_table.stride(0), splits,
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim,
-            PAGE_SIZE=consts["PAGE_SIZE"], PAGES=_FP8_PAGES, DIRECT=splits == 1,
+            PAGE_SIZE=consts["PAGE_SIZE"], PAGES=fp8_decode.PAGES, DIRECT=splits == 1,
             MIN_SPLIT=_MIN_SPLIT, PDL=launch_pdl, num_warps=1,
             launch_pdl=launch_pdl > 0)
     else:
@@ -381,7 +318,7 @@ def _decode(args: tuple, out: torch.Tensor, scale: float, batch: int, max_seq_le
             DIRECT=splits == 1, MIN_SPLIT=_MIN_SPLIT, PDL=launch_pdl, launch_pdl=launch_pdl > 0,
             **consts, **_DECODE_LAUNCH)
     if splits > 1:
-        _merge_kernel[(batch, num_heads)](
+        merge_kernel[(batch, num_heads)](
             partial, lse, out, cu_seqlens_q, seq_lens, splits, NUM_HEADS=num_heads,
             HEAD_DIM=head_dim, DIM_PAD=consts["DIM_PAD"],
             SPLITS_PAD=_MAX_SPLITS, BLOCK_N=block_n,

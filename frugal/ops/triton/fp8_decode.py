@@ -20,15 +20,53 @@ block are issued before the products of this one.
 
 from __future__ import annotations
 
+import functools
+import os
+
+import torch
+import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
+from frugal.ops.triton.decode_split import split_len
 from frugal.ops.triton.launch import enter
+
+# 16-key blocks per inner step, and how many of the kernel's warps an SM holds at each
+# (registers at d=128: 128, 166, 255). A step splits contexts until its programs fill one such
+# wave of warps (measured best on the H200: programs past one wave wait for a second, and
+# splits past it only add partials to merge).
+PAGES = 2
+_WARPS_PER_SM = {1: 16, 2: 12, 4: 8}
 
 _CVT_LO = gl.constexpr("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $1; cvt.rn.f16x2.e4m3x2 $0, lo; }")
 _CVT_HI = gl.constexpr("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $1; cvt.rn.f16x2.e4m3x2 $0, hi; }")
 _TRANSPOSE = gl.constexpr("movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;")
+
+
+def fits(q: torch.Tensor, group: int, head_dim: int, page_size: int) -> bool:
+    """Whether this kernel runs a decode: CUDA sm_89+ (FP8 conversions), at most 8 query heads
+    per KV head, head_dim a multiple of 64 and page_size of 16."""
+    if q.device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    return (torch.cuda.get_device_capability(q.device) >= (8, 9) and group <= 8
+            and head_dim % 64 == 0 and page_size % 16 == 0)
+
+
+@functools.cache
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def split_count(num_requests: int, num_kv_heads: int, max_seq_len: int, device: torch.device,
+               most: int) -> int:
+    """Context slices per (request, KV head): as many as one wave of the one-warp programs
+    holds, each at least one block of keys, at most `most`. Host values only (CUDA-graph
+    friendly)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    wave = _num_sms(index) * _WARPS_PER_SM.get(PAGES, 8)
+    wanted = wave // max(num_requests * num_kv_heads, 1)
+    return max(1, min(wanted, triton.cdiv(max_seq_len, 16 * PAGES), most))
 
 
 @gluon.jit
@@ -146,7 +184,7 @@ def _kernel(q_ptr, k_ptr, v_ptr, scales_ptr, table_ptr, seq_lens_ptr, cu_ptr, pa
     """Program (request b, KV head, split): keys [first, last) of b's context. q: [tokens,
     heads, D] (row cu[b]); k_ptr/v_ptr: the FP8 pools viewed as int32 words; scales [2, KV
     heads] (K, V). DIRECT: write the output; else the split's normalized partial [D] per head
-    and its natural-log LSE, merged by attention._merge_kernel."""
+    and its natural-log LSE, merged by decode_split.merge_kernel."""
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1],
                                                   instr_shape=[16, 8])
     B_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
@@ -162,7 +200,7 @@ def _kernel(q_ptr, k_ptr, v_ptr, scales_ptr, table_ptr, seq_lens_ptr, cu_ptr, pa
     split = gl.program_id(2)
     seq_len = gl.load(seq_lens_ptr + b)
     row = gl.load(cu_ptr + b)
-    per_split = gl.maximum(gl.cdiv(gl.cdiv(seq_len, num_splits), BLOCK) * BLOCK, MIN_SPLIT)
+    per_split = split_len(seq_len, num_splits, BLOCK, MIN_SPLIT)
     first = split * per_split
     last = gl.minimum(first + per_split, seq_len)
     table = table_ptr + b * pages_stride
@@ -197,8 +235,9 @@ def _kernel(q_ptr, k_ptr, v_ptr, scales_ptr, table_ptr, seq_lens_ptr, cu_ptr, pa
     has_work = l_i > 0
     out = acc * gl.expand_dims(v_scale / gl.where(has_work, l_i, 1.0), 0)
     dd = gl.expand_dims(gl.arange(0, HEAD_DIM, gl.SliceLayout(1, MMA)), 1)
-    heads = kv_head * GROUP + gl.arange(0, 8, gl.SliceLayout(0, MMA))
-    live = gl.expand_dims(gl.arange(0, 8, gl.SliceLayout(0, MMA)) < GROUP, 0)
+    col = gl.arange(0, 8, gl.SliceLayout(0, MMA))
+    heads = kv_head * GROUP + col
+    live = gl.expand_dims(col < GROUP, 0)
     if DIRECT:
         gl.store(out_ptr + gl.expand_dims(row * NUM_HEADS + heads, 0) * HEAD_DIM + dd,
                  out.to(out_ptr.dtype.element_ty), mask=live)
@@ -207,5 +246,4 @@ def _kernel(q_ptr, k_ptr, v_ptr, scales_ptr, table_ptr, seq_lens_ptr, cu_ptr, pa
         gl.store(partial_ptr + gl.expand_dims(out_row, 0) * HEAD_DIM + dd, out, mask=live)
         lse = gl.where(has_work, (m_i + gl.log2(gl.where(has_work, l_i, 1.0)))
                        / 1.4426950408889634, float("-inf"))
-        gl.store(lse_ptr + out_row, lse,
-                 mask=gl.arange(0, 8, gl.SliceLayout(0, MMA)) < GROUP)
+        gl.store(lse_ptr + out_row, lse, mask=col < GROUP)
