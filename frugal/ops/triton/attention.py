@@ -54,29 +54,41 @@ def _dot_dtype(q, DOT_F32: tl.constexpr, FP8: tl.constexpr):
 @triton.jit
 def _load_kv(k_cache_ptr, v_cache_ptr, table_ptr, pos, n_mask, end, d, d_mask, kv_head, q,
              NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-             DOT_F32: tl.constexpr, FP8: tl.constexpr):
+             DOT_F32: tl.constexpr, FP8: tl.constexpr, MASKED: tl.constexpr = True):
     """K and V rows [BLOCK_N, DIM_PAD] of context positions `pos` (a block starting at a
     multiple of PAGE_SIZE), gathered through the page table of one request; masked rows (pos >=
-    end) read as 0. Cast to q's dtype for the dot.
+    end) read as 0. Cast to q's dtype for the dot. MASKED False: every pos < end and
+    HEAD_DIM == DIM_PAD, nothing is masked.
 
     FP8: V is key-minor, so a page's keys load as runs of PAGE_SIZE bytes; the mask is per page
     (rows past `end` in the last page are read: pool memory, never NaN, and their weights are 0).
     """
-    page = tl.load(table_ptr + pos // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+    if MASKED:
+        page = tl.load(table_ptr + pos // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+    else:
+        page = tl.load(table_ptr + pos // PAGE_SIZE).to(tl.int64)
     slot = page * PAGE_SIZE + pos % PAGE_SIZE
     offs = (slot * NUM_KV_HEADS + kv_head)[:, None] * HEAD_DIM + d[None, :]
     mask = n_mask[:, None] & d_mask[None, :]
-    k = tl.load(k_cache_ptr + offs, mask=mask, other=0.0)
+    if MASKED:
+        k = tl.load(k_cache_ptr + offs, mask=mask, other=0.0)
+    else:
+        k = tl.load(k_cache_ptr + offs)
     if FP8:
         # runs of keys contiguous in memory: a page, or the whole block if pages are longer
         RUN: tl.constexpr = PAGE_SIZE if PAGE_SIZE < pos.shape[0] else pos.shape[0]
         rows = (page * NUM_KV_HEADS + kv_head) * HEAD_DIM * PAGE_SIZE + pos % PAGE_SIZE
         rows = tl.max_contiguous(tl.multiple_of(rows, RUN), RUN)
-        in_page = (pos // PAGE_SIZE * PAGE_SIZE) < end
-        v = tl.load(v_cache_ptr + rows[:, None] + (d * PAGE_SIZE)[None, :],
-                    mask=in_page[:, None] & d_mask[None, :], other=0.0)
-    else:
+        v_ptrs = v_cache_ptr + rows[:, None] + (d * PAGE_SIZE)[None, :]
+        if MASKED:
+            in_page = (pos // PAGE_SIZE * PAGE_SIZE) < end
+            v = tl.load(v_ptrs, mask=in_page[:, None] & d_mask[None, :], other=0.0)
+        else:
+            v = tl.load(v_ptrs)
+    elif MASKED:
         v = tl.load(v_cache_ptr + offs, mask=mask, other=0.0)
+    else:
+        v = tl.load(v_cache_ptr + offs)
     if DOT_F32:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
@@ -87,11 +99,14 @@ def _load_kv(k_cache_ptr, v_cache_ptr, table_ptr, pos, n_mask, end, d, d_mask, k
 
 
 @triton.jit
-def _softmax_step(q, k, v, allowed, m_i, l_i, acc, qk_scale, PRECISION: tl.constexpr):
-    """One block of online softmax (log2 units): scores q·kᵀ where allowed, then rescale the
-    running max m_i, sum l_i and output acc. Returns the updated (m_i, l_i, acc)."""
+def _softmax_step(q, k, v, allowed, m_i, l_i, acc, qk_scale, PRECISION: tl.constexpr,
+                  MASKED: tl.constexpr = True):
+    """One block of online softmax (log2 units): scores q·kᵀ where allowed (everywhere if not
+    MASKED), then rescale the running max m_i, sum l_i and output acc. Returns the updated
+    (m_i, l_i, acc)."""
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-    s = tl.where(allowed, s, float("-inf"))
+    if MASKED:
+        s = tl.where(allowed, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)  # a row with nothing allowed yet
     alpha = tl.exp2(m_i - m_safe)
@@ -201,15 +216,25 @@ def _extend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, scales_ptr, page_table_ptr, 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
-        # keys up to the last new token of this block (causal)
+        # keys up to the last new token of this block (causal); the blocks every row sees
+        # whole (before the first row's position) run without masks
         end = tl.minimum(seq_len, seq_len - num_new + (block + 1) * TOKENS)
+        seen = (seq_len - num_new + block * TOKENS + 1) // BLOCK_N * BLOCK_N
+        if HEAD_DIM != DIM_PAD:
+            seen = 0
+        table = page_table_ptr + b * pages_stride
         n = tl.arange(0, BLOCK_N)
-        for kv_start in range(0, end, BLOCK_N):
+        for kv_start in range(0, seen, BLOCK_N):
+            pos = tl.multiple_of(kv_start, BLOCK_N) + n
+            k, v = _load_kv(k_cache_ptr, v_cache_ptr, table, pos, pos < end, end, d, d_mask,
+                            kv_head, q, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, DOT_F32, FP8, False)
+            m_i, l_i, acc = _softmax_step(q, k, v, None, m_i, l_i, acc, qk_scale, PRECISION,
+                                          False)
+        for kv_start in range(seen, end, BLOCK_N):
             pos = tl.multiple_of(kv_start, BLOCK_N) + n
             n_mask = pos < end
-            k, v = _load_kv(k_cache_ptr, v_cache_ptr, page_table_ptr + b * pages_stride, pos,
-                            n_mask, end, d, d_mask, kv_head, q, NUM_KV_HEADS, HEAD_DIM,
-                            PAGE_SIZE, DOT_F32, FP8)
+            k, v = _load_kv(k_cache_ptr, v_cache_ptr, table, pos, n_mask, end, d, d_mask,
+                            kv_head, q, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, DOT_F32, FP8)
             allowed = (pos[None, :] <= q_pos[:, None]) & n_mask[None, :]
             m_i, l_i, acc = _softmax_step(q, k, v, allowed, m_i, l_i, acc, qk_scale, PRECISION)
         out = acc * (v_scale / tl.where(l_i > 0, l_i, 1.0))[:, None]
