@@ -125,26 +125,31 @@ class LLMEngine:
         ModelRunner.can_follow) has the next decode step of the same requests launched before
         its own tokens are read, so the device never waits for the host's bookkeeping; that next
         step is what the following call finishes. A request that finished meanwhile has its
-        row of it ignored; a launched step whose requests all finished is dropped.
+        row of it ignored, and a request this step brings to its length limit is left out of
+        the next one: the others go on overlapped as the batch shrinks. A launched step whose
+        requests all finished is dropped.
         """
         step, self._inflight = self._inflight, None
         self.scheduler.ahead.clear()  # what was reserved ahead is this step's now
         if step is not None and all(r.finished for r in step.out.requests):
             step = None  # nobody waits for it (the device still runs it, harmlessly)
-        elif step is not None and any(r.finished for r in step.out.requests):
-            return self._apply(step, self.runner.finish(step))  # nothing follows a shrunk batch
         if step is None:
             out = self.scheduler.schedule()
             self.num_preemptions += len(out.preempted)
             if not out.requests:
                 return []
             step = self.runner.launch(out)
-        requests = step.out.requests
-        if (self.overlap and not self.scheduler.can_admit() and self.runner.can_follow(step)
-                and all(r.num_tokens + 1 < r.max_total_tokens for r in requests)  # none at its
-                and self.scheduler.reserve_ahead(requests)):                       # length limit
-            follow = SchedulerOutput(list(requests), [1] * len(requests))
-            self._inflight = self.runner.launch(follow, after=step)
+        # the next decode step follows the requests of this one that go on after it: not
+        # finished, not at their length limit with this step's token
+        rows = [i for i, r in enumerate(step.out.requests)
+                if not r.finished and r.num_tokens + 1 < r.max_total_tokens]
+        requests = [step.out.requests[i] for i in rows]
+        if (self.overlap and requests and not self.scheduler.can_admit()
+                and self.runner.can_follow(step) and self.scheduler.reserve_ahead(requests)):
+            follow = SchedulerOutput(requests, [1] * len(requests))
+            shrunk = len(rows) < len(step.out.requests)
+            self._inflight = self.runner.launch(follow, after=step,
+                                                rows=rows if shrunk else None)
         try:
             result = self.runner.finish(step)
         except BaseException:

@@ -16,7 +16,7 @@ from frugal.engine.cuda_graph import DecodeGraphs
 from frugal.engine.memory import LOGITS_ROWS, kv_budget
 from frugal.engine.sampler import Sampler, token_logprobs
 from frugal.engine.scheduler import SchedulerOutput
-from frugal.engine.step_inputs import StepInputs, prepare
+from frugal.engine.step_inputs import StepInputs, prepare, upload
 from frugal.kv_cache.page_allocator import PageAllocator
 from frugal.kv_cache.pool import KVPool
 from frugal.layers.linear import quantize_layers
@@ -196,15 +196,22 @@ class ModelRunner:
         return self.finish(self.launch(out))
 
     @torch.inference_mode()
-    def launch(self, out: SchedulerOutput, after: Launched | None = None) -> Launched:
+    def launch(self, out: SchedulerOutput, after: Launched | None = None,
+               rows: list[int] | None = None) -> Launched:
         """Queue one step on the device, sampling included, without waiting for it.
 
         after: the step still in flight that this decode step follows (see can_follow); its
-        sampled tokens become this step's inputs on the device.
+        sampled tokens become this step's inputs on the device. rows: which of after's
+        requests out.requests are, in order (default: all of them).
         """
         check = self.integrity
-        inputs = prepare(out, self.pool.page_size, self.device,
-                         next_tokens=None if after is None else after.tokens, check=check,
+        next_tokens = None
+        if after is not None:
+            next_tokens = after.tokens
+            if rows is not None:
+                next_tokens = next_tokens[upload(rows, torch.int64, self.device)]
+        inputs = prepare(out, self.pool.page_size, self.device, next_tokens=next_tokens,
+                         check=check,
                          tag_updates=self.allocator.take_tag_updates() if check else None)
         step = Launched(out, inputs)
         if inputs.tag_updates is not None:

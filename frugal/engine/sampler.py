@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import torch
 
+from frugal.engine.step_inputs import upload
 from frugal.request import Request, TokenLogprob
 
 
@@ -38,31 +39,34 @@ class Sampler:
             for i in early:
                 p = params[i]
                 banned = p.stop_token_ids + ([] if p.ignore_eos else self.eos_token_ids)
-                logits[i, banned] = float("-inf")
+                logits[i, upload(banned, torch.int64, logits.device)] = float("-inf")
         greedy = self.argmax(logits)
         if all(p.greedy for p in params):
             return greedy
         n, vocab = logits.shape
         logits = logits.float()
-        temperature = torch.tensor([1.0 if p.greedy else p.temperature for p in params],
-                                   device=logits.device)
+        # (host lists reach the device through `upload`: torch.tensor(..., device=) would wait
+        # for the device, and a decode step launched ahead would no longer overlap the host)
+        temperature = upload([1.0 if p.greedy else p.temperature for p in params],
+                             torch.float32, logits.device)
         logits = logits / temperature[:, None]
         top_k = [vocab if p.top_k in (-1, 0) else min(p.top_k, vocab) for p in params]
         top_p = [p.top_p for p in params]
         if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
-            logits = apply_top_k_top_p(logits, torch.tensor(top_k, device=logits.device),
-                                       torch.tensor(top_p, device=logits.device))
+            logits = apply_top_k_top_p(logits, upload(top_k, torch.int64, logits.device),
+                                       upload(top_p, torch.float32, logits.device))
         probs = logits.softmax(dim=-1)
         noise = torch.empty_like(probs)
         shared = [i for i, r in enumerate(requests) if r.generator is None]
         if shared:
-            noise[shared] = torch.empty(len(shared), vocab, device=logits.device).exponential_(
+            draws = torch.empty(len(shared), vocab, device=logits.device)
+            noise[upload(shared, torch.int64, logits.device)] = draws.exponential_(
                 generator=self.generator)
         for i, r in enumerate(requests):
             if r.generator is not None:
                 noise[i].exponential_(generator=r.generator)
         sampled = self.argmax(probs / noise)
-        is_greedy = torch.tensor([p.greedy for p in params], device=logits.device)
+        is_greedy = upload([int(p.greedy) for p in params], torch.int32, logits.device) != 0
         return torch.where(is_greedy, greedy, sampled)
 
 

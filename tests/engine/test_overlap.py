@@ -78,3 +78,19 @@ def test_only_a_request_launched_ahead_may_hold_an_extra_page():
         scheduler.check_integrity()
     scheduler.ahead.add(request.request_id)
     scheduler.check_integrity()
+
+
+def test_overlap_goes_on_when_the_batch_shrinks():
+    """A request that reaches its length limit is left out of the step launched ahead; the
+    others' decode steps stay overlapped (only the prefill step is followed by nothing)."""
+    engine = _engine(True)
+    engine.add_request("Hello", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    engine.add_request("Once upon a time", SamplingParams(temperature=0, max_tokens=12,
+                                                          ignore_eos=True))
+    unfollowed = 0  # steps after which requests remain but nothing was launched ahead
+    while engine.has_unfinished_requests():
+        engine.step()
+        engine.scheduler.check_integrity()
+        unfollowed += engine.has_unfinished_requests() and engine._inflight is None
+    assert unfollowed == 1
+    assert engine.scheduler.allocator.num_free == engine.runner.pool.num_pages

@@ -102,3 +102,32 @@ def test_token_logprobs_against_log_softmax():
         assert e.token_id == targets[i] and abs(e.logprob - ref[i, targets[i]].item()) < 1e-6
         assert len(e.top) == [0, 2, 5][i]
         assert [t for t, _ in e.top] == ref[i].topk(len(e.top)).indices.tolist()
+
+
+@pytest.mark.gpu
+def test_sampling_and_step_inputs_leave_the_device_queue_alone():
+    """Sampling with temperature / top-k / top-p / min_tokens and preparing a step's inputs
+    return while the device is still busy: host lists reach it through pinned copies, never
+    torch.tensor(..., device=), which waits for the device (and would undo the overlap of a
+    decode step launched ahead)."""
+    import time
+
+    from frugal.engine.scheduler import SchedulerOutput
+    from frugal.engine.step_inputs import prepare
+
+    params = [SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_tokens=4),
+              SamplingParams(temperature=0), SamplingParams(temperature=1.0)]
+    requests = reqs(params)
+    for i, r in enumerate(requests):
+        r.page_table = [(10 * i + j, 1) for j in range(3)]
+    logits = torch.randn(3, 1000, device="cuda")
+    sampler = Sampler("cuda", 0, [2])
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of device time
+    start = time.perf_counter()
+    tokens = sampler(logits, requests)
+    inputs = prepare(SchedulerOutput(requests, [1, 1, 1]), 16, "cuda", check=True)
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    assert elapsed < 0.2, elapsed
+    assert tokens.shape == (3,) and inputs.meta.page_table.shape == (3, 3)

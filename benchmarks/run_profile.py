@@ -1,0 +1,151 @@
+"""Where the time of a `frugal bench offline` point goes: GPU kernel time by kind, and wall time
+of the steps that carry prompt tokens against the decode-only ones.
+
+Runs c prompts of --input-len tokens at once to --output-len tokens each (as `bench offline`
+does) three times: to compile every kernel the run needs, under torch.profiler, and timing
+each step on the host without it. Kernels are grouped by
+name into matmuls (cuBLAS/CUTLASS and ours), attention (prompt, decode, merge), the rest by
+name; "GPU idle" is the profiled run's wall time not covered by any kernel. With PDL (the
+default on Hopper) a kernel launched early counts its wait for the one before it: run with
+FRUGAL_PDL=0 to attribute time to kernels.
+   python benchmarks/run_profile.py llama-3.1-8b --load-format dummy --kv-cache-memory 20GiB \
+       --kv-cache-dtype fp8 --input-len 4096 --output-len 512 --concurrency 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from frugal.bench.offline import measure_engine, prompts_for
+from frugal.cli.args import add_engine_args, command_line, engine_config
+from frugal.engine.llm_engine import LLMEngine
+from frugal.request import SamplingParams
+
+# (kind, substrings of kernel names), first match wins
+KINDS = [
+    ("attention: prompt", ("_extend_kernel",)),
+    ("attention: decode", ("_decode_kernel",)),
+    ("attention: merge", ("merge_kernel",)),
+    ("matmul", ("gemm", "nvjet", "xmma", "cutlass", "_gemv_kernel", "_small_m_kernel",
+                "_fp8_kernel")),
+]
+# a Gluon kernel's name is its function's: fp8_decode's (or, with INT4 weights, int4_mma's)
+NAMED = {"_kernel": "attention: decode (fp8_decode) / int4_mma"}
+
+
+def kind_of(name: str) -> str:
+    if name in NAMED:
+        return NAMED[name]
+    for kind, parts in KINDS:
+        if any(p in name for p in parts):
+            return kind
+    return name[:60]
+
+
+def timed_steps(engine: LLMEngine, prompts: list[list[int]], output_len: int,
+                host: dict | None = None) -> tuple[dict, float]:
+    """Wall seconds and counts of steps, split by whether some request was still in its prompt;
+    and the seconds from the start until the last such step ended. host: also add up, by step
+    kind, the seconds spent in the engine's parts (scheduling, launching, waiting for the
+    device and reading results, recording outputs)."""
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    for p in prompts:
+        engine.add_request(p, params)
+    spent: dict[str, float] = collections.Counter()
+    count: dict[str, int] = collections.Counter()
+    kind = ""
+    timed = []
+    if host is not None:
+        def timer(f, name):
+            def wrapped(*args, **kwargs):
+                t = time.perf_counter()
+                try:
+                    return f(*args, **kwargs)
+                finally:
+                    host[(kind, name)] = host.get((kind, name), 0.0) + time.perf_counter() - t
+            return wrapped
+
+        for owner, name in ((engine.scheduler, "schedule"), (engine.runner, "launch"),
+                            (engine.runner, "finish"), (engine, "_apply")):
+            setattr(owner, name, timer(getattr(owner, name), name))
+            timed.append((owner, name))
+    begin = time.perf_counter()
+    prompts_end = 0.0
+    while engine.has_unfinished_requests():
+        prompt = bool(engine.scheduler.waiting) or any(
+            r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running)
+        kind = "prompt steps" if prompt else "decode steps"
+        start = time.perf_counter()
+        engine.step()
+        now = time.perf_counter()
+        spent[kind] += now - start
+        count[kind] += 1
+        if prompt:
+            prompts_end = now - begin
+    for owner, name in timed:
+        delattr(owner, name)
+    return {k: (spent[k], count[k]) for k in spent}, prompts_end
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    add_engine_args(p)
+    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=4096)
+    p.add_argument("--output-len", type=int, default=512)
+    p.add_argument("--top", type=int, default=12, help="rows of the kernel table")
+    a = p.parse_args()
+    engine = LLMEngine(engine_config(a))
+    vocab = engine.model_config.vocab_size
+    prompts = prompts_for(a.concurrency, a.input_len, vocab, a.seed)
+    measure_engine(engine, prompts, a.output_len)  # compiles every kernel the run needs
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        _, prompts_end = timed_steps(engine, prompts, a.output_len)
+        torch.cuda.synchronize()
+        profiled = time.perf_counter() - start
+    host: dict = {}
+    start = time.perf_counter()
+    steps, _ = timed_steps(engine, prompts, a.output_len, host)
+    wall = time.perf_counter() - start
+    by_kind: dict[str, float] = collections.Counter()
+    spans = []
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            by_kind[kind_of(e.name)] += e.time_range.elapsed_us() / 1e6
+            spans.append((e.time_range.start / 1e6, e.time_range.end / 1e6))
+    # device time not covered by kernels, before and after the last prompt step ended (the
+    # profiler's clock starts with the first kernel, a little after `start`)
+    spans.sort()
+    split = spans[0][0] + prompts_end
+    idle = {"prompt steps": 0.0, "decode steps": 0.0}
+    reach = spans[0][0]
+    for lo, hi in spans + [(spans[0][0] + profiled, spans[0][0] + profiled)]:
+        if lo > reach:
+            idle["prompt steps"] += max(0.0, min(lo, split) - reach)
+            idle["decode steps"] += max(0.0, lo - max(reach, split))
+        reach = max(reach, hi)
+    busy = sum(by_kind.values())
+    print(f"`{command_line()}`\n")
+    print(f"{torch.cuda.get_device_name()} | {engine.runner.pool.describe()['kv_cache_dtype']} KV"
+          f" | c={a.concurrency} {a.input_len} in / {a.output_len} out | wall {wall:.2f} s "
+          f"(profiled: {profiled:.2f} s, kernels {busy:.2f} s)\n")
+    parts = ["schedule", "launch", "finish", "_apply"]
+    print("| steps | count | wall s | ms per step | device idle s (profiled) | host ms per step: "
+          + " / ".join(parts) + " |\n|---|---|---|---|---|---|")
+    for k, (s, n) in sorted(steps.items()):
+        per = " / ".join(f"{1e3 * host.get((k, part), 0.0) / n:.2f}" for part in parts)
+        print(f"| {k} | {n} | {s:.2f} | {1e3 * s / n:.2f} | {idle[k]:.2f} | {per} |")
+    print("\n| kernels | s | share of kernel time |\n|---|---|---|")
+    for k, s in sorted(by_kind.items(), key=lambda kv: -kv[1])[:a.top]:
+        print(f"| {k} | {s:.3f} | {100 * s / busy:.1f} % |")
+
+
+if __name__ == "__main__":
+    main()
