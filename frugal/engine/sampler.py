@@ -36,10 +36,13 @@ class Sampler:
         early = [i for i, r in enumerate(requests) if len(r.output_token_ids) < r.params.min_tokens]
         if early:  # min_tokens: nothing that would end the output may be picked yet
             logits = logits.clone()
-            for i in early:
-                p = params[i]
-                banned = p.stop_token_ids + ([] if p.ignore_eos else self.eos_token_ids)
-                logits[i, upload(banned, torch.int64, logits.device)] = float("-inf")
+            vocab = logits.shape[1]
+            flat = [i * vocab + t for i in early
+                    for t in params[i].stop_token_ids
+                    + ([] if params[i].ignore_eos else self.eos_token_ids)]
+            # (index_fill_, not logits[i, ids] = ...: that assignment waits for the device)
+            logits.view(-1).index_fill_(0, upload(flat, torch.int64, logits.device),
+                                        float("-inf"))
         greedy = self.argmax(logits)
         if all(p.greedy for p in params):
             return greedy
