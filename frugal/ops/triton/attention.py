@@ -83,10 +83,10 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, scales_ptr, page_table_ptr, 
         pos = tl.multiple_of(kv_start, BLOCK_N) + n
         n_mask = pos < last
         k, v = load_kv(k_cache_ptr, v_cache_ptr, page_table_ptr + b * pages_stride, pos, n_mask,
-                        last, d, d_mask, kv_head, q, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, DOT_F32,
-                        FP8)
+                       last, d, d_mask, kv_head, q, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, DOT_F32,
+                       FP8)
         m_i, l_i, acc = softmax_step(q, k, v, n_mask[None, :], m_i, l_i, acc, qk_scale,
-                                      PRECISION)
+                                     PRECISION)
     has_work = l_i > 0
     normed = acc * (v_scale / tl.where(has_work, l_i, 1.0))[:, None]
     if DIRECT:
@@ -150,15 +150,15 @@ def _extend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, scales_ptr, page_table_ptr, 
         n = tl.arange(0, BLOCK_N)
         for kv_start in range(0, seen, BLOCK_N):
             pos = tl.multiple_of(kv_start, BLOCK_N) + n
-            k, v = load_kv(k_cache_ptr, v_cache_ptr, table, pos, pos < end, end, d, d_mask,
-                            kv_head, q, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, DOT_F32, FP8, False)
+            k, v = load_kv(k_cache_ptr, v_cache_ptr, table, pos, None, end, d, d_mask, kv_head,
+                           q, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, DOT_F32, FP8, False)
             m_i, l_i, acc = softmax_step(q, k, v, None, m_i, l_i, acc, qk_scale, PRECISION,
-                                          False)
+                                         False)
         for kv_start in range(seen, end, BLOCK_N):
             pos = tl.multiple_of(kv_start, BLOCK_N) + n
             n_mask = pos < end
             k, v = load_kv(k_cache_ptr, v_cache_ptr, table, pos, n_mask, end, d, d_mask,
-                            kv_head, q, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, DOT_F32, FP8)
+                           kv_head, q, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, DOT_F32, FP8)
             allowed = (pos[None, :] <= q_pos[:, None]) & n_mask[None, :]
             m_i, l_i, acc = softmax_step(q, k, v, allowed, m_i, l_i, acc, qk_scale, PRECISION)
         out = acc * (v_scale / tl.where(l_i > 0, l_i, 1.0))[:, None]

@@ -20,42 +20,33 @@ def dot_dtype(q, DOT_F32: tl.constexpr, FP8: tl.constexpr):
 
 @triton.jit
 def load_kv(k_cache_ptr, v_cache_ptr, table_ptr, pos, n_mask, end, d, d_mask, kv_head, q,
-             NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-             DOT_F32: tl.constexpr, FP8: tl.constexpr, MASKED: tl.constexpr = True):
+            NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+            DOT_F32: tl.constexpr, FP8: tl.constexpr, MASKED: tl.constexpr = True):
     """K and V rows [BLOCK_N, DIM_PAD] of context positions `pos` (a block starting at a
     multiple of PAGE_SIZE), gathered through the page table of one request; masked rows (pos >=
     end) read as 0. Cast to q's dtype for the dot. MASKED False: every pos < end and
-    HEAD_DIM == DIM_PAD, nothing is masked.
+    HEAD_DIM == DIM_PAD, so the loads carry no mask (n_mask is not read).
 
     FP8: V is key-minor, so a page's keys load as runs of PAGE_SIZE bytes; the mask is per page
     (rows past `end` in the last page are read: pool memory, never NaN, and their weights are 0).
     """
-    if MASKED:
-        page = tl.load(table_ptr + pos // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
-    else:
-        page = tl.load(table_ptr + pos // PAGE_SIZE).to(tl.int64)
+    other = 0.0 if MASKED else None
+    page = tl.load(table_ptr + pos // PAGE_SIZE, mask=n_mask if MASKED else None,
+                   other=0 if MASKED else None).to(tl.int64)
     slot = page * PAGE_SIZE + pos % PAGE_SIZE
     offs = (slot * NUM_KV_HEADS + kv_head)[:, None] * HEAD_DIM + d[None, :]
-    mask = n_mask[:, None] & d_mask[None, :]
-    if MASKED:
-        k = tl.load(k_cache_ptr + offs, mask=mask, other=0.0)
-    else:
-        k = tl.load(k_cache_ptr + offs)
+    mask = n_mask[:, None] & d_mask[None, :] if MASKED else None
+    k = tl.load(k_cache_ptr + offs, mask=mask, other=other)
     if FP8:
         # runs of keys contiguous in memory: a page, or the whole block if pages are longer
         RUN: tl.constexpr = PAGE_SIZE if PAGE_SIZE < pos.shape[0] else pos.shape[0]
         rows = (page * NUM_KV_HEADS + kv_head) * HEAD_DIM * PAGE_SIZE + pos % PAGE_SIZE
         rows = tl.max_contiguous(tl.multiple_of(rows, RUN), RUN)
-        v_ptrs = v_cache_ptr + rows[:, None] + (d * PAGE_SIZE)[None, :]
-        if MASKED:
-            in_page = (pos // PAGE_SIZE * PAGE_SIZE) < end
-            v = tl.load(v_ptrs, mask=in_page[:, None] & d_mask[None, :], other=0.0)
-        else:
-            v = tl.load(v_ptrs)
-    elif MASKED:
-        v = tl.load(v_cache_ptr + offs, mask=mask, other=0.0)
+        in_page = (pos // PAGE_SIZE * PAGE_SIZE) < end
+        v = tl.load(v_cache_ptr + rows[:, None] + (d * PAGE_SIZE)[None, :],
+                    mask=in_page[:, None] & d_mask[None, :] if MASKED else None, other=other)
     else:
-        v = tl.load(v_cache_ptr + offs)
+        v = tl.load(v_cache_ptr + offs, mask=mask, other=other)
     if DOT_F32:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
@@ -67,7 +58,7 @@ def load_kv(k_cache_ptr, v_cache_ptr, table_ptr, pos, n_mask, end, d, d_mask, kv
 
 @triton.jit
 def softmax_step(q, k, v, allowed, m_i, l_i, acc, qk_scale, PRECISION: tl.constexpr,
-                  MASKED: tl.constexpr = True):
+                 MASKED: tl.constexpr = True):
     """One block of online softmax (log2 units): scores q·kᵀ where allowed (everywhere if not
     MASKED), then rescale the running max m_i, sum l_i and output acc. Returns the updated
     (m_i, l_i, acc)."""
