@@ -139,8 +139,11 @@ class RequestStatus(enum.Enum):
 class Request:
     """A request's state across steps.
 
-    Invariants: num_computed_tokens <= num_tokens; tokens [0, num_computed_tokens) have their KV in
-    the pages of page_table (page i holds positions [i*page_size, (i+1)*page_size)).
+    Invariants: num_computed_tokens <= num_tokens + num_pending; tokens [0, num_computed_tokens)
+    have their KV in the pages of page_table (page i holds positions [i*page_size,
+    (i+1)*page_size)), or will have once the steps launched so far have run. num_pending: tokens
+    sampled by a launched step and not yet in output_token_ids (0 or 1 between steps; while a
+    step is launched ahead of the one being read, 2); they follow the known tokens.
     """
 
     request_id: str
@@ -150,6 +153,7 @@ class Request:
     max_total_tokens: int  # prompt + the most output tokens this request may produce
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    num_pending: int = 0
     page_table: list[PageRef] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None

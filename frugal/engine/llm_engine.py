@@ -10,7 +10,7 @@ import torch
 from frugal.config import EngineConfig
 from frugal.engine.detokenizer import IncrementalDetokenizer, find_stop
 from frugal.engine.model_runner import Launched, ModelRunner, StepResult
-from frugal.engine.scheduler import Scheduler, SchedulerOutput
+from frugal.engine.scheduler import Scheduler
 from frugal.loader import open_checkpoint
 from frugal.request import (
     CompletionOutput,
@@ -52,7 +52,7 @@ class LLMEngine:
         self.num_preemptions = 0  # total, for metrics
         self.num_integrity_failures = 0  # requests failed by the KV-cache integrity check
         self.overlap = config.overlap_schedule
-        self._inflight: Launched | None = None  # a decode step launched ahead (see step)
+        self._inflight: Launched | None = None  # a step launched ahead (see step)
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -121,54 +121,54 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one step; outputs for the requests that produced a token.
 
-        With overlap scheduling, a decode step whose requests can go on (see
-        ModelRunner.can_follow) has the next decode step of the same requests launched before
-        its own tokens are read, so the device never waits for the host's bookkeeping; that next
-        step is what the following call finishes. A request that finished meanwhile has its
-        row of it ignored, and a request this step brings to its length limit is left out of
-        the next one: the others go on overlapped as the batch shrinks. A launched step whose
-        requests all finished is dropped.
+        A launched step counts at once in its requests' num_computed_tokens and, where it
+        samples, num_pending. With overlap scheduling the next step is scheduled and launched
+        before this one's tokens are read (see ModelRunner.can_follow): its pending tokens are
+        gathered on the device, so the device never waits for the host's bookkeeping, and that
+        next step is what the following call reads. A request that finished meanwhile has its
+        row of it ignored; one whose pending token is its last is not scheduled again.
         """
         step, self._inflight = self._inflight, None
-        self.scheduler.ahead.clear()  # what was reserved ahead is this step's now
-        if step is not None and all(r.finished for r in step.out.requests):
-            step = None  # nobody waits for it (the device still runs it, harmlessly)
         if step is None:
-            out = self.scheduler.schedule()
-            self.num_preemptions += len(out.preempted)
-            if not out.requests:
+            step = self._launch()
+            if step is None:
                 return []
-            step = self.runner.launch(out)
-        # the next decode step follows the requests of this one that go on after it: not
-        # finished, not at their length limit with this step's token
-        rows = [i for i, r in enumerate(step.out.requests)
-                if not r.finished and r.num_tokens + 1 < r.max_total_tokens]
-        requests = [step.out.requests[i] for i in rows]
-        if (self.overlap and requests and not self.scheduler.can_admit()
-                and self.runner.can_follow(step) and self.scheduler.reserve_ahead(requests)):
-            follow = SchedulerOutput(requests, [1] * len(requests))
-            shrunk = len(rows) < len(step.out.requests)
-            self._inflight = self.runner.launch(follow, after=step,
-                                                rows=rows if shrunk else None)
+        if self.overlap and self.runner.can_follow(step):
+            self._inflight = self._launch(after=step)
         try:
             result = self.runner.finish(step)
         except BaseException:
             self._inflight = None  # it follows a step that will never be recorded
             raise
-        return self._apply(step, result)
+        outputs = self._apply(step, result)
+        if self._inflight is not None and all(r.finished for r in self._inflight.out.requests):
+            self._inflight = None  # nobody waits for it (the device still runs it, harmlessly)
+        return outputs
+
+    def _launch(self, after: Launched | None = None) -> Launched | None:
+        """Schedule and launch a step (after: the step in flight it follows); None if there is
+        nothing to run."""
+        out = self.scheduler.schedule()
+        self.num_preemptions += len(out.preempted)
+        if not out.requests:
+            return None
+        step = self.runner.launch(out, after)
+        for request, n in zip(out.requests, out.num_new_tokens):
+            request.num_computed_tokens += n
+        for i in step.inputs.sampled:
+            out.requests[i].num_pending += 1
+        return step
 
     def _apply(self, step: Launched, result: StepResult) -> list[RequestOutput]:
-        """Record a finished step in its requests (skipping those finished meanwhile)."""
+        """Record a finished step's tokens in its requests (skipping those finished meanwhile)."""
         out = step.out
         outputs = [self._fail(request, message) for request, message in result.failures
                    if not request.finished]
         for i, scores in result.prompt_logprobs.items():
             out.requests[i].record_prompt_scores(scores.first, scores.entries, scores.tensor)
-        for request, n in zip(out.requests, out.num_new_tokens):
-            if not request.finished:
-                request.num_computed_tokens += n
         for j, (i, token) in enumerate(zip(result.sampled, result.tokens)):
             request = out.requests[i]
+            request.num_pending -= 1
             if request.finished:
                 continue
             request.output_token_ids.append(token)

@@ -16,7 +16,7 @@ from frugal.engine.cuda_graph import DecodeGraphs
 from frugal.engine.memory import LOGITS_ROWS, kv_budget
 from frugal.engine.sampler import Sampler, token_logprobs
 from frugal.engine.scheduler import SchedulerOutput
-from frugal.engine.step_inputs import StepInputs, prepare, upload
+from frugal.engine.step_inputs import Pending, StepInputs, prepare
 from frugal.kv_cache.page_allocator import PageAllocator
 from frugal.kv_cache.pool import KVPool
 from frugal.layers.linear import quantize_layers
@@ -57,6 +57,7 @@ class Launched:
     status: torch.Tensor | None = None  # [num_requests, 4], see ops.check_kv_pages
     host_status: torch.Tensor | None = None
     done: torch.cuda.Event | None = None
+    starts: list[int] = field(default_factory=list)  # each request's num_computed_tokens before
 
 
 @dataclass
@@ -196,28 +197,25 @@ class ModelRunner:
         return self.finish(self.launch(out))
 
     @torch.inference_mode()
-    def launch(self, out: SchedulerOutput, after: Launched | None = None,
-               rows: list[int] | None = None) -> Launched:
+    def launch(self, out: SchedulerOutput, after: Launched | None = None) -> Launched:
         """Queue one step on the device, sampling included, without waiting for it.
 
-        after: the step still in flight that this decode step follows (see can_follow); its
-        sampled tokens become this step's inputs on the device. rows: which of after's
-        requests out.requests are, in order (default: all of them).
+        after: the step still in flight that this one follows (see can_follow): the tokens it
+        samples are the pending tokens (Request.num_pending) of this step's inputs, gathered on
+        the device.
         """
         check = self.integrity
-        next_tokens = None
-        if after is not None:
-            next_tokens = after.tokens
-            if rows is not None:
-                next_tokens = next_tokens[upload(rows, torch.int64, self.device)]
-        inputs = prepare(out, self.pool.page_size, self.device, next_tokens=next_tokens,
-                         check=check,
+        pending = None
+        if after is not None and after.inputs.sampled:
+            pending = Pending(after.tokens, {after.out.requests[i]: j
+                                             for j, i in enumerate(after.inputs.sampled)})
+        inputs = prepare(out, self.pool.page_size, self.device, pending=pending, check=check,
                          tag_updates=self.allocator.take_tag_updates() if check else None)
-        step = Launched(out, inputs)
+        step = Launched(out, inputs, starts=[r.num_computed_tokens for r in out.requests])
         if inputs.tag_updates is not None:
             self.pool.tags.index_copy_(0, *inputs.tag_updates)
         if (self.graphs is not None and self.graphs.fits(inputs)
-                and not any(_scores_prompt(r) for r in out.requests)):
+                and not any(_scores_prompt(r, r.num_computed_tokens) for r in out.requests)):
             logits, step.status = self.graphs.run(inputs)
             if len(inputs.sampled) < inputs.num_requests:
                 logits = logits[inputs.logits_indices]
@@ -249,14 +247,11 @@ class ModelRunner:
                                       self.pool.page_size)
 
     def can_follow(self, step: Launched) -> bool:
-        """Whether the next decode step of the same requests may be launched before this one's
-        tokens are read: a decode step where every request samples, and nothing needs this
-        step's logits later (log-probabilities) or the host's view of the output (min_tokens)."""
-        inputs = step.inputs
-        return (inputs.decode and len(inputs.sampled) == inputs.num_requests
-                and all(r.params.logprobs is None and not _scores_prompt(r)
-                        and len(r.output_token_ids) >= r.params.min_tokens
-                        for r in step.out.requests))
+        """Whether the next step may be launched before this one's tokens are read: nothing
+        needs this step's logits or hidden states later (log-probabilities, prompt scores: a
+        captured graph's outputs are overwritten by the next replay)."""
+        return all(r.params.logprobs is None and not _scores_prompt(r, start)
+                   for r, start in zip(step.out.requests, step.starts))
 
     @torch.inference_mode()
     def finish(self, step: Launched) -> StepResult:
@@ -289,19 +284,18 @@ class ModelRunner:
                 entries = token_logprobs(step.logits[rows], step.tokens[rows],
                                          [requests[i].params.logprobs for i in wanted])
                 result.logprobs = dict(zip(wanted, entries))
-        for i, request in enumerate(out.requests):
-            if _scores_prompt(request):
-                scored = self._score_prompt(request, out.num_new_tokens[i], step.hidden,
+        for i, (request, start) in enumerate(zip(out.requests, step.starts)):
+            if _scores_prompt(request, start):
+                scored = self._score_prompt(request, start, out.num_new_tokens[i], step.hidden,
                                             inputs.cu_seqlens[i])
                 if scored is not None:
                     result.prompt_logprobs[i] = scored
         return result
 
-    def _score_prompt(self, request: Request, num_new: int, hidden: torch.Tensor,
+    def _score_prompt(self, request: Request, start: int, num_new: int, hidden: torch.Tensor,
                       row: int) -> PromptScores | None:
-        """Log-probabilities of the prompt tokens this chunk predicts (the hidden state at
-        position p scores prompt token p + 1), for tokens start+1 .. in order."""
-        start = request.num_computed_tokens
+        """Log-probabilities of the prompt tokens the chunk from position `start` predicts (the
+        hidden state at position p scores prompt token p + 1), for tokens start+1 .. in order."""
         end = min(start + num_new, request.num_prompt_tokens - 1)
         if end <= start:
             return None
@@ -331,8 +325,8 @@ def _failures(step: Launched) -> list[tuple[Request, str]]:
             for i, (failed, page, expected, found) in enumerate(status.tolist()) if failed]
 
 
-def _scores_prompt(request: Request) -> bool:
-    """Whether this request still has prompt tokens to score."""
+def _scores_prompt(request: Request, start: int) -> bool:
+    """Whether a chunk of this request from position `start` has prompt tokens to score."""
     p = request.params
     wants = p.prompt_logprobs is not None or p.prompt_logprobs_tensor
-    return wants and request.num_computed_tokens < request.num_prompt_tokens - 1
+    return wants and start < request.num_prompt_tokens - 1

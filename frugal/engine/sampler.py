@@ -33,7 +33,8 @@ class Sampler:
         """logits: [n, vocab] (any float dtype; greedy rows take their argmax as is, the rest
         is computed in fp32), row i for requests[i] -> [n] int64 token ids."""
         params = [r.params for r in requests]
-        early = [i for i, r in enumerate(requests) if len(r.output_token_ids) < r.params.min_tokens]
+        early = [i for i, r in enumerate(requests)  # (tokens sampled ahead count as output)
+                 if len(r.output_token_ids) + r.num_pending < r.params.min_tokens]
         if early:  # min_tokens: nothing that would end the output may be picked yet
             logits = logits.clone()
             vocab = logits.shape[1]

@@ -1,9 +1,11 @@
 """Continuous batching with one code path: every step schedules a number of tokens per request.
 
-A request has num_tokens (prompt + output so far) and num_computed_tokens (those whose KV is in the
-cache). A step gives each chosen request min(num_tokens - num_computed_tokens, budget left) tokens,
-so a prompt prefill, a chunk of one, a single decode token and a recompute after preemption are all
-the same thing. Running requests go first, oldest first; when pages run out the newest running
+A request has num_tokens (prompt + output so far), num_pending (sampled by a launched step, not
+yet read) and num_computed_tokens (those whose KV is in the cache or is written by a launched
+step). A step gives each chosen request min(num_tokens + num_pending - num_computed_tokens, budget
+left) tokens, so a prompt prefill, a chunk of one, a single decode token and a recompute after
+preemption are all the same thing; a request whose pending token is its last (length limit)
+gets none. Running requests go first, oldest first; when pages run out the newest running
 request is preempted (its pages freed, its progress reset to 0) and recomputed later.
 """
 
@@ -33,8 +35,7 @@ class Scheduler:
     """Owns the waiting queue, the running list and the page tables of running requests.
 
     Invariants (checked by check_integrity): only running requests hold pages; between steps a
-    running request holds ceil(num_computed_tokens / page_size) pages, or, if it is in `ahead`
-    (pages reserved for a decode step launched ahead, see reserve_ahead), those of one token more.
+    running request holds ceil(num_computed_tokens / page_size) pages.
     """
 
     def __init__(self, allocator: PageAllocator, page_size: int, max_num_seqs: int,
@@ -45,7 +46,6 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.ahead: set[str] = set()  # ids holding pages one token ahead (the engine clears it)
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -60,7 +60,11 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            total = request.num_tokens + request.num_pending
+            if total >= request.max_total_tokens:  # its pending token is its last
+                i += 1
+                continue
+            n = min(total - request.num_computed_tokens, budget)
             while not self._reserve(request, n):
                 victim = self.running.pop()  # newest; never one already scheduled (those are < i)
                 self._preempt(victim)
@@ -77,7 +81,7 @@ class Scheduler:
         while (not out.preempted and self.waiting and budget > 0
                and len(self.running) < self.max_num_seqs):
             request = self.waiting[0]
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            n = min(request.num_tokens + request.num_pending - request.num_computed_tokens, budget)
             if not self._reserve(request, n):
                 break
             self.waiting.popleft()
@@ -98,20 +102,6 @@ class Scheduler:
             return False
         request.page_table.extend(self.allocator.allocate(missing))
         return True
-
-    def reserve_ahead(self, requests: list[Request]) -> bool:
-        """Pages for a decode step launched before the current one is recorded: each request
-        computes position num_computed_tokens + 1. False when pages ran short (those already
-        taken stay with their requests, whose next step needs them anyway)."""
-        for request in requests:
-            self.ahead.add(request.request_id)
-            if not self._reserve(request, 2):
-                return False
-        return True
-
-    def can_admit(self) -> bool:
-        """Whether a waiting request could join the running ones (seats permitting)."""
-        return bool(self.waiting) and len(self.running) < self.max_num_seqs
 
     def _preempt(self, request: Request) -> None:
         self.allocator.free(request.page_table)
@@ -143,7 +133,6 @@ class Scheduler:
         request.page_table = []
         request.status = RequestStatus.FINISHED
         request.finish_reason = FinishReason.ERROR
-        self.ahead.discard(request.request_id)
         return self.allocator.rebuild(r.page_table for r in self.running)
 
     def check_integrity(self) -> None:
@@ -154,10 +143,7 @@ class Scheduler:
                                      f"{request.status.value}")
         for request in self.running:
             expected = -(-request.num_computed_tokens // self.page_size)
-            ahead = expected
-            if request.request_id in self.ahead:
-                ahead = -(-(request.num_computed_tokens + 1) // self.page_size)
-            if (len(request.page_table) not in (expected, ahead)
+            if (len(request.page_table) != expected
                     or request.status is not RequestStatus.RUNNING):
                 raise IntegrityError(
                     f"running request {request.request_id}: {len(request.page_table)} pages for "

@@ -11,6 +11,7 @@ import torch
 
 from frugal.engine.scheduler import SchedulerOutput
 from frugal.layers.attention import AttentionMetadata
+from frugal.request import Request
 
 
 @dataclass
@@ -44,14 +45,22 @@ class StepInputs:
         return len(self.cu_seqlens) - 1
 
 
-def prepare(out: SchedulerOutput, page_size: int, device: str,
-            next_tokens: torch.Tensor | None = None, check: bool = False,
-            tag_updates: dict[int, int] | None = None) -> StepInputs:
+@dataclass
+class Pending:
+    """Tokens sampled by a step still in flight: tokens [n] int64 on the device, and index[r] the
+    row of request r's token in it."""
+
+    tokens: torch.Tensor
+    index: dict[Request, int]
+
+
+def prepare(out: SchedulerOutput, page_size: int, device: str, pending: Pending | None = None,
+            check: bool = False, tag_updates: dict[int, int] | None = None) -> StepInputs:
     """Flatten the scheduled requests' new tokens into one batch.
 
-    next_tokens: for a decode step launched before the previous step's tokens reached the host,
-    those tokens ([num_requests] int64 on the device, in request order): each request then
-    computes position num_computed_tokens + 1 with that token as input.
+    pending: the tokens of the step still in flight, for a step launched before they reached the
+    host: a request's pending token (request.num_pending, position num_tokens) is gathered from
+    them on the device.
 
     check: also upload each entry's expected tag (for ops.check_kv_pages); tag_updates: page ->
     new tag, uploaded in the same buffers for the runner to apply to the pool's tags.
@@ -59,10 +68,11 @@ def prepare(out: SchedulerOutput, page_size: int, device: str,
     The int64 fields travel in one pinned buffer and the int32 fields in another, each copied
     without blocking the host; nothing here waits for the device.
     """
-    ahead = 0 if next_tokens is None else 1
     ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
+    gather_to: list[int] = []  # rows of input_ids taken from pending.tokens ...
+    gather_from: list[int] = []  # ... at these rows
     cu_seqlens, seq_lens, logits_indices, sampled = [0], [], [], []
     width = max(len(r.page_table) for r in out.requests)
     # page ids, then (check) expected tags, each request's row padded to width, as int32
@@ -74,29 +84,33 @@ def prepare(out: SchedulerOutput, page_size: int, device: str,
             tables.extend(_zeros(width - len(r.page_table)))
     updates = tag_updates or {}
     for i, (request, n) in enumerate(zip(out.requests, out.num_new_tokens)):
-        start = request.num_computed_tokens + ahead
+        start = request.num_computed_tokens
         end = start + n
+        known = request.num_tokens
         table = request.page_table
-        if not ahead:
-            ids += request.token_ids(start, end)
+        ids += request.token_ids(start, min(end, known))
+        if end > known:  # the pending token (only ever the last new one)
+            if pending is None or request not in pending.index or end != known + 1:
+                raise ValueError(f"request {request.request_id}: its token at position {known} "
+                                 "is not known yet")
+            gather_to.append(len(ids))
+            gather_from.append(pending.index[request])
+            ids.append(0)
         positions += range(start, end)
         slots += [table[p // page_size][0] * page_size + p % page_size
                   for p in range(start, end)]
         cu_seqlens.append(cu_seqlens[-1] + n)
         seq_lens.append(end)
-        if end == request.num_tokens + ahead:
+        if end == known + request.num_pending:
             logits_indices.append(cu_seqlens[-1] - 1)
             sampled.append(i)
     num_tokens, num_requests = len(positions), len(seq_lens)
     # requests at the front with one new token each (all of them: a decode step)
     num_decodes = next((i for i, n in enumerate(out.num_new_tokens) if n != 1), num_requests)
     decode = num_decodes == num_requests
-    if ahead:
-        if not decode or next_tokens.shape != (num_requests,):
-            raise ValueError("next_tokens: only a decode step of the same requests follows")
-        ids = [0] * num_tokens
-    longs = upload(ids + positions + slots + logits_indices + list(updates), torch.int64,
-                    device)
+    num_logits, num_gathered = len(logits_indices), len(gather_to)
+    longs = upload(ids + positions + slots + logits_indices + gather_to + gather_from
+                   + list(updates), torch.int64, device)
     int_values = array.array("i", cu_seqlens)
     int_values.extend(seq_lens)
     int_values.extend(tables)
@@ -112,17 +126,22 @@ def prepare(out: SchedulerOutput, page_size: int, device: str,
         max_seq_len=max(seq_lens),
         num_decodes=num_decodes,
     )
-    input_ids = longs[:num_tokens] if next_tokens is None else next_tokens
-    num_logits = len(logits_indices)
+    input_ids = longs[:num_tokens]
+    at = 3 * num_tokens + num_logits
+    if num_gathered:
+        to, src = longs[at:at + num_gathered], longs[at + num_gathered:at + 2 * num_gathered]
+        if gather_to == list(range(num_tokens)) and gather_from == list(range(len(pending.tokens))):
+            input_ids = pending.tokens  # a decode step of the same requests: as they are
+        else:
+            input_ids.index_copy_(0, to, pending.tokens.index_select(0, src))
     inputs = StepInputs(input_ids, longs[num_tokens:2 * num_tokens], meta,
-                        longs[3 * num_tokens:3 * num_tokens + num_logits], sampled, cu_seqlens,
-                        decode)
+                        longs[3 * num_tokens:at], sampled, cu_seqlens, decode)
     tags_end = table_end + (num_requests * width if check else 0)
     if check:
         inputs.page_tags = ints[table_end:tags_end].view(num_requests, width)
         inputs.tables = ints[2 * num_requests + 1:tags_end].view(2, num_requests, width)
     if updates:
-        inputs.tag_updates = (longs[3 * num_tokens + num_logits:], ints[tags_end:])
+        inputs.tag_updates = (longs[at + 2 * num_gathered:], ints[tags_end:])
     return inputs
 
 

@@ -1,10 +1,10 @@
-"""Overlap scheduling (the next decode step launched before this one's tokens are read) changes
+"""Overlap scheduling (the next step launched before this one's tokens are read) changes
 nothing a user sees: same tokens, texts and finish reasons, no page leaked, aborts still work."""
 
 import pytest
 
 from frugal import LLM, SamplingParams
-from frugal.config import CacheConfig, EngineConfig
+from frugal.config import CacheConfig, EngineConfig, SchedulerConfig
 from frugal.kv_cache.page_allocator import IntegrityError
 
 
@@ -65,24 +65,57 @@ def test_overlap_launches_ahead_in_steady_decode():
     assert engine._inflight is None
 
 
-def test_only_a_request_launched_ahead_may_hold_an_extra_page():
+def test_a_page_more_than_the_computed_tokens_need_is_caught():
     config = EngineConfig(dtype="float32", device="cpu", overlap_schedule=False,
                           cache=CacheConfig(page_size=4, kv_cache_memory="64MiB"))
     engine = LLM.from_config(config).engine
     engine.add_request([1, 2, 3, 4], SamplingParams(temperature=0, max_tokens=8))
     engine.step()  # 4 computed tokens: one full page
     scheduler = engine.scheduler
-    request = scheduler.running[0]
-    assert scheduler._reserve(request, 2)  # the page of the next token but one
+    scheduler.check_integrity()
+    assert scheduler._reserve(scheduler.running[0], 2)  # the page of the next token but one
     with pytest.raises(IntegrityError):
         scheduler.check_integrity()
-    scheduler.ahead.add(request.request_id)
-    scheduler.check_integrity()
+
+
+def test_overlap_goes_on_through_prompt_chunks():
+    """Steps with prompt chunks (alone or beside decodes) are launched ahead too: once the first
+    step is queued, the device never waits for the host to read a step before the next is
+    queued, and the tokens are those of the engine without overlap."""
+    def engine(overlap: bool):
+        config = EngineConfig(dtype="float32", device="cpu", overlap_schedule=overlap,
+                              cache=CacheConfig(page_size=4, kv_cache_memory="64MiB"),
+                              scheduler=SchedulerConfig(max_num_batched_tokens=8))
+        return LLM.from_config(config).engine
+
+    prompts = [list(range(1, 20)), list(range(30, 41)), [5, 6, 7]]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (6, 9, 4)]
+    params.append(SamplingParams(temperature=0.9, seed=11, max_tokens=7, ignore_eos=True,
+                                 min_tokens=5))
+    prompts.append(list(range(50, 63)))
+    results = []
+    for overlap in (True, False):
+        e = engine(overlap)
+        ids = [e.add_request(p, sp) for p, sp in zip(prompts, params)]
+        tokens, unfollowed, mixed = {}, 0, 0
+        while e.has_unfinished_requests():
+            for out in e.step():
+                tokens[out.request_id] = out.outputs[0].token_ids
+            e.scheduler.check_integrity()
+            unfollowed += e.has_unfinished_requests() and e._inflight is None
+            inflight = e._inflight
+            mixed += inflight is not None and 1 < max(inflight.out.num_new_tokens)
+        assert e.scheduler.allocator.num_free == e.runner.pool.num_pages
+        results.append([tokens[i] for i in ids])
+        if overlap:
+            assert unfollowed == 0 and mixed > 0
+    assert results[0] == results[1]
+    assert [len(t) for t in results[0]] == [6, 9, 4, 7]
 
 
 def test_overlap_goes_on_when_the_batch_shrinks():
     """A request that reaches its length limit is left out of the step launched ahead; the
-    others' decode steps stay overlapped (only the prefill step is followed by nothing)."""
+    others' steps stay overlapped."""
     engine = _engine(True)
     engine.add_request("Hello", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     engine.add_request("Once upon a time", SamplingParams(temperature=0, max_tokens=12,
@@ -92,5 +125,5 @@ def test_overlap_goes_on_when_the_batch_shrinks():
         engine.step()
         engine.scheduler.check_integrity()
         unfollowed += engine.has_unfinished_requests() and engine._inflight is None
-    assert unfollowed == 1
+    assert unfollowed == 0
     assert engine.scheduler.allocator.num_free == engine.runner.pool.num_pages
