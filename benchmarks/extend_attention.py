@@ -28,8 +28,9 @@ HEADS, KV_HEADS, DIM, PAGE = 32, 8, 128, 16
 SHAPES = [("chunk at 0", [(0, 2048)]), ("chunk at 2048", [(2048, 2048)]),
           ("4 prompts of 512", [(0, 512)] * 4),
           ("63 decodes + chunk", [(4095, 1)] * 63 + [(2048, 2048)])]
-SWEEP = [(64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 4, 3), (128, 32, 4, 3), (128, 128, 8, 3),
-         (128, 64, 8, 2), (128, 64, 8, 4), (64, 128, 4, 3), (64, 32, 4, 3), (64, 64, 4, 2)]
+SWEEP = [(64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 4, 1), (128, 64, 4, 1), (128, 64, 4, 2),
+         (128, 64, 4, 3), (128, 64, 8, 2), (128, 128, 8, 3), (256, 64, 8, 1), (256, 64, 8, 2),
+         (64, 128, 4, 2), (64, 32, 4, 2)]
 
 
 def case(requests: list[tuple[int, int]], fp8: bool):
@@ -71,19 +72,20 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()} | {HEADS}/{KV_HEADS} heads, d={DIM}, page {PAGE}, "
           f"bf16 queries | CUDA-graph replay medians\n")
     if a.sweep:
-        default = attention._EXTEND_LAUNCH
+        default = attention._EXTEND_LAUNCH, attention._FP8_EXTEND_LAUNCH
         print("| shape | cache | rows | keys per block | warps | stages | µs | TFLOP/s |")
         print("|---|---|---|---|---|---|---|---|")
         for name, requests in SHAPES:
             for fp8 in (False, True):
                 call, flops = case(requests, fp8)
                 for rows, block_n, warps, stages in SWEEP:
-                    attention._EXTEND_LAUNCH = {rows: {"BLOCK_N": block_n, "num_warps": warps,
-                                                       "num_stages": stages}, 16: default[16]}
+                    variant = {rows: {"BLOCK_N": block_n, "num_warps": warps,
+                                      "num_stages": stages}, 16: default[0][16]}
+                    attention._EXTEND_LAUNCH = attention._FP8_EXTEND_LAUNCH = variant
                     ms = graph_time([call] * 5)
                     print(f"| {name} | {'fp8' if fp8 else 'bf16'} | {rows} | {block_n} | {warps} "
                           f"| {stages} | {ms * 1e3:.1f} | {flops / ms / 1e9:.0f} |", flush=True)
-        attention._EXTEND_LAUNCH = default
+        attention._EXTEND_LAUNCH, attention._FP8_EXTEND_LAUNCH = default
         return
     print("| shape | bf16 µs | TFLOP/s | FP8 µs | TFLOP/s | FP8 speed over bf16 | SDPA µs | "
           "SDPA / frugal bf16 |")
