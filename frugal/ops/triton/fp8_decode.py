@@ -175,7 +175,9 @@ def _step(k_words, v_words, q, start, last, m_i, l_i, acc, qk_scale, PAGES: gl.c
     return m_new, l_i, acc
 
 
-@gluon.jit
+# (pages_stride and num_splits vary from step to step: specializing on them would compile new
+# variants inside a run)
+@gluon.jit(do_not_specialize=["pages_stride", "num_splits"])
 def _kernel(q_ptr, k_ptr, v_ptr, scales_ptr, table_ptr, seq_lens_ptr, cu_ptr, partial_ptr,
             lse_ptr, out_ptr, scale, pages_stride, num_splits, NUM_HEADS: gl.constexpr,
             NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
