@@ -45,8 +45,9 @@ class StepResult:
 @dataclass
 class Launched:
     """A step queued on the device: its inputs, its sampled tokens and integrity status
-    (device; pinned host copies and an event on CUDA), and what finish() may still need
-    (logits, hidden states)."""
+    (device; pinned host copies and an event on CUDA), and what finish() may still need:
+    logits when a request wants log-probabilities, hidden states when one scores its prompt
+    (None otherwise, so a step launched ahead holds no more memory than it must)."""
 
     out: SchedulerOutput
     inputs: StepInputs
@@ -222,11 +223,15 @@ class ModelRunner:
         else:
             if check:
                 step.status = self._check(inputs)
-            step.hidden = self.forward(inputs)
-            logits = self.compute_logits(step.hidden[inputs.logits_indices])
+            hidden = self.forward(inputs)
+            logits = self.compute_logits(hidden[inputs.logits_indices])
+            if any(map(_scores_prompt, out.requests, step.starts)):
+                step.hidden = hidden  # (kept only when finish() scores prompt tokens with it)
         if inputs.sampled:
-            step.logits = logits
-            step.tokens = self.sampler(logits, [out.requests[i] for i in inputs.sampled])
+            sampling = [out.requests[i] for i in inputs.sampled]
+            if any(r.params.logprobs is not None for r in sampling):
+                step.logits = logits
+            step.tokens = self.sampler(logits, sampling)
         if self.device.startswith("cuda") and (inputs.sampled or step.status is not None):
             # the device-to-host copies of a step (tokens and integrity status), one event
             for name in ("tokens", "status"):
