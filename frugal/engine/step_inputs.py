@@ -75,13 +75,16 @@ def prepare(out: SchedulerOutput, page_size: int, device: str, pending: Pending 
     gather_from: list[int] = []  # ... at these rows
     cu_seqlens, seq_lens, logits_indices, sampled = [0], [], [], []
     width = max(len(r.page_table) for r in out.requests)
-    # page ids, then (check) expected tags, each request's row padded to width, as int32
+    # page ids, then (check) expected tags, each request's row padded to width, as int32; the
+    # tags start 16-byte aligned (at `seg`)
+    seg = -(-len(out.requests) * width // 4) * 4
     tables = array.array("i")
     for part in (0, 1) if check else (0,):
         field = itemgetter(part)
         for r in out.requests:
             tables.extend(map(field, r.page_table))
             tables.extend(_zeros(width - len(r.page_table)))
+        tables.extend(_zeros(seg * (part + 1) - len(tables)))
     updates = tag_updates or {}
     for i, (request, n) in enumerate(zip(out.requests, out.num_new_tokens)):
         start = request.num_computed_tokens
@@ -109,43 +112,55 @@ def prepare(out: SchedulerOutput, page_size: int, device: str, pending: Pending 
     num_decodes = next((i for i, n in enumerate(out.num_new_tokens) if n != 1), num_requests)
     decode = num_decodes == num_requests
     num_logits, num_gathered = len(logits_indices), len(gather_to)
-    longs = upload(ids + positions + slots + logits_indices + gather_to + gather_from
-                   + list(updates), torch.int64, device)
-    int_values = array.array("i", cu_seqlens)
-    int_values.extend(seq_lens)
-    int_values.extend(tables)
-    int_values.extend(updates.values())
-    ints = upload(int_values, torch.int32, device)
-    table_end = 2 * num_requests + 1 + num_requests * width
+    # every field starts 16-byte aligned: the kernels are compiled for aligned pointers once,
+    # not again for each alignment a batch's sizes would give its fields
+    longs, (ids_at, pos_at, slots_at, logits_at, to_at, from_at, keys_at) = _packed(
+        [ids, positions, slots, logits_indices, gather_to, gather_from, list(updates)], 2,
+        torch.int64, device)
+    ints, (cu_at, lens_at, tables_at, values_at) = _packed(
+        [cu_seqlens, seq_lens, tables, list(updates.values())], 4, torch.int32, device)
     meta = AttentionMetadata(
-        slot_mapping=longs[2 * num_tokens:3 * num_tokens],
-        page_table=ints[2 * num_requests + 1:table_end].view(num_requests, width),
-        cu_seqlens_q=ints[:num_requests + 1],
-        seq_lens=ints[num_requests + 1:2 * num_requests + 1],
+        slot_mapping=longs[slots_at:slots_at + num_tokens],
+        page_table=ints[tables_at:tables_at + num_requests * width].view(num_requests, width),
+        cu_seqlens_q=ints[cu_at:cu_at + num_requests + 1],
+        seq_lens=ints[lens_at:lens_at + num_requests],
         max_query_len=max(out.num_new_tokens),
         max_seq_len=max(seq_lens),
         num_decodes=num_decodes,
     )
-    input_ids = longs[:num_tokens]
-    at = 3 * num_tokens + num_logits
+    input_ids = longs[ids_at:ids_at + num_tokens]
     if num_gathered:
-        to, src = longs[at:at + num_gathered], longs[at + num_gathered:at + 2 * num_gathered]
+        to, src = longs[to_at:to_at + num_gathered], longs[from_at:from_at + num_gathered]
         if gather_to == list(range(num_tokens)) and gather_from == list(range(len(pending.tokens))):
             input_ids = pending.tokens  # a decode step of the same requests: as they are
         else:
             input_ids.index_copy_(0, to, pending.tokens.index_select(0, src))
-    inputs = StepInputs(input_ids, longs[num_tokens:2 * num_tokens], meta,
-                        longs[3 * num_tokens:at], sampled, cu_seqlens, decode)
-    tags_end = table_end + (num_requests * width if check else 0)
+    inputs = StepInputs(input_ids, longs[pos_at:pos_at + num_tokens], meta,
+                        longs[logits_at:logits_at + num_logits], sampled, cu_seqlens, decode)
     if check:
-        inputs.page_tags = ints[table_end:tags_end].view(num_requests, width)
-        inputs.tables = ints[2 * num_requests + 1:tags_end].view(2, num_requests, width)
+        both = ints[tables_at:tables_at + 2 * seg].view(2, seg)[:, :num_requests * width]
+        inputs.tables = both.view(2, num_requests, width)
+        inputs.page_tags = inputs.tables[1]
     if updates:
-        inputs.tag_updates = (longs[at + 2 * num_gathered:], ints[tags_end:])
+        inputs.tag_updates = (longs[keys_at:keys_at + len(updates)],
+                              ints[values_at:values_at + len(updates)])
     return inputs
 
 
 _ARRAY_CODES = {torch.int32: "i", torch.int64: "q", torch.float32: "f"}
+
+
+def _packed(fields: list, align: int, dtype: torch.dtype, device: str | torch.device
+            ) -> tuple[torch.Tensor, list[int]]:
+    """The fields (lists or arrays of ints) back to back in one uploaded tensor, each starting at
+    a multiple of `align` elements; returns the tensor and each field's start."""
+    values = array.array(_ARRAY_CODES[dtype])
+    starts = []
+    for field in fields:
+        values.extend(_zeros(-len(values) % align))
+        starts.append(len(values))
+        values.extend(field)
+    return upload(values, dtype, device), starts
 
 
 @functools.lru_cache(maxsize=64)

@@ -24,7 +24,7 @@ BLOCK_K = 128
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # (M, the rows, changes from step to step)
 def _fp8_kernel(x_ptr, w_ptr, s_ptr, b_ptr, r_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
                 s_stride,
                 SCALE_BLOCK: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,

@@ -89,7 +89,7 @@ def _params(pair, dtype: gl.constexpr):
     return scale, low
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=["M"])  # (M, the rows, changes from step to step)
 def _kernel(x_ptr, w_ptr, p_ptr, b_ptr, r_ptr, out_ptr, part_ptr, count_ptr, M, N, K_PARTS,
             KP: gl.constexpr, GROUP: gl.constexpr, GATED: gl.constexpr, HAS_BIAS: gl.constexpr,
             HAS_RESIDUAL: gl.constexpr, BLOCK_N: gl.constexpr, SPLIT_K: gl.constexpr,

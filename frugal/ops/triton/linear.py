@@ -110,7 +110,7 @@ def _small_m_config(n: int, k: int, gated: bool) -> tuple[int, ...] | None:
     return (64, 128, 4, 4)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # (M, the rows, changes from step to step)
 def _small_m_kernel(x_ptr, w_ptr, b_ptr, r_ptr, out_ptr, M, N, K: tl.constexpr,
                     GATED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                     EVEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
