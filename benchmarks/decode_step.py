@@ -49,7 +49,8 @@ def main() -> None:
     sizes = [int(s) for s in a.batch.split(",")]
     engine = LLMEngine(EngineConfig(model=a.model, load_format="dummy",
                                     quantization=a.quantization, cuda_graph_max_bs=max(sizes),
-                                    scheduler=SchedulerConfig(max_num_seqs=max(sizes))))
+                                    scheduler=SchedulerConfig(max_num_seqs=max(sizes)),
+                                    overlap_schedule=False))  # (no token left pending below)
     vocab = engine.runner.model_config.vocab_size
     for prompt in prompts_for(max(sizes), 512, vocab, 0):
         engine.add_request(prompt, SamplingParams(max_tokens=64, temperature=0, ignore_eos=True))

@@ -77,8 +77,12 @@ def timed_steps(engine: LLMEngine, prompts: list[list[int]], output_len: int,
     begin = time.perf_counter()
     prompts_end = 0.0
     while engine.has_unfinished_requests():
-        prompt = bool(engine.scheduler.waiting) or any(
-            r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running)
+        # the kind of the step this call reads: the one launched ahead, or the next scheduled
+        ahead = engine._inflight
+        prompt = (max(ahead.out.num_new_tokens) > 1 if ahead is not None else
+                  bool(engine.scheduler.waiting) or any(
+                      r.num_computed_tokens < r.num_prompt_tokens
+                      for r in engine.scheduler.running))
         kind = "prompt steps" if prompt else "decode steps"
         start = time.perf_counter()
         engine.step()
