@@ -58,7 +58,7 @@ class Launched:
     status: torch.Tensor | None = None  # [num_requests, 4], see ops.check_kv_pages
     host_status: torch.Tensor | None = None
     done: torch.cuda.Event | None = None
-    starts: list[int] = field(default_factory=list)  # each request's num_computed_tokens before
+    starts: list[int] = field(default_factory=list)  # num_computed_tokens before this step
 
 
 @dataclass
@@ -213,10 +213,10 @@ class ModelRunner:
         inputs = prepare(out, self.pool.page_size, self.device, pending=pending, check=check,
                          tag_updates=self.allocator.take_tag_updates() if check else None)
         step = Launched(out, inputs, starts=[r.num_computed_tokens for r in out.requests])
+        scoring = any(map(_scores_prompt, out.requests, step.starts))
         if inputs.tag_updates is not None:
             self.pool.tags.index_copy_(0, *inputs.tag_updates)
-        if (self.graphs is not None and self.graphs.fits(inputs)
-                and not any(_scores_prompt(r, r.num_computed_tokens) for r in out.requests)):
+        if self.graphs is not None and self.graphs.fits(inputs) and not scoring:
             logits, step.status = self.graphs.run(inputs)
             if len(inputs.sampled) < inputs.num_requests:
                 logits = logits[inputs.logits_indices]
@@ -225,7 +225,7 @@ class ModelRunner:
                 step.status = self._check(inputs)
             hidden = self.forward(inputs)
             logits = self.compute_logits(hidden[inputs.logits_indices])
-            if any(map(_scores_prompt, out.requests, step.starts)):
+            if scoring:
                 step.hidden = hidden  # (kept only when finish() scores prompt tokens with it)
         if inputs.sampled:
             sampling = [out.requests[i] for i in inputs.sampled]
