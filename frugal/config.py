@@ -207,7 +207,6 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
-    prompt_first: bool = False  # steps hold only prompt work while any is schedulable
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

@@ -54,10 +54,6 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="token budget of one step (prefill chunks + decodes)")
-    g.add_argument("--prompt-first", action="store_true",
-                   help="while prompt work can be scheduled, steps hold only prompts and "
-                        "decodes wait (SGLang's default): prompts that arrive together finish "
-                        "sooner, running requests pause meanwhile")
     g.add_argument("--max-model-len", type=int, default=None)
 
 
@@ -76,8 +72,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                           kv_integrity=args.kv_integrity == "on"),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
-                                  max_model_len=args.max_model_len,
-                                  prompt_first=args.prompt_first))
+                                  max_model_len=args.max_model_len))
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int = 256) -> None:

@@ -44,8 +44,7 @@ class LLMEngine:
                            wanted, self.max_model_len)
         self.scheduler = Scheduler(self.runner.allocator, pool.page_size,
                                    config.scheduler.max_num_seqs,
-                                   config.scheduler.max_num_batched_tokens,
-                                   config.scheduler.prompt_first)
+                                   config.scheduler.max_num_batched_tokens)
         self.eos_token_ids = set(self.runner.sampler.eos_token_ids)
         self._requests: dict[str, Request] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}

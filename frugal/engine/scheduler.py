@@ -7,11 +7,6 @@ left) tokens, so a prompt prefill, a chunk of one, a single decode token and a r
 preemption are all the same thing; a request whose pending token is its last (length limit)
 gets none. Running requests go first, oldest first; when pages run out the newest running
 request is preempted (its pages freed, its progress reset to 0) and recomputed later.
-
-With prompt_first (SGLang's default), a step holds only prompt work (prompts, their chunks and
-recomputes) while any can be scheduled, and decoding requests wait: prompts that arrive together
-are done sooner, at the cost of a pause in the running requests' tokens. Otherwise (vLLM's way)
-decodes go first and prompt chunks fill the rest of the budget.
 """
 
 from __future__ import annotations
@@ -21,12 +16,6 @@ from dataclasses import dataclass, field
 
 from frugal.kv_cache.page_allocator import IntegrityError, PageAllocator
 from frugal.request import FinishReason, Request, RequestStatus
-
-
-def is_decoding(request: Request) -> bool:
-    """Whether the request's only work left is its next output token."""
-    return (request.num_computed_tokens >= request.num_prompt_tokens
-            and request.num_tokens + request.num_pending - request.num_computed_tokens == 1)
 
 
 @dataclass
@@ -50,9 +39,8 @@ class Scheduler:
     """
 
     def __init__(self, allocator: PageAllocator, page_size: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, prompt_first: bool = False) -> None:
+                 max_num_batched_tokens: int) -> None:
         self.allocator = allocator
-        self.prompt_first = prompt_first
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -69,24 +57,12 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        if self.prompt_first:
-            budget = self._schedule_running(out, budget, decodes=False)
-            budget = self._admit(out, budget)
-            if out.requests:
-                return out
-        budget = self._schedule_running(out, budget, decodes=True)
-        self._admit(out, budget)
-        return out
-
-    def _schedule_running(self, out: SchedulerOutput, budget: int, decodes: bool) -> int:
-        """Running requests, oldest first (decoding ones only if decodes); returns the budget
-        left. Preempts the newest running requests when pages run out."""
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             total = request.num_tokens + request.num_pending
-            if total >= request.max_total_tokens or (not decodes and is_decoding(request)):
-                i += 1  # its pending token is its last, or it waits for the prompts
+            if total >= request.max_total_tokens:  # its pending token is its last
+                i += 1
                 continue
             n = min(total - request.num_computed_tokens, budget)
             while not self._reserve(request, n):
@@ -101,11 +77,7 @@ class Scheduler:
             out.num_new_tokens.append(n)
             budget -= n
             i += 1
-        return budget
-
-    def _admit(self, out: SchedulerOutput, budget: int) -> int:
-        """Waiting requests, first come first served, while pages, budget and max_num_seqs allow;
-        none in a step that preempted (they would be preempted again). Returns the budget left."""
+        # New work only when nothing had to give way this step (else it would be preempted again).
         while (not out.preempted and self.waiting and budget > 0
                and len(self.running) < self.max_num_seqs):
             request = self.waiting[0]
@@ -118,7 +90,7 @@ class Scheduler:
             out.requests.append(request)
             out.num_new_tokens.append(n)
             budget -= n
-        return budget
+        return out
 
     def _reserve(self, request: Request, num_new_tokens: int) -> bool:
         """Give the request enough pages for num_new_tokens more tokens, if there are enough."""

@@ -60,28 +60,6 @@ def test_decode_batched_with_prefill_chunks():
     assert steps[1].requests == [a, b] and steps[1].num_new_tokens == [1, 7]
 
 
-def test_prompt_first_holds_decodes_back_while_prompt_work_remains():
-    s = Scheduler(PageAllocator(64), page_size=4, max_num_seqs=8, max_num_batched_tokens=8,
-                  prompt_first=True)
-    a, b = make_request(0, 4, 6), make_request(1, 20, 2)
-    steps = run(s, [a, b])
-    # a's prompt is done in step 0, but it waits until b's prompt is done too
-    assert [(o.requests, o.num_new_tokens) for o in steps[:4]] == [
-        ([a, b], [4, 4]), ([b], [8]), ([b], [8]), ([a, b], [1, 1])]
-
-
-def test_prompt_first_lets_decodes_run_when_no_prompt_fits():
-    # 12 pages of 4 tokens: the waiting prompts cannot all be admitted, so decodes must go on
-    # (and free pages) rather than wait for them.
-    s = Scheduler(PageAllocator(12), page_size=4, max_num_seqs=8, max_num_batched_tokens=64,
-                  prompt_first=True)
-    reqs = [make_request(i, 14, 6) for i in range(5)]
-    steps = run(s, reqs)
-    assert any(len(o.requests) == 1 and o.num_new_tokens == [1] for o in steps)
-    assert all(len(r.output_token_ids) == 6 for r in reqs)
-    assert s.allocator.num_free == 12
-
-
 def test_max_num_seqs_limits_running():
     s = Scheduler(PageAllocator(256), page_size=4, max_num_seqs=3, max_num_batched_tokens=1000)
     reqs = [make_request(i, 5, 4) for i in range(7)]
@@ -107,17 +85,15 @@ def test_preemption_recomputes_and_everything_finishes():
 
 
 def test_outputs_do_not_depend_on_pool_size_or_budget():
-    def tokens(num_pages, budget, seqs, prompt_first=False):
+    def tokens(num_pages, budget, seqs):
         rng = random.Random(1)
         reqs = [make_request(i, rng.randint(1, 30), rng.randint(1, 12)) for i in range(10)]
-        run(Scheduler(PageAllocator(num_pages), 4, seqs, budget, prompt_first), reqs)
+        run(Scheduler(PageAllocator(num_pages), 4, seqs, budget), reqs)
         return [r.output_token_ids for r in reqs]
 
     reference = tokens(1000, 4096, 256)
     assert tokens(11, 7, 3) == reference
     assert tokens(12, 64, 10) == reference
-    assert tokens(11, 7, 3, prompt_first=True) == reference
-    assert tokens(12, 64, 10, prompt_first=True) == reference
 
 
 def test_abort_of_waiting_and_running_frees_pages():
