@@ -231,8 +231,9 @@ class EngineConfig:
     cuda_graph_max_bs: int = 256  # largest decode batch replayed from a graph
     overlap_schedule: bool = True  # launch the next decode step before reading this one's tokens
     seed: int = 0
-    # none | int4 (W4A16) | fp8 (W8A16, per-channel): a checkpoint's own quantized weights
-    # are kept as they are (GGUF Q4_0/Q4_1 too), the rest rounded to nearest
+    # none | int4 (W4A16) | fp8 (W8A8: per-channel weights, activations per token): a
+    # checkpoint's own quantized weights are kept as they are (GGUF Q4_0/Q4_1 too), the rest
+    # rounded to nearest
     quantization: str = "none"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

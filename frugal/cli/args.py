@@ -22,9 +22,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="auto", help="auto, cpu or cuda")
     g.add_argument("--quantization", default="none", choices=["none", "int4", "fp8"],
                    help="layer weights: int4 = W4A16 group-wise, fp8 = e4m3 per output "
-                        "channel (W8A16); weights the checkpoint stores quantized (a GGUF's "
-                        "Q4_0/Q4_1, compressed-tensors, FP8 block scales) are kept as they "
-                        "are, others rounded to nearest")
+                        "channel, activations per token (W8A8); weights the checkpoint "
+                        "stores quantized (a GGUF's Q4_0/Q4_1, compressed-tensors, FP8 block "
+                        "scales) are kept as they are, others rounded to nearest")
     g.add_argument("--ops-backend", default="auto", choices=["auto", "torch_ref", "triton"],
                    help="kernels: auto = triton on CUDA, torch_ref (plain PyTorch) on CPU")
     g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")

@@ -65,10 +65,10 @@ class Linear(nn.Module):
 
     def quantize(self, scheme: str, group_size: int = 128) -> None:
         """Round the float weight in place: scheme int4 (symmetric, groups of group_size) or
-        fp8 (per output channel)."""
+        fp8 (per output channel, activations per token: W8A8)."""
         w = self.weight.data
         self._use_quantized(quantize_rtn(w, group_size, symmetric=True) if scheme == "int4"
-                            else quantize_fp8(w))
+                            else quantize_fp8(w, w8a8=True))
 
     def _use_quantized(self, q: Int4Weight | Fp8Weight) -> None:
         """From now on multiply with q (moved to the layer's device); drop the float weight."""

@@ -62,8 +62,8 @@ class SafetensorsCheckpoint:
     def _fp8(self, f, names: list[str], name: str
              ) -> Iterator[tuple[str, torch.Tensor | Fp8Weight]]:
         """One tensor of an FP8 checkpoint: an FP8 `.weight` with its scale as an Fp8Weight;
-        the scales themselves (and static activation scales, unused: activations stay in the
-        model's dtype) are consumed with it."""
+        the scales themselves (and static activation scales, unused: activations are scaled
+        per token as they come, or stay in the model's dtype) are consumed with it."""
         prefix, _, suffix = name.rpartition(".")
         if suffix in ("weight_scale", "weight_scale_inv", "input_scale"):
             return
@@ -71,11 +71,11 @@ class SafetensorsCheckpoint:
         if suffix != "weight" or tensor.dtype != fp8.FP8:
             yield name, tensor
             return
-        (block,) = self.fp8
+        block, w8a8 = self.fp8
         scale_name = f"{prefix}.weight_scale" + ("_inv" if block is not None else "")
         if scale_name not in names:
             raise ValueError(f"FP8 checkpoint: {name} has no {scale_name}")
-        yield name, fp8.from_tensors(tensor, f.get_tensor(scale_name), block)
+        yield name, fp8.from_tensors(tensor, f.get_tensor(scale_name), block, w8a8)
 
 
 def read_config(path: Path) -> ModelConfig:

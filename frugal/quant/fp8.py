@@ -6,8 +6,10 @@ A weight [N, K] is stored as
           strategy) or [ceil(N / block), ceil(K / block)] (one per block × block tile: the
           `weight_block_size: [128, 128]` form of DeepSeek / GLM FP8 checkpoints, whose
           `weight_scale_inv` is this multiplier);
-and w = data · scale. Activations stay in the model's dtype (W8A16): the GPU kernel widens the
-weight in registers.
+and w = data · scale. With w8a8 the activations are quantized too, dynamically per token
+(`quantize_rows`: one scale per row of x, its amax / 448), and the matmul runs in FP8 (W8A8,
+torch._scaled_mm on the GPU); else they stay in the model's dtype (W8A16: the GPU kernel widens
+the weight in registers).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ class Fp8Weight:
     data: torch.Tensor
     scales: torch.Tensor
     block: int | None = None  # None: per output channel
+    w8a8: bool = False  # activations quantized per token before the matmul
     _dense: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -56,24 +59,33 @@ class Fp8Weight:
         return self._dense[dtype]
 
     def to(self, device: torch.device | str) -> Fp8Weight:
-        return Fp8Weight(self.data.to(device), self.scales.to(device), self.block)
+        return Fp8Weight(self.data.to(device), self.scales.to(device), self.block, self.w8a8)
 
     @staticmethod
     def cat(parts: list[Fp8Weight]) -> Fp8Weight:
         """Row-wise concatenation (q|k|v, gate|up); block-scaled parts must each have a
         multiple of the block as rows."""
-        blocks = {p.block for p in parts}
+        blocks = {(p.block, p.w8a8) for p in parts}
         if len(blocks) != 1:
             raise ValueError("Fp8Weight.cat: parts differ in scaling")
-        block = blocks.pop()
+        block, w8a8 = blocks.pop()
         if block is not None and any(p.shape[0] % block for p in parts[:-1]):
             raise ValueError(f"Fp8Weight.cat: block-scaled parts need rows in multiples of "
                              f"{block}")
         return Fp8Weight(torch.cat([p.data for p in parts]),
-                         torch.cat([p.scales for p in parts]), block)
+                         torch.cat([p.scales for p in parts]), block, w8a8)
 
 
-def quantize_fp8(weight: torch.Tensor, block: int | None = None) -> Fp8Weight:
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-token FP8 of activations x [M, K] -> (q [M, K] e4m3, scales [M, 1] fp32),
+    x ≈ q · scale with scale = max|x[m]| / 448 (a zero row: 1e-12 / 448, its codes 0)."""
+    x = x.float()
+    scale = divide(x.abs().amax(1, keepdim=True).clamp(min=1e-12), FP8_MAX)
+    return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def quantize_fp8(weight: torch.Tensor, block: int | None = None, w8a8: bool = False
+                 ) -> Fp8Weight:
     """Round-to-nearest FP8 of a float [N, K] weight: scale = amax / 448 per output channel
     (block None) or per block × block tile; an all-zero channel or tile gets scale 1."""
     w = weight.float()
@@ -88,7 +100,7 @@ def quantize_fp8(weight: torch.Tensor, block: int | None = None) -> Fp8Weight:
         scale = divide(tiles.abs().amax((1, 3)), FP8_MAX)
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     data = (w / expand(scale, block, n, k)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    return Fp8Weight(data, scale, block)
+    return Fp8Weight(data, scale, block, w8a8)
 
 
 def expand(scales: torch.Tensor, block: int | None, n: int, k: int) -> torch.Tensor:
@@ -113,18 +125,22 @@ def quantization_config(block: int | None, ignore: list[str]) -> dict:
                 "input_activations": {**fp8, "dynamic": True, "strategy": "token"}}}}
 
 
-def checkpoint_form(q: dict | None) -> tuple[int | None] | None:
-    """(block size or None for per-channel/per-tensor scales,) of an FP8 quantization_config,
-    None when the checkpoint is not FP8."""
+def checkpoint_form(q: dict | None) -> tuple[int | None, bool] | None:
+    """(block size or None for per-channel/per-tensor scales, w8a8) of an FP8
+    quantization_config, None when the checkpoint is not FP8. w8a8: the config quantizes
+    activations (dynamically per token here, whatever granularity it names); block-scaled
+    weights keep them in the model's dtype."""
     if not q:
         return None
     if q.get("quant_method") == "fp8":
         size = q.get("weight_block_size")
         if size is not None and (len(size) != 2 or size[0] != size[1]):
             raise ValueError(f"quantization_config: square weight blocks only, got {size}")
-        return (None if size is None else int(size[0]),)
+        return (None, True) if size is None else (int(size[0]), False)
     if q.get("quant_method") == "compressed-tensors" and q.get("format") == "float-quantized":
+        w8a8 = False
         for group in q.get("config_groups", {}).values():
+            w8a8 = w8a8 or bool(group.get("input_activations"))
             w = group.get("weights", {})
             if w.get("num_bits") != 8 or w.get("type") != "float":
                 raise ValueError(f"quantization_config: float-quantized weights must be 8-bit "
@@ -132,7 +148,7 @@ def checkpoint_form(q: dict | None) -> tuple[int | None] | None:
             if w.get("strategy") not in ("channel", "tensor"):
                 raise ValueError(f"quantization_config: FP8 weight strategy "
                                  f"{w.get('strategy')!r} (channel or tensor)")
-        return (None,)
+        return (None, w8a8)
     return None
 
 
@@ -143,7 +159,8 @@ def to_tensors(prefix: str, q: Fp8Weight) -> dict[str, torch.Tensor]:
             f"{prefix}.{name}": q.scales.float().contiguous()}
 
 
-def from_tensors(data: torch.Tensor, scale: torch.Tensor, block: int | None) -> Fp8Weight:
+def from_tensors(data: torch.Tensor, scale: torch.Tensor, block: int | None,
+                 w8a8: bool = False) -> Fp8Weight:
     """An FP8 weight from a checkpoint's tensors; a per-tensor scale becomes per channel."""
     if data.dtype != FP8:
         raise ValueError(f"FP8 checkpoint: weight is {data.dtype}, expected float8_e4m3fn")
@@ -152,4 +169,4 @@ def from_tensors(data: torch.Tensor, scale: torch.Tensor, block: int | None) -> 
         if scale.numel() == 1:
             scale = scale.reshape(1, 1).expand(data.shape[0], 1)
         scale = scale.reshape(-1, 1).contiguous()
-    return Fp8Weight(data, scale, block)
+    return Fp8Weight(data, scale, block, w8a8)

@@ -1,11 +1,18 @@
-"""W8A16 matmul: FP8 (e4m3) weights widened in registers, on tensor cores.
+"""FP8 (e4m3) weight matmuls: W8A8 on torch._scaled_mm, W8A16 with the weight widened in
+registers.
 
-The weight is a quant.fp8.Fp8Weight, used as stored ([N, K] float8_e4m3fn, row-major, and its
-float32 scales). A tile of 128 inputs is loaded K-contiguous, as the tensor cores' B operand
-wants it, and widened to fp16 (one instruction per two values, exact); bf16 activations go to
-fp16 with saturation at ±65504 (fp16's range; activations beyond it are clipped). Products
-accumulate in fp32; per-channel scales multiply the result once, 128×128-block scales each
-tile's partial product. fp32 activations (and the CPU interpreter) multiply in exact fp32.
+W8A8 (an Fp8Weight with w8a8 and per-channel scales, bf16/fp16 activations): `quantize_rows`
+turns x into e4m3 with one scale per row (its amax / 448) in one kernel, and cuBLAS's FP8 matmul
+applies both scale vectors in its epilogue (`_scaled_mm`, rows padded to 16 as it requires);
+SiLU·mul and the residual add follow as their own steps. Any number of rows, prefill included.
+
+W8A16 (block scales, or fp32 activations): the weight is used as stored ([N, K]
+float8_e4m3fn, row-major, and its float32 scales). A tile of 128 inputs is loaded K-contiguous,
+as the tensor cores' B operand wants it, and widened to fp16 (one instruction per two values,
+exact); bf16 activations go to fp16 with saturation at ±65504 (fp16's range; activations
+beyond it are clipped). Products accumulate in fp32; per-channel scales multiply the result
+once, 128×128-block scales each tile's partial product. fp32 activations (and the CPU
+interpreter) multiply in exact fp32.
 """
 
 from __future__ import annotations
@@ -16,9 +23,10 @@ import torch
 import triton
 import triton.language as tl
 
+from frugal.ops.triton.elementwise import silu_and_mul
 from frugal.ops.triton.launch import enter, pdl
 from frugal.ops.triton.split_k import counters, finish, grid, partials, tile_range
-from frugal.quant.fp8 import Fp8Weight
+from frugal.quant.fp8 import FP8, FP8_MAX, Fp8Weight, quantize_rows
 
 BLOCK_K = 128
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -110,17 +118,71 @@ def _config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
     return block_m, 64, 2, 4, 3
 
 
+@triton.jit
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, BLOCK: tl.constexpr):
+    """Row m of q = x[m] / s[m] saturated to e4m3, s[m] = max(max|x[m]|, 1e-12) / 448, as
+    quant.fp8.quantize_rows; rows M.. (padding) get codes 0."""
+    m = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < K
+    x = tl.load(x_ptr + m.to(tl.int64) * K + offs, mask=mask & (m < M), other=0.0)
+    x = x.to(tl.float32)
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12), FP8_MAX)
+    q = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX)
+    tl.store(q_ptr + m.to(tl.int64) * K + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + m, scale)
+
+
+def quantize_rows_padded(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (q [M16, K] e4m3, scales [M16, 1] fp32), M16 = M rounded up to 16."""
+    m, k = x.shape
+    rows = -(-m // 16) * 16
+    q = torch.empty(rows, k, dtype=FP8, device=x.device)
+    scales = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
+    block = triton.next_power_of_2(k)
+    _quantize_rows_kernel[(rows,)](x, q, scales, m, k, BLOCK=block,
+                                   num_warps=8 if block >= 8192 else 4)
+    return q, scales
+
+
+def w8a8_supported(x: torch.Tensor, w: Fp8Weight) -> bool:
+    """Whether x @ wᵀ runs as W8A8 on _scaled_mm (else W8A16, x rounded per token first)."""
+    n, k = w.shape
+    return (w.w8a8 and w.block is None and x.device.type == "cuda" and not _INTERPRET
+            and x.dtype in (torch.bfloat16, torch.float16) and k % 16 == 0 and n % 16 == 0)
+
+
+def _w8a8(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, gated: bool,
+          residual: torch.Tensor | None) -> torch.Tensor:
+    m = x.shape[0]
+    q, scales = quantize_rows_padded(x)
+    y = torch._scaled_mm(q, w.data.t(), scale_a=scales, scale_b=w.scales.t(),
+                         out_dtype=torch.bfloat16)[:m]
+    y = y.to(x.dtype)
+    if bias is not None:
+        y = y + bias
+    if gated:
+        y = silu_and_mul(y)
+    return y if residual is None else residual.add_(y)
+
+
 def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
                gated: bool = False, residual: torch.Tensor | None = None,
                config: tuple[int, ...] | None = None) -> torch.Tensor:
     """x: [M, K] (bf16, fp16 or fp32); w: [N (2N if gated), K] -> [M, N] in x's dtype: x @ wᵀ
-    (+ bias), silu(gate) · up if gated, + residual. As ops.linear without the norm."""
+    (+ bias), silu(gate) · up if gated, + residual. As ops.linear without the norm. A w8a8
+    weight quantizes x per token (on _scaled_mm where w8a8_supported, else emulated)."""
     x = x.contiguous()
     m, k = x.shape
     rows = w.shape[0]
     n = rows // 2 if gated else rows
     if k != w.shape[1]:
         raise ValueError(f"fp8_linear: x has {k} inputs, the weight {w.shape[1]}")
+    if w.w8a8:
+        if w8a8_supported(x, w):
+            return _w8a8(x, w, bias, gated, residual)
+        q, scales = quantize_rows(x)
+        x = (q.float() * scales).to(x.dtype)
     if w.block is not None and (w.block % BLOCK_K or (gated and n % w.block)):
         raise ValueError(f"fp8_linear: block scales of {w.block} need a multiple of {BLOCK_K} "
                          "(and gate/up halves in whole blocks)")

@@ -8,7 +8,8 @@ attention; cuBLAS at one row also adds a split-K reduction kernel per matmul.
 
 Quantized weights take their own kernels up to 64 tokens (the RMSNorm, if any, as its own kernel
 first): INT4 (repacked by pack_weight into int4_linear's layout) and FP8 (fp8_linear); beyond,
-the weight is dequantized for the step and the matmul is cuBLAS's.
+the weight is dequantized for the step and the matmul is cuBLAS's. W8A8 FP8 weights run
+fp8_linear (FP8 cuBLAS) at any number of tokens.
 
 A decode batch (2..64 tokens): gate_up runs as a Triton tensor-core kernel with SiLU·mul as its
 epilogue (one program holds all the rows, so there is no split-K to reduce first); the other
@@ -219,12 +220,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Int4Tiles | Fp8Weight,
     m = x.shape[0]
     if isinstance(weight, (Int4Tiles, Fp8Weight)):
         int4 = isinstance(weight, Int4Tiles)
-        if m > SMALL_M_MAX or m == 0:  # prefill: dequantized for the step, then cuBLAS
-            weight = dequantize_int4(weight, x.dtype) if int4 else weight.dequantize(x.dtype)
-        else:
+        if m > 0 and (m <= SMALL_M_MAX or (not int4 and weight.w8a8)):
             if norm is not None:
                 x = rms_norm(x, norm, eps)
             return (int4_linear if int4 else fp8_linear)(x, weight, bias, gated, residual)
+        # prefill: dequantized for the step, then cuBLAS
+        weight = dequantize_int4(weight, x.dtype) if int4 else weight.dequantize(x.dtype)
     if 0 < m <= SMALL_M_MAX and x.dtype != torch.float32 and x.is_contiguous():
         if m <= GEMV_MAX_M:
             return gemv(x, weight, bias, norm, eps, gated, residual)
