@@ -67,6 +67,7 @@ def run_quantize(args: argparse.Namespace) -> int:
     ckpt = open_checkpoint(args.model)
     out = Path(args.output)
     ignore = [s for s in args.ignore.split(",") if s]
+    kept = list(dict.fromkeys(["lm_head", *ignore]))  # (config.json's ignore list, no repeats)
     names = list(ckpt.weights())
 
     def wanted(name: str) -> bool:
@@ -105,8 +106,8 @@ def run_quantize(args: argparse.Namespace) -> int:
     save_file(tensors, str(out / "model.safetensors"))
     hf = _hf_config(ckpt)
     hf["quantization_config"] = (
-        compressed.quantization_config(args.group_size, not args.asymmetric, ["lm_head", *ignore])
-        if int4 else fp8.quantization_config(args.weight_block_size, ["lm_head", *ignore]))
+        compressed.quantization_config(args.group_size, not args.asymmetric, kept)
+        if int4 else fp8.quantization_config(args.weight_block_size, kept))
     (out / "config.json").write_text(json.dumps(hf, indent=2))
     if ckpt.tokenizer is not None:
         ckpt.tokenizer.save(out)

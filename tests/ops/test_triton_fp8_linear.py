@@ -80,6 +80,9 @@ def test_quantize_rows_kernel():
     assert bool(want_q.float().abs().amax(1)[[0, 1, 2, 4]].eq(448).all())
     if DEVICE == "cuda":  # the GPU's conversion is exact
         assert torch.equal(q[:5].view(torch.uint8), want_q.view(torch.uint8))
+        xb = x.bfloat16()
+        want_q, want_scales = quantize_rows(xb)
+        assert torch.equal(tri.round_rows(xb), (want_q.float() * want_scales).bfloat16())
 
 
 def test_w8a8_emulated_where_fp8_matmul_cannot_run():
