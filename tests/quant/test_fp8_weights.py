@@ -48,12 +48,13 @@ def _round(w):
 
 
 def test_w8a8_rounds_the_activations_per_token():
-    """torch_ref.linear with a W8A8 weight: norm, then each row of x rounded to FP8 on its own
-    scale, then the matmul with the dequantized weight, SiLU·mul and the residual."""
+    """torch_ref.linear with a W8A8 weight in a step of more than 16 tokens: norm, then each row
+    of x rounded to FP8 on its own scale, then the matmul with the dequantized weight, SiLU·mul
+    and the residual. Steps of up to 16 tokens keep x (W8A16)."""
     g = torch.Generator().manual_seed(3)
     w = torch.randn(64, 48, generator=g)
-    x = torch.randn(5, 48, generator=g) * torch.tensor([1e-3, 1, 10, 100, 1e4])[:, None]
-    norm, r = torch.rand(48, generator=g) + 0.5, torch.randn(5, 32, generator=g)
+    x = torch.randn(20, 48, generator=g) * torch.logspace(-3, 4, 20)[:, None]
+    norm, r = torch.rand(48, generator=g) + 0.5, torch.randn(20, 32, generator=g)
     codes, scale = _round(w)
     got = torch_ref.linear(x, Fp8Weight(codes, scale, w8a8=True), norm=norm, eps=1e-6,
                            gated=True, residual=r.clone())
@@ -65,6 +66,9 @@ def test_w8a8_rounds_the_activations_per_token():
     plain = torch_ref.linear(x, Fp8Weight(codes, scale), norm=norm, eps=1e-6, gated=True,
                              residual=r.clone())
     assert not torch.allclose(plain, want, rtol=1e-3, atol=1e-3)  # W8A16 does not round x
+    small = torch_ref.linear(x[:16], Fp8Weight(codes, scale, w8a8=True), norm=norm, eps=1e-6,
+                             gated=True, residual=r[:16].clone())
+    torch.testing.assert_close(small, plain[:16])
 
 
 def test_checkpoint_form_reads_the_activation_scheme():

@@ -1,13 +1,12 @@
 """FP8 (e4m3) weight matmuls: W8A8 on torch._scaled_mm, W8A16 with the weight widened in
 registers.
 
-W8A8 (an Fp8Weight with w8a8 and per-channel scales, bf16/fp16 activations), beyond 16 rows:
-one kernel turns x into e4m3 with one scale per row (its amax / 448), and torch's FP8 matmul
-applies both scale vectors in its epilogue (`_scaled_mm`, rows padded to 16 as it requires);
-SiLU·mul and the residual add follow as their own steps. Prefill included. Up to 16 rows its
-row-wise kernel is slower than the W8A16 kernel below (no split-K: few programs), so there x
-is rounded per token to FP8 and back (`round_rows`, one kernel) and the W8A16 kernel runs:
-the same arithmetic as W8A8 but for the rounding of q · scale to x's dtype.
+W8A8 (an Fp8Weight with w8a8 and per-channel scales, bf16/fp16 activations, more than 16 rows:
+quant.fp8.rounds_activations): one kernel turns x into e4m3 with one scale per row (its amax /
+448), and torch's FP8 matmul applies both scale vectors in its epilogue (`_scaled_mm`, rows
+padded to 16 as it requires); SiLU·mul and the residual add follow as their own steps. Prefill
+included. Up to 16 rows torch's row-wise FP8 kernel is slower than the W8A16 kernel below (it
+has no split-K: few programs), so small decode batches keep their activations and run W8A16.
 
 W8A16 (block scales, or fp32 activations): the weight is used as stored ([N, K]
 float8_e4m3fn, row-major, and its float32 scales). A tile of 128 inputs is loaded K-contiguous,
@@ -29,10 +28,9 @@ import triton.language as tl
 from frugal.ops.triton.elementwise import silu_and_mul
 from frugal.ops.triton.launch import enter, pdl
 from frugal.ops.triton.split_k import counters, finish, grid, partials, tile_range
-from frugal.quant.fp8 import FP8, Fp8Weight, quantize_rows
+from frugal.quant.fp8 import FP8, Fp8Weight, quantize_rows, rounds_activations
 
 BLOCK_K = 128
-W8A16_MAX_M = 16  # W8A8 weights: up to this many rows the W8A16 kernel runs (on rounded x)
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -122,30 +120,19 @@ def _config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
     return block_m, 64, 2, 4, 3
 
 
-@triton.jit
-def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, BLOCK: tl.constexpr, ROUND: tl.constexpr):
+@triton.jit(do_not_specialize=["M"])  # (M, the rows, changes from step to step)
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, BLOCK: tl.constexpr):
     """Row m of q = x[m] / s[m] saturated to e4m3, s[m] = max(max|x[m]|, 1e-12) / 448, as
-    quant.fp8.quantize_rows; rows M.. (padding) get codes 0. ROUND: q holds q · s in x's dtype
-    instead (x rounded to what W8A8 sees) and s is not written."""
+    quant.fp8.quantize_rows; rows M.. (padding) get codes 0."""
     m = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < K
     x = tl.load(x_ptr + m.to(tl.int64) * K + offs, mask=mask & (m < M), other=0.0)
     x = x.to(tl.float32)
     scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12), 448.0)  # (FP8_MAX)
-    q = tl.clamp(tl.math.div_rn(x, scale), -448.0, 448.0).to(tl.float8e4nv)
-    if ROUND:
-        q = q.to(tl.float32) * scale
-    else:
-        tl.store(s_ptr + m, scale)
+    q = tl.clamp(tl.math.div_rn(x, scale), -448.0, 448.0)
     tl.store(q_ptr + m.to(tl.int64) * K + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
-
-
-def _rows(x: torch.Tensor, out: torch.Tensor, scales: torch.Tensor | None) -> None:
-    block = triton.next_power_of_2(x.shape[1])
-    _quantize_rows_kernel[(out.shape[0],)](x, out, scales, x.shape[0], x.shape[1], BLOCK=block,
-                                           ROUND=scales is None,
-                                           num_warps=8 if block >= 8192 else 4)
+    tl.store(s_ptr + m, scale)
 
 
 def quantize_rows_padded(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,28 +141,19 @@ def quantize_rows_padded(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     rows = -(-m // 16) * 16
     q = torch.empty(rows, k, dtype=FP8, device=x.device)
     scales = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
-    _rows(x, q, scales)
+    block = triton.next_power_of_2(k)
+    _quantize_rows_kernel[(rows,)](x, q, scales, m, k, BLOCK=block,
+                                   num_warps=8 if block >= 8192 else 4)
     return q, scales
 
 
-def round_rows(x: torch.Tensor) -> torch.Tensor:
-    """x [M, K] rounded per token to FP8 and back (q · scale, in x's dtype): what a W8A8 matmul
-    sees of x, for the W8A16 kernel."""
-    if _INTERPRET or x.device.type != "cuda" or x.dtype == torch.float32:
-        q, scales = quantize_rows(x)
-        return (q.float() * scales).to(x.dtype)
-    out = torch.empty_like(x)
-    _rows(x, out, None)
-    return out
-
-
 def w8a8_supported(x: torch.Tensor, w: Fp8Weight) -> bool:
-    """Whether x @ wᵀ runs on _scaled_mm: a W8A8 weight, more than W8A16_MAX_M rows (below,
-    the W8A16 kernel on x rounded per token measures faster), shapes it takes."""
+    """Whether x @ wᵀ runs on _scaled_mm: W8A8 applies (quant.fp8.rounds_activations) and the
+    device, dtype and shapes are ones it takes."""
     n, k = w.shape
-    return (w.w8a8 and w.block is None and x.device.type == "cuda" and not _INTERPRET
-            and x.dtype in (torch.bfloat16, torch.float16) and k % 16 == 0 and n % 16 == 0
-            and x.shape[0] > W8A16_MAX_M)
+    return (rounds_activations(w, x.shape[0]) and w.block is None and x.device.type == "cuda"
+            and not _INTERPRET and x.dtype in (torch.bfloat16, torch.float16)
+            and k % 16 == 0 and n % 16 == 0)
 
 
 def _w8a8(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, gated: bool,
@@ -204,10 +182,11 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
     n = rows // 2 if gated else rows
     if k != w.shape[1]:
         raise ValueError(f"fp8_linear: x has {k} inputs, the weight {w.shape[1]}")
-    if w.w8a8:
+    if rounds_activations(w, m):
         if w8a8_supported(x, w):
             return _w8a8(x, w, bias, gated, residual)
-        x = round_rows(x)
+        q, scales = quantize_rows(x)  # (elsewhere: x rounded as W8A8 would see it)
+        x = (q.float() * scales).to(x.dtype)
     if w.block is not None and (w.block % BLOCK_K or (gated and n % w.block)):
         raise ValueError(f"fp8_linear: block scales of {w.block} need a multiple of {BLOCK_K} "
                          "(and gate/up halves in whole blocks)")
