@@ -2,7 +2,8 @@
 
 For each shape K×N of the weight-quantization issue and M rows of activations (bf16), times
 frugal's W4A16 kernel (`int4_linear`, group 128, symmetric) and FP8 paths (`fp8_linear`,
-per-channel scales: W8A16, the Triton kernel; W8A8, x quantized per token by our kernel, then
+per-channel scales: W8A16, the Triton kernel; and the path `--quantization fp8` serves, whose
+weights are W8A8: W8A16 up to 16 rows, beyond them x quantized per token by our kernel and
 `_scaled_mm` with row-wise scales) against, in the same run, bf16
 cuBLAS (`F.linear`), FP8 `torch._scaled_mm` (per-tensor scales, M padded to 16, as
 ../shared/tools/gpu_peers.py measures it) and torch's INT4 tinygemm (`_weight_int4pack_mm`), and
