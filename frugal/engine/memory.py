@@ -1,8 +1,11 @@
-"""How much device memory the KV pool may take (see CacheConfig)."""
+"""How much device memory the KV pool may take (see CacheConfig), measured with a dummy step;
+and dummy prompt steps that compile the kernels before the first request."""
 
 from __future__ import annotations
 
 import logging
+import time
+from itertools import accumulate
 from typing import TYPE_CHECKING
 
 import torch
@@ -81,3 +84,35 @@ def profile_step(runner: ModelRunner, config: EngineConfig) -> int:
     del scratch, hidden, meta
     torch.cuda.empty_cache()
     return peak
+
+
+# Dummy prompt steps run at start-up, as (decodes, new tokens of one prompt): every launch of the
+# prompt attention kernel (its blocks of rows are picked by the prompt's length: see
+# ops.triton.attention._extend_launch), a decode beside a prompt, and matmuls of up to 16 and of
+# more rows (FP8 W8A8 weights switch kernels there).
+WARM_UP_STEPS = ((0, 2), (0, 16), (0, 32), (1, 16))
+
+
+@torch.inference_mode()
+def warm_up(runner: ModelRunner) -> None:
+    """Run WARM_UP_STEPS against the bound cache (page 0 read, nothing stored): Triton compiles
+    a kernel variant on first use, and a compile in the middle of serving stalls every running
+    request for ~0.3-1 s."""
+    mc, device = runner.model_config, torch.device(runner.device)
+    start = time.perf_counter()
+    with torch.device(device), ops.use(runner.backend):
+        for decodes, n in WARM_UP_STEPS:
+            lens = [1] * decodes + [n]
+            tokens = sum(lens)
+            meta = AttentionMetadata(
+                slot_mapping=torch.full((tokens,), -1, dtype=torch.int64),
+                page_table=torch.zeros(len(lens), -(-n // runner.pool.page_size),
+                                       dtype=torch.int32),
+                cu_seqlens_q=torch.tensor([0, *accumulate(lens)], dtype=torch.int32),
+                seq_lens=torch.full((len(lens),), n, dtype=torch.int32),
+                max_query_len=n, max_seq_len=n, num_decodes=decodes)
+            runner.model(torch.zeros(tokens, dtype=torch.int64),
+                         torch.arange(tokens) % mc.max_position_embeddings, meta)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    logger.info("prompt kernels warmed up in %.1f s", time.perf_counter() - start)

@@ -13,7 +13,7 @@ from frugal import ops
 from frugal.config import KV_DTYPES, EngineConfig
 from frugal.engine import kv_scales
 from frugal.engine.cuda_graph import DecodeGraphs
-from frugal.engine.memory import LOGITS_ROWS, kv_budget
+from frugal.engine.memory import LOGITS_ROWS, kv_budget, warm_up
 from frugal.engine.sampler import Sampler, token_logprobs
 from frugal.engine.scheduler import SchedulerOutput
 from frugal.engine.step_inputs import Pending, StepInputs, prepare
@@ -146,6 +146,8 @@ class ModelRunner:
             self.pool.scales = scales.values.to(self.device)
             self.pool.scales_source = scales.source
         self.bind_cache(self.pool)
+        if self.device.startswith("cuda"):
+            warm_up(self)
         # tokens per byte against a cache in the activation dtype (FP8 under bf16: 2.0)
         self.kv_capacity_ratio = KVPool.page_bytes(mc.num_layers, cache.page_size,
                                                    mc.num_kv_heads, mc.head_dim,

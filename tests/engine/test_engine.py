@@ -6,6 +6,7 @@ import torch
 
 from frugal import LLM, SamplingParams
 from frugal.engine.llm_engine import LLMEngine
+from frugal.engine.memory import warm_up
 from frugal.kv_cache.pool import KVPool
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -205,3 +206,15 @@ def test_chat_accepts_one_or_many_conversations(llm):
     many = llm.chat([conv, conv], SamplingParams(temperature=0, max_tokens=8))
     assert len(one) == 1 and len(many) == 2
     assert many[0].outputs[0].token_ids == one[0].outputs[0].token_ids
+
+
+def test_warm_up_steps_write_nothing_to_the_cache():
+    """The start-up dummy prompt steps (run on GPUs, to compile kernels before the first
+    request) leave every KV page as it was."""
+    llm = LLM(device="cpu", dtype="float32", kv_cache_memory="8MiB")
+    pool = llm.engine.runner.pool
+    for k in pool.k:
+        k.normal_()
+    before = [k.clone() for k in pool.k] + [v.clone() for v in pool.v]
+    warm_up(llm.engine.runner)
+    assert all(torch.equal(a, b) for a, b in zip(before, list(pool.k) + list(pool.v)))
