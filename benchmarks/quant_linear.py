@@ -8,10 +8,11 @@ weights are W8A8: W8A16 up to 16 rows, beyond them x quantized per token by our 
 cuBLAS (`F.linear`), FP8 `torch._scaled_mm` (per-tensor scales, M padded to 16, as
 ../shared/tools/gpu_peers.py measures it) and torch's INT4 tinygemm (`_weight_int4pack_mm`), and
 prints µs, the weight-read bandwidth and the ratios.
-   python benchmarks/quant_linear.py [--sweep] [--m 1,8,16,32,64]
+   python benchmarks/quant_linear.py [--sweep | --sweep-fp8] [--m 1,8,16,32,64]
 
 Times are medians of CUDA-graph replays; each call reads its own copy of the weight, so nothing
-is served from L2. --sweep times every kernel config per (shape, M) and prints the best.
+is served from L2. --sweep times every INT4 kernel config per (shape, M) and prints the best;
+--sweep-fp8 does the same for the W8A16 kernel (and times nothing else).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from timing import graph_time
 
+from frugal.ops.triton.fp8_linear import _config as fp8_config
 from frugal.ops.triton.fp8_linear import fp8_linear
 from frugal.ops.triton.int4_linear import _config, int4_linear, repack
 from frugal.quant.fp8 import quantize_fp8
@@ -33,6 +35,8 @@ SHAPES = [(4096, 14336), (14336, 4096), (4096, 6144), (4096, 4096)]  # (K, N)
 CONFIGS = [c for c in itertools.product((64, 128, 256), (1, 2, 4, 8, 16), (4, 8), (3, 4))
            if c[0] >= 8 * c[2]]
 # (BLOCK_N, SPLIT_K, warps, STAGES) of int4_mma's kernel
+FP8_CONFIGS = list(itertools.product((32, 64, 128), (1, 2, 4, 8), (4,), (3, 4, 6)))
+# (BLOCK_N, SPLIT_K, num_warps, num_stages) of fp8_linear's W8A16 kernel (BLOCK_M from M)
 
 
 def copies_for(nbytes: int) -> int:
@@ -100,13 +104,45 @@ def bench_shape(k: int, n: int, ms: list[int], sweep: bool) -> list[dict]:
     return rows
 
 
+def sweep_fp8(k: int, n: int, ms: list[int]) -> list[dict]:
+    """The W8A16 kernel's time at its own config and at each of FP8_CONFIGS."""
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5
+    ours8 = [quantize_fp8(w) for _ in range(copies_for(n * k))]
+    rows = []
+    for m in ms:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        own = fp8_config(m, n, k)
+        times = {}
+        for c in [own[1:], *FP8_CONFIGS]:
+            config = (own[0], *c)
+            try:
+                times[str(config)] = 1e3 * graph_time(
+                    [lambda i=i, x=x, c=config: fp8_linear(x, ours8[i % len(ours8)], config=c)
+                     for i in range(16)])
+            except Exception as exc:  # noqa: BLE001 (a config the compiler refuses)
+                print(f"config {config}: {exc!r:.80}")
+        best = min(times, key=times.get)
+        r = {"K": k, "N": n, "M": m, "config": str(own), "us": times[str(own)],
+             "best_config": best, "best_us": times[best]}
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--m", default="1,8,16,32,64")
     p.add_argument("--sweep", action="store_true")
+    p.add_argument("--sweep-fp8", action="store_true")
     p.add_argument("--output", help="JSON of all rows")
     a = p.parse_args()
     ms = [int(m) for m in a.m.split(",")]
+    if a.sweep_fp8:
+        rows = [r for k, n in SHAPES for r in sweep_fp8(k, n, ms)]
+        if a.output:
+            with open(a.output, "w") as f:
+                json.dump(rows, f, indent=1)
+        return
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | CUDA-graph replay "
           "medians | W4A16 group 128 symmetric, FP8 per-tensor\n")
     rows = [r for k, n in SHAPES for r in bench_shape(k, n, ms, a.sweep)]

@@ -1,8 +1,11 @@
 """INT4 weights: the packed layout, round-to-nearest, exact GGUF Q4 import, the engine on INT4
 weights, and `frugal quantize` written and read back (also by compressed-tensors itself)."""
 
+import gguf
+import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType
 from safetensors.torch import load_file
 
 from frugal import LLM, SamplingParams
@@ -14,10 +17,15 @@ from frugal.loader.safetensors import SafetensorsCheckpoint
 from frugal.quant.int4 import Int4Weight, pack, quantize_rtn, unpack
 from tests.engine.test_fp8_kv import tiny_dir
 
-ct = pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers")
+
+@pytest.fixture(scope="module")
+def ct():
+    """compressed-tensors' own packing helpers (a test dependency): only the tests comparing
+    with it skip without it."""
+    return pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers")
 
 
-def test_pack_layout_is_compressed_tensors():
+def test_pack_layout_is_compressed_tensors(ct):
     codes = torch.randint(0, 16, (24, 64), generator=torch.Generator().manual_seed(0))
     packed = pack(codes)
     assert packed.dtype == torch.int32 and packed.shape == (24, 8)
@@ -56,6 +64,19 @@ def test_gguf_q4_import_is_bit_identical():
     assert checked == 8
 
 
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+def test_gguf_q4_import_equals_gguf_py(kind):
+    """Both 4-bit formats (the default model has only Q4_1), written by gguf-py's own quantizer:
+    the INT4 import dequantizes to exactly gguf-py's dequantization."""
+    t = GGMLQuantizationType[kind]
+    w = np.random.default_rng(1).standard_normal((8, 96)).astype(np.float32)
+    w[2, :32] = 0.0  # an all-zero block
+    raw = gguf.quants.quantize(w, t)
+    q = to_int4(raw, t, (8, 96))
+    assert q.group_size == 32 and (q.zeros is not None) == (kind == "Q4_0")
+    assert np.array_equal(q.dequantize().numpy(), gguf.quants.dequantize(raw, t))
+
+
 def test_int4_engine_equals_its_dequantization(llm):
     """--quantization int4 on the default (Q4_1) model keeps the file's exact weights: the
     same logits and greedy output as the fp32 model dequantized at load."""
@@ -73,7 +94,7 @@ def test_int4_engine_equals_its_dequantization(llm):
 
 
 @pytest.mark.parametrize("asymmetric", [False, True])
-def test_quantize_writes_what_loads_back(tmp_path, asymmetric, capsys):
+def test_quantize_writes_what_loads_back(tmp_path, asymmetric, capsys, ct):
     src = tiny_dir(tmp_path / "src")
     out = tmp_path / "int4"
     args = ["quantize", str(src), "--output", str(out), "--group-size", "32"]

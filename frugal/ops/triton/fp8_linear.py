@@ -115,9 +115,17 @@ def _widen_w(w, DOT_F32: tl.constexpr):
 
 
 def _config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, SPLIT_K, num_warps, num_stages) for x [m, k], a weight of n rows."""
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    return block_m, 64, 2, 4, 3
+    """(BLOCK_M, BLOCK_N, SPLIT_K, num_warps, num_stages) for x [m, k], a weight of n rows. Up
+    to 16 rows, near the best of `benchmarks/quant_linear.py --sweep-fp8` on the H200
+    (Llama-3.1-8B shapes): blocks of 128 outputs, the inputs split into the most parts that
+    keep the programs within about two per SM (264) and two tiles each."""
+    if m > 16:
+        return (32 if m <= 32 else 64), 64, 2, 4, 3
+    blocks = triton.cdiv(n, 128)
+    split = 1
+    while blocks * split * 2 <= 264 and triton.cdiv(k, BLOCK_K) >= 4 * split:
+        split *= 2
+    return 16, 128, split, 4, 3
 
 
 @triton.jit(do_not_specialize=["M"])  # (M, the rows, changes from step to step)
@@ -190,7 +198,7 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
     if w.block is not None and (w.block % BLOCK_K or (gated and n % w.block)):
         raise ValueError(f"fp8_linear: block scales of {w.block} need a multiple of {BLOCK_K} "
                          "(and gate/up halves in whole blocks)")
-    block_m, block_n, split, num_warps, num_stages = config or _config(m, rows, k)
+    block_m, block_n, split, num_warps, num_stages = config or _config(m, n, k)
     launch, split = grid(triton.cdiv(n, block_n), triton.cdiv(m, block_m), split)
     f32 = x.dtype == torch.float32 or _INTERPRET
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
