@@ -68,42 +68,53 @@ def run_quantize(args: argparse.Namespace) -> int:
     out = Path(args.output)
     ignore = [s for s in args.ignore.split(",") if s]
     kept = list(dict.fromkeys(["lm_head", *ignore]))  # (config.json's ignore list, no repeats)
-    names = list(ckpt.weights())
 
     def wanted(name: str) -> bool:
         return (name.endswith(".weight")
                 and name.removesuffix(".weight").rsplit(".", 1)[-1] in _MATRICES
                 and not any(s in name for s in ignore))
 
-    for name, w in names:
+    def check(name: str, w: torch.Tensor) -> None:
         if wanted(name) and int4 and w.shape[1] % args.group_size:
             raise ValueError(f"group_size: {name} has {w.shape[1]} inputs, not a multiple of "
                              f"{args.group_size}")
-    done = (_gptq(args, [(n, w) for n, w in names if wanted(n)], int4)
-            if args.method == "gptq" else {})
+
+    if args.method == "gptq":  # (calibrates on the whole model: every matrix in memory)
+        names = list(ckpt.weights())
+        for name, w in names:
+            check(name, w)
+        done = _gptq(args, [(n, w) for n, w in names if wanted(n)], int4)
+        weights = iter(names)
+    else:  # round to nearest: one input tensor in memory at a time
+        done, weights = {}, ckpt.weights()
     out.mkdir(parents=True, exist_ok=True)
-    tensors: dict[str, torch.Tensor] = {}
+    shards = Shards(out)
     bf16_bytes = quant_bytes = kept_bytes = 0
     errors = []
-    for name, w in tqdm(names, desc="quantize", file=sys.stderr):
-        prefix = name.removesuffix(".weight")
-        if not wanted(name):
-            tensors[name] = w.contiguous()
-            kept_bytes += w.numel() * w.element_size()
-            continue
-        if args.method == "gptq":
-            q = done[name]
-        elif not int4:
-            q = fp8.quantize_fp8(w, args.weight_block_size)
-        else:
-            q = quantize_rtn(w, args.group_size, symmetric=not args.asymmetric)
-        err = (q.dequantize() - w.float()).norm() / w.float().norm()
-        errors.append((name, float(err)))
-        parts = compressed.to_tensors(prefix, q) if int4 else fp8.to_tensors(prefix, q)
-        tensors.update(parts)
-        bf16_bytes += w.numel() * 2
-        quant_bytes += sum(t.numel() * t.element_size() for t in parts.values())
-    save_file(tensors, str(out / "model.safetensors"))
+    try:
+        for name, w in tqdm(weights, desc="quantize", unit="tensor", file=sys.stderr):
+            check(name, w)
+            prefix = name.removesuffix(".weight")
+            if not wanted(name):
+                shards.add({name: w.contiguous()})
+                kept_bytes += w.numel() * w.element_size()
+                continue
+            if args.method == "gptq":
+                q = done[name]
+            elif not int4:
+                q = fp8.quantize_fp8(w, args.weight_block_size)
+            else:
+                q = quantize_rtn(w, args.group_size, symmetric=not args.asymmetric)
+            err = (q.dequantize() - w.float()).norm() / w.float().norm()
+            errors.append((name, float(err)))
+            parts = compressed.to_tensors(prefix, q) if int4 else fp8.to_tensors(prefix, q)
+            shards.add(parts)
+            bf16_bytes += w.numel() * 2
+            quant_bytes += sum(t.numel() * t.element_size() for t in parts.values())
+        shards.close()
+    except BaseException:
+        shards.remove()
+        raise
     hf = _hf_config(ckpt)
     hf["quantization_config"] = (
         compressed.quantization_config(args.group_size, not args.asymmetric, kept)
@@ -122,6 +133,44 @@ def run_quantize(args: argparse.Namespace) -> int:
           f"{sum(e for _, e in errors) / max(len(errors), 1):.4f}")
     print(f"wrote {out}")
     return 0
+
+
+class Shards:
+    """Output tensors written as they come: `model-NNNNN.safetensors` files of about
+    MAX_BYTES each plus HF's `model.safetensors.index.json`, or one `model.safetensors`."""
+
+    MAX_BYTES = 2 * 2**30
+
+    def __init__(self, out: Path) -> None:
+        self.out, self.pending, self.files, self.weight_map = out, {}, [], {}
+
+    def add(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.pending.update(tensors)
+        if sum(t.numel() * t.element_size() for t in self.pending.values()) >= self.MAX_BYTES:
+            self._flush()
+
+    def _flush(self) -> None:
+        path = self.out / f"model-{len(self.files) + 1:05d}.safetensors"
+        save_file(self.pending, str(path), metadata={"format": "pt"})
+        self.files.append(path)
+        self.weight_map.update(dict.fromkeys(self.pending, path.name))
+        self.pending = {}
+
+    def close(self) -> None:
+        if not self.files:  # small enough for one file
+            save_file(self.pending, str(self.out / "model.safetensors"), metadata={"format": "pt"})
+            return
+        if self.pending:
+            self._flush()
+        index = {"metadata": {}, "weight_map": self.weight_map}
+        (self.out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+
+    def remove(self) -> None:
+        """Delete what was written (the run failed part way)."""
+        for path in self.files:
+            path.unlink(missing_ok=True)
+        if not any(self.out.iterdir()):
+            self.out.rmdir()
 
 
 def _module_of(name: str) -> str:

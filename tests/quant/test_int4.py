@@ -1,6 +1,8 @@
 """INT4 weights: the packed layout, round-to-nearest, exact GGUF Q4 import, the engine on INT4
 weights, and `frugal quantize` written and read back (also by compressed-tensors itself)."""
 
+import json
+
 import gguf
 import numpy as np
 import pytest
@@ -136,3 +138,31 @@ def test_on_the_fly_int4_of_a_float_checkpoint(tmp_path):
     assert llm.engine.runner.model.lm_head.qweight is None
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_quantize_streams_into_shards(tmp_path, monkeypatch, capsys):
+    """Round to nearest reads and writes one tensor at a time: output past Shards.MAX_BYTES is
+    split into files with HF's index, loading back as the single file does; a checkpoint that
+    fails part way leaves nothing behind."""
+    from frugal.cli.quantize import Shards
+    src = tiny_dir(tmp_path / "src")
+    assert cli(["quantize", str(src), "--output", str(tmp_path / "one"), "--group-size", "32"]) == 0
+    monkeypatch.setattr(Shards, "MAX_BYTES", 50_000)
+    assert cli(["quantize", str(src), "--output", str(tmp_path / "many"),
+                "--group-size", "32"]) == 0
+    files = sorted(p.name for p in (tmp_path / "many").glob("*.safetensors"))
+    assert len(files) >= 2 and "model.safetensors" not in files
+    index = json.loads((tmp_path / "many" / "model.safetensors.index.json").read_text())
+    assert sorted(set(index["weight_map"].values())) == files
+    one = dict(SafetensorsCheckpoint(tmp_path / "one").weights())
+    many = dict(SafetensorsCheckpoint(tmp_path / "many").weights())
+    assert one.keys() == many.keys()
+    for name, w in one.items():
+        if isinstance(w, Int4Weight):
+            assert torch.equal(w.dequantize(), many[name].dequantize())
+        else:
+            assert torch.equal(w, many[name])
+    capsys.readouterr()
+    bad = tmp_path / "bad"  # 96 inputs of down_proj: not a multiple of 64
+    assert cli(["quantize", str(src), "--output", str(bad), "--group-size", "64"]) != 0
+    assert "group_size" in capsys.readouterr().err and not bad.exists()
