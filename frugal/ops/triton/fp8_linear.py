@@ -8,7 +8,8 @@ padded to 16 as it requires); SiLU·mul and the residual add follow as their own
 included. Up to 16 rows torch's row-wise FP8 kernel is slower than the W8A16 kernel below (it
 has no split-K: few programs), so small decode batches keep their activations and run W8A16.
 
-W8A16 (block scales, or fp32 activations): the weight is used as stored ([N, K]
+W8A16 (weights without w8a8, block scales, fp32 activations, and w8a8 weights up to 16 rows):
+the weight is used as stored ([N, K]
 float8_e4m3fn, row-major, and its float32 scales). A tile of 128 inputs is loaded K-contiguous,
 as the tensor cores' B operand wants it, and widened to fp16 (one instruction per two values,
 exact); bf16 activations go to fp16 with saturation at ±65504 (fp16's range; activations
@@ -183,7 +184,8 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
                config: tuple[int, ...] | None = None) -> torch.Tensor:
     """x: [M, K] (bf16, fp16 or fp32); w: [N (2N if gated), K] -> [M, N] in x's dtype: x @ wᵀ
     (+ bias), silu(gate) · up if gated, + residual. As ops.linear without the norm. A w8a8
-    weight quantizes x per token (on _scaled_mm where w8a8_supported, else emulated)."""
+    weight quantizes x per token beyond 16 rows (on _scaled_mm where w8a8_supported, else x is
+    rounded as W8A8 would see it and the W8A16 kernel runs)."""
     x = x.contiguous()
     m, k = x.shape
     rows = w.shape[0]
