@@ -1,0 +1,63 @@
+"""Write a Llama-3.1-8B-shaped BF16 checkpoint (HF layout: config.json + safetensors, one file
+per layer) with random weights, for measuring `frugal quantize` at full size without the real
+weights (the model hub is not reachable from our machines).
+   python benchmarks/random_checkpoint.py DIR [--layers 32]
+
+Weights ~ N(0, 0.02²), norms 1; no tokenizer. 16.1 GB at 32 layers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+HIDDEN, INTER, VOCAB, HEADS, KV_HEADS, HEAD_DIM = 4096, 14336, 128256, 32, 8, 128
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("output")
+    p.add_argument("--layers", type=int, default=32)
+    a = p.parse_args()
+    out = Path(a.output)
+    out.mkdir(parents=True, exist_ok=True)
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+              "hidden_size": HIDDEN, "intermediate_size": INTER, "num_hidden_layers": a.layers,
+              "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS,
+              "head_dim": HEAD_DIM, "vocab_size": VOCAB, "rms_norm_eps": 1e-5,
+              "rope_theta": 500000.0, "max_position_embeddings": 8192,
+              "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+              "bos_token_id": 128000, "eos_token_id": 128001}
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * 0.02).to(torch.bfloat16)
+
+    def ones() -> torch.Tensor:
+        return torch.ones(HIDDEN, dtype=torch.bfloat16)
+
+    save_file({"model.embed_tokens.weight": rand(VOCAB, HIDDEN),
+               "lm_head.weight": rand(VOCAB, HIDDEN), "model.norm.weight": ones()},
+              str(out / "model-embed.safetensors"), metadata={"format": "pt"})
+    for i in range(a.layers):
+        p = f"model.layers.{i}."
+        save_file({p + "self_attn.q_proj.weight": rand(HEADS * HEAD_DIM, HIDDEN),
+                   p + "self_attn.k_proj.weight": rand(KV_HEADS * HEAD_DIM, HIDDEN),
+                   p + "self_attn.v_proj.weight": rand(KV_HEADS * HEAD_DIM, HIDDEN),
+                   p + "self_attn.o_proj.weight": rand(HIDDEN, HEADS * HEAD_DIM),
+                   p + "mlp.gate_proj.weight": rand(INTER, HIDDEN),
+                   p + "mlp.up_proj.weight": rand(INTER, HIDDEN),
+                   p + "mlp.down_proj.weight": rand(HIDDEN, INTER),
+                   p + "input_layernorm.weight": ones(),
+                   p + "post_attention_layernorm.weight": ones()},
+                  str(out / f"model-{i:05d}.safetensors"), metadata={"format": "pt"})
+        print(f"layer {i + 1}/{a.layers}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
