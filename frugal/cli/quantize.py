@@ -87,8 +87,8 @@ def run_quantize(args: argparse.Namespace) -> int:
         weights = iter(names)
     else:  # round to nearest: one input tensor in memory at a time
         done, weights = {}, ckpt.weights()
-    out.mkdir(parents=True, exist_ok=True)
-    shards = Shards(out)
+    hf = _hf_config(ckpt)
+    shards = Shards(out, Path(args.model) if args.model else None)
     bf16_bytes = quant_bytes = kept_bytes = 0
     errors = []
     try:
@@ -115,7 +115,6 @@ def run_quantize(args: argparse.Namespace) -> int:
     except BaseException:
         shards.remove()
         raise
-    hf = _hf_config(ckpt)
     hf["quantization_config"] = (
         compressed.quantization_config(args.group_size, not args.asymmetric, kept)
         if int4 else fp8.quantization_config(args.weight_block_size, kept))
@@ -137,11 +136,20 @@ def run_quantize(args: argparse.Namespace) -> int:
 
 class Shards:
     """Output tensors written as they come: `model-NNNNN.safetensors` files of about
-    MAX_BYTES each plus HF's `model.safetensors.index.json`, or one `model.safetensors`."""
+    MAX_BYTES each plus HF's `model.safetensors.index.json`, or one `model.safetensors`.
+    The files of these names an earlier run left in the folder are deleted first (the loader
+    reads every `*.safetensors` there); the folder must not be the input's."""
 
     MAX_BYTES = 2 * 2**30
 
-    def __init__(self, out: Path) -> None:
+    def __init__(self, out: Path, source: Path | None) -> None:
+        if source is not None and out.resolve() == (source.resolve().parent if source.is_file()
+                                                     else source.resolve()):
+            raise ValueError(f"output: {out} holds the input checkpoint; choose another folder")
+        self.created = not out.exists()
+        out.mkdir(parents=True, exist_ok=True)
+        for old in [*out.glob("model*.safetensors"), out / "model.safetensors.index.json"]:
+            old.unlink(missing_ok=True)
         self.out, self.pending, self.files, self.weight_map = out, {}, [], {}
 
     def add(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -149,16 +157,19 @@ class Shards:
         if sum(t.numel() * t.element_size() for t in self.pending.values()) >= self.MAX_BYTES:
             self._flush()
 
-    def _flush(self) -> None:
-        path = self.out / f"model-{len(self.files) + 1:05d}.safetensors"
+    def _write(self, name: str) -> None:
+        path = self.out / name
+        self.files.append(path)  # (before writing: a half-written file is removed too)
         save_file(self.pending, str(path), metadata={"format": "pt"})
-        self.files.append(path)
-        self.weight_map.update(dict.fromkeys(self.pending, path.name))
+        self.weight_map.update(dict.fromkeys(self.pending, name))
         self.pending = {}
+
+    def _flush(self) -> None:
+        self._write(f"model-{len(self.files) + 1:05d}.safetensors")
 
     def close(self) -> None:
         if not self.files:  # small enough for one file
-            save_file(self.pending, str(self.out / "model.safetensors"), metadata={"format": "pt"})
+            self._write("model.safetensors")
             return
         if self.pending:
             self._flush()
@@ -166,10 +177,10 @@ class Shards:
         (self.out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
 
     def remove(self) -> None:
-        """Delete what was written (the run failed part way)."""
+        """Delete what was written (the run failed part way), and the folder if it made it."""
         for path in self.files:
             path.unlink(missing_ok=True)
-        if not any(self.out.iterdir()):
+        if self.created and not any(self.out.iterdir()):
             self.out.rmdir()
 
 

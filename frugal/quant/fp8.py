@@ -41,6 +41,7 @@ class Fp8Weight:
         if self.data.dtype != FP8 or tuple(self.scales.shape) != want:
             raise ValueError(f"Fp8Weight: data {tuple(self.data.shape)} {self.data.dtype}, "
                              f"scales {tuple(self.scales.shape)} (expected {want})")
+        self.scales = self.scales.float()  # (the FP8 matmuls take fp32 scales only)
 
     @property
     def shape(self) -> tuple[int, int]:

@@ -166,3 +166,21 @@ def test_quantize_streams_into_shards(tmp_path, monkeypatch, capsys):
     bad = tmp_path / "bad"  # 96 inputs of down_proj: not a multiple of 64
     assert cli(["quantize", str(src), "--output", str(bad), "--group-size", "64"]) != 0
     assert "group_size" in capsys.readouterr().err and not bad.exists()
+
+
+def test_quantize_again_into_the_same_folder_replaces_the_weights(tmp_path, monkeypatch, capsys):
+    """A second run into a folder that holds an earlier run's files (one file, then shards)
+    leaves only its own; the input's own folder is refused."""
+    from frugal.cli.quantize import Shards
+    src = tiny_dir(tmp_path / "src")
+    out = tmp_path / "out"
+    assert cli(["quantize", str(src), "--output", str(out), "--scheme", "fp8"]) == 0
+    monkeypatch.setattr(Shards, "MAX_BYTES", 50_000)
+    assert cli(["quantize", str(src), "--output", str(out), "--group-size", "32"]) == 0
+    assert not (out / "model.safetensors").exists()
+    loaded = dict(SafetensorsCheckpoint(out).weights())
+    assert isinstance(loaded["model.layers.0.mlp.down_proj.weight"], Int4Weight)
+    capsys.readouterr()
+    assert cli(["quantize", str(src), "--output", str(src), "--group-size", "32"]) != 0
+    assert "holds the input checkpoint" in capsys.readouterr().err
+    assert (src / "model.safetensors").exists()
