@@ -150,7 +150,7 @@ class Shards:
         out.mkdir(parents=True, exist_ok=True)
         for old in [*out.glob("model*.safetensors"), out / "model.safetensors.index.json"]:
             old.unlink(missing_ok=True)
-        self.out, self.pending, self.files, self.weight_map = out, {}, [], {}
+        self.out, self.pending, self.files, self.weight_map, self.bytes = out, {}, [], {}, 0
 
     def add(self, tensors: dict[str, torch.Tensor]) -> None:
         self.pending.update(tensors)
@@ -162,6 +162,7 @@ class Shards:
         self.files.append(path)  # (before writing: a half-written file is removed too)
         save_file(self.pending, str(path), metadata={"format": "pt"})
         self.weight_map.update(dict.fromkeys(self.pending, name))
+        self.bytes += sum(t.numel() * t.element_size() for t in self.pending.values())
         self.pending = {}
 
     def _flush(self) -> None:
@@ -173,7 +174,7 @@ class Shards:
             return
         if self.pending:
             self._flush()
-        index = {"metadata": {}, "weight_map": self.weight_map}
+        index = {"metadata": {"total_size": self.bytes}, "weight_map": self.weight_map}
         (self.out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
 
     def remove(self) -> None:

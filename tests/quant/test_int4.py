@@ -154,6 +154,10 @@ def test_quantize_streams_into_shards(tmp_path, monkeypatch, capsys):
     assert len(files) >= 2 and "model.safetensors" not in files
     index = json.loads((tmp_path / "many" / "model.safetensors.index.json").read_text())
     assert sorted(set(index["weight_map"].values())) == files
+    shard_paths = list((tmp_path / "many").glob("*.safetensors"))
+    data_bytes = sum(p.stat().st_size - 8 - int.from_bytes(p.read_bytes()[:8], "little")
+                     for p in shard_paths)  # (each file: 8-byte header length, header, data)
+    assert index["metadata"]["total_size"] == data_bytes
     one = dict(SafetensorsCheckpoint(tmp_path / "one").weights())
     many = dict(SafetensorsCheckpoint(tmp_path / "many").weights())
     assert one.keys() == many.keys()
