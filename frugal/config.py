@@ -229,7 +229,7 @@ class EngineConfig:
     ops_backend: str = "auto"  # auto: triton on CUDA, torch_ref on CPU
     enforce_eager: bool = False  # no CUDA graphs for decode steps
     cuda_graph_max_bs: int = 256  # largest decode batch replayed from a graph
-    overlap_schedule: bool = True  # launch the next decode step before reading this one's tokens
+    overlap_schedule: bool = True  # launch the next step before reading this one's tokens
     seed: int = 0
     # none | int4 (W4A16) | fp8 (W8A8: per-channel weights, activations per token): a
     # checkpoint's own quantized weights are kept as they are (GGUF Q4_0/Q4_1 too), the rest

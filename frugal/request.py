@@ -174,6 +174,11 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
+    @property
+    def num_tokens_with_pending(self) -> int:
+        """Tokens known or sampled by a launched step: what steps may compute up to."""
+        return self.num_tokens + self.num_pending
+
     def token_ids(self, start: int, end: int) -> list[int]:
         """Tokens at positions [start, end) of prompt + output."""
         n = len(self.prompt_token_ids)

@@ -36,7 +36,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="share of the GPU's memory for weights, activations, graphs and KV")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     g.add_argument("--disable-overlap-schedule", action="store_true",
-                   help="wait for each step's tokens before launching the next decode step")
+                   help="wait for each step's tokens before launching the next step")
     g.add_argument("--cuda-graph-max-bs", type=int, default=256,
                    help="largest decode batch run from a CUDA graph")
     g.add_argument("--kv-cache-dtype", default="auto",

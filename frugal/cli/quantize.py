@@ -150,11 +150,13 @@ class Shards:
         out.mkdir(parents=True, exist_ok=True)
         for old in [*out.glob("model*.safetensors"), out / "model.safetensors.index.json"]:
             old.unlink(missing_ok=True)
-        self.out, self.pending, self.files, self.weight_map, self.bytes = out, {}, [], {}, 0
+        self.out, self.pending, self.files, self.weight_map = out, {}, [], {}
+        self.pending_bytes = self.bytes = 0
 
     def add(self, tensors: dict[str, torch.Tensor]) -> None:
         self.pending.update(tensors)
-        if sum(t.numel() * t.element_size() for t in self.pending.values()) >= self.MAX_BYTES:
+        self.pending_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
+        if self.pending_bytes >= self.MAX_BYTES:
             self._flush()
 
     def _write(self, name: str) -> None:
@@ -162,8 +164,8 @@ class Shards:
         self.files.append(path)  # (before writing: a half-written file is removed too)
         save_file(self.pending, str(path), metadata={"format": "pt"})
         self.weight_map.update(dict.fromkeys(self.pending, name))
-        self.bytes += sum(t.numel() * t.element_size() for t in self.pending.values())
-        self.pending = {}
+        self.bytes += self.pending_bytes
+        self.pending, self.pending_bytes = {}, 0
 
     def _flush(self) -> None:
         self._write(f"model-{len(self.files) + 1:05d}.safetensors")

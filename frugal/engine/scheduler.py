@@ -60,7 +60,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            total = request.num_tokens + request.num_pending
+            total = request.num_tokens_with_pending
             if total >= request.max_total_tokens:  # its pending token is its last
                 i += 1
                 continue
@@ -81,7 +81,7 @@ class Scheduler:
         while (not out.preempted and self.waiting and budget > 0
                and len(self.running) < self.max_num_seqs):
             request = self.waiting[0]
-            n = min(request.num_tokens + request.num_pending - request.num_computed_tokens, budget)
+            n = min(request.num_tokens_with_pending - request.num_computed_tokens, budget)
             if not self._reserve(request, n):
                 break
             self.waiting.popleft()

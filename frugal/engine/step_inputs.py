@@ -104,7 +104,7 @@ def prepare(out: SchedulerOutput, page_size: int, device: str, pending: Pending 
                   for p in range(start, end)]
         cu_seqlens.append(cu_seqlens[-1] + n)
         seq_lens.append(end)
-        if end == known + request.num_pending:
+        if end == request.num_tokens_with_pending:
             logits_indices.append(cu_seqlens[-1] - 1)
             sampled.append(i)
     num_tokens, num_requests = len(positions), len(seq_lens)

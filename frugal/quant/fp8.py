@@ -93,6 +93,12 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
+def round_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] as a W8A8 matmul sees it: quantize_rows, then q · scale in x's dtype."""
+    q, scale = quantize_rows(x)
+    return (q.float() * scale).to(x.dtype)
+
+
 def quantize_fp8(weight: torch.Tensor, block: int | None = None, w8a8: bool = False
                  ) -> Fp8Weight:
     """Round-to-nearest FP8 of a float [N, K] weight: scale = amax / 448 per output channel
@@ -165,7 +171,7 @@ def to_tensors(prefix: str, q: Fp8Weight) -> dict[str, torch.Tensor]:
     """`prefix.weight` and its scales as the checkpoint forms above store them."""
     name = "weight_scale" if q.block is None else "weight_scale_inv"
     return {f"{prefix}.weight": q.data.contiguous(),
-            f"{prefix}.{name}": q.scales.float().contiguous()}
+            f"{prefix}.{name}": q.scales.contiguous()}
 
 
 def from_tensors(data: torch.Tensor, scale: torch.Tensor, block: int | None,
@@ -173,7 +179,6 @@ def from_tensors(data: torch.Tensor, scale: torch.Tensor, block: int | None,
     """An FP8 weight from a checkpoint's tensors; a per-tensor scale becomes per channel."""
     if data.dtype != FP8:
         raise ValueError(f"FP8 checkpoint: weight is {data.dtype}, expected float8_e4m3fn")
-    scale = scale.float()
     if block is None:
         if scale.numel() == 1:
             scale = scale.reshape(1, 1).expand(data.shape[0], 1)

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from frugal.ops.torch_ref.activation import silu_and_mul
 from frugal.ops.torch_ref.norm import rms_norm
-from frugal.quant.fp8 import Fp8Weight, quantize_rows, rounds_activations
+from frugal.quant.fp8 import Fp8Weight, round_rows, rounds_activations
 from frugal.quant.int4 import Int4Weight
 
 # Up to this many tokens, weight @ x.T runs 1.3-3x faster than x @ weight.T through MKL's sgemm on
@@ -33,8 +33,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Int4Weight | Fp8Weight,
     if norm is not None:
         x = rms_norm(x, norm, eps)
     if w8a8:  # activations rounded to FP8 per token, as the FP8 matmul sees them
-        q, scale = quantize_rows(x)
-        x = (q.float() * scale).to(x.dtype)
+        x = round_rows(x)
     y = _matmul(x, weight, bias)
     if gated:
         y = silu_and_mul(y)

@@ -29,7 +29,7 @@ import triton.language as tl
 from frugal.ops.triton.elementwise import silu_and_mul
 from frugal.ops.triton.launch import enter, pdl
 from frugal.ops.triton.split_k import counters, finish, grid, partials, tile_range
-from frugal.quant.fp8 import FP8, Fp8Weight, quantize_rows, rounds_activations
+from frugal.quant.fp8 import FP8, Fp8Weight, round_rows, rounds_activations
 
 BLOCK_K = 128
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -195,8 +195,7 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
     if rounds_activations(w, m):
         if w8a8_supported(x, w):
             return _w8a8(x, w, bias, gated, residual)
-        q, scales = quantize_rows(x)  # (elsewhere: x rounded as W8A8 would see it)
-        x = (q.float() * scales).to(x.dtype)
+        x = round_rows(x)  # (elsewhere: x rounded as W8A8 would see it)
     if w.block is not None and (w.block % BLOCK_K or (gated and n % w.block)):
         raise ValueError(f"fp8_linear: block scales of {w.block} need a multiple of {BLOCK_K} "
                          "(and gate/up halves in whole blocks)")
