@@ -32,9 +32,9 @@ from frugal.quant.fp8 import quantize_fp8
 from frugal.quant.int4 import quantize_rtn
 
 SHAPES = [(4096, 14336), (14336, 4096), (4096, 6144), (4096, 4096)]  # (K, N)
-CONFIGS = [c for c in itertools.product((64, 128, 256), (1, 2, 4, 8, 16), (4, 8), (3, 4))
-           if c[0] >= 8 * c[2]]
-# (BLOCK_N, SPLIT_K, warps, STAGES) of int4_mma's kernel
+CONFIGS = [c for c in itertools.product((64, 128, 256), (1, 2, 4, 8, 16), (4, 8), (3, 4, 6))
+           if c[0] >= 16 * c[2]]
+# (BLOCK_N, SPLIT_K, warps, STAGES) of int4_wgmma's kernel
 FP8_CONFIGS = list(itertools.product((32, 64, 128), (1, 2, 4, 8), (4,), (3, 4, 6)))
 # (BLOCK_N, SPLIT_K, num_warps, num_stages) of fp8_linear's W8A16 kernel (BLOCK_M from M)
 
@@ -81,7 +81,7 @@ def bench_shape(k: int, n: int, ms: list[int], sweep: bool) -> list[dict]:
                                              for i in range(16)])
         r["w8a8_us"] = 1e3 * graph_time([lambda i=i, x=x: fp8_linear(x, ours8a8[i % len(ours8a8)])
                                           for i in range(16)])
-        r["config"] = _config(m, n, k)
+        r["config"] = _config(m, n, k, False)
         if sweep:
             best = (r["int4_us"], r["config"])
             for c in CONFIGS:

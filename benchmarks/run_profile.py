@@ -34,8 +34,8 @@ KINDS = [
     ("matmul", ("gemm", "nvjet", "xmma", "cutlass", "_gemv_kernel", "_small_m_kernel",
                 "_fp8_kernel")),
 ]
-# a Gluon kernel's name is its function's: fp8_decode's (or, with INT4 weights, int4_mma's)
-NAMED = {"_kernel": "attention: decode (fp8_decode) / int4_mma"}
+# a Gluon kernel's name is its function's: fp8_decode's (or, with INT4 weights, int4_wgmma's)
+NAMED = {"_kernel": "attention: decode (fp8_decode) / int4_wgmma"}
 
 
 def kind_of(name: str) -> str:

@@ -83,6 +83,11 @@ def test_int4_linear_rejects_wrong_inputs():
     q = quantize_rtn(torch.randn(16, 128), 32, symmetric=True)
     with pytest.raises(ValueError, match="inputs"):
         tri.int4_linear(torch.randn(1, 64, device=DEVICE), tri.repack(q.to(DEVICE), torch.float32))
+    if GPU:
+        tiles = tri.repack(q.cuda(), torch.bfloat16)
+        with pytest.raises(ValueError, match="warpgroups"):
+            tri.int4_linear(torch.randn(1, 128, device="cuda", dtype=torch.bfloat16), tiles,
+                            config=(32, 1, 4, 3))
 
 
 @pytest.mark.gpu
@@ -90,18 +95,19 @@ def test_int4_linear_rejects_wrong_inputs():
 @pytest.mark.parametrize("m", [1, 8, 16, 33, 64, 200])
 def test_int4_linear_gpu(dtype, m):
     """The tensor-core kernel (up to 64 rows; 200 rows dequantize) with its real configs, at
-    real shapes: groups of 32, 64 and 128, K padded (576), every epilogue."""
+    real shapes: groups of 32 to 256, K padded (576), every epilogue."""
     run(m, 1024, 4096, 128, "sym", dtype, seed=m)
     run(m, 512, 576, 32, "mins", dtype, gated=True, residual=True, seed=m + 1)
     run(m, 768, 1536, 64, "asym", dtype, bias=True, seed=m + 2)
+    run(m, 320, 1024, 256, "mins", dtype, gated=True, seed=m + 3)  # groups over two tiles
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", [(64, 1, 4, 2), (128, 3, 4, 3), (64, 16, 4, 6), (128, 2, 8, 4),
-                                    (32, 8, 1, 3), (64, 4, 2, 4)])
+                                    (256, 8, 4, 3), (64, 4, 4, 4)])
 def test_int4_linear_gpu_configs(config):
-    """Blocks of 32 to 128 outputs, one to 16 splits (the last split shorter: 5 tiles in 3),
-    1 to 8 warps, 2 to 6 stages (more stages than a split has tiles)."""
+    """Blocks of 64 to 256 outputs, one to 16 splits (the last split shorter: 5 tiles in 3),
+    one or two warpgroups, 2 to 6 stages (more stages than a split has tiles)."""
     run(4, 200, 640, 32, "sym", torch.bfloat16, gated=True, bias=True, residual=True,
         config=config)
     run(16, 96, 4096, 128, "mins", torch.float16, config=config)

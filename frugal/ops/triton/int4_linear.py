@@ -7,17 +7,18 @@ the kernel's layout once, at load time (Int4Tiles):
           inputs 32 q + 16 a + 8 b + 2 t + c (a, b, c in 0..1) in nibble (2 a + b) + 4 c: the
           eight codes one tensor-core thread (lane % 4 = t) needs from the 32 inputs of block q,
           each pair (c = 0, 1) 16 bits apart, so `(word >> 4 p) & 0x000F000F` is a ready pair
-          (int4_mma). A thread's four words of a tile are contiguous (one 16-byte load).
+          (int4_wgmma). A thread's four words of a tile are contiguous (one 16-byte load).
   params: [Kp / group, N, 2] in the activations' dtype, group-major (a block of outputs reads
           contiguous values): each group's (scale, min), a 16-bit pair one 4-byte copy;
           w = u · scale + min for code u in [0, 15] (a zero point z becomes min = -z · scale).
-Up to SMALL_M rows in bf16 or fp16 on an NVIDIA GPU run int4_mma's kernel; anything else (more
-rows, fp32 activations, the CPU interpreter) multiplies the weight `dequantize`d by this module's
-Triton kernel, whose twin is Int4Weight.dequantize.
+Up to SMALL_M rows in bf16 or fp16 on a Hopper GPU run int4_wgmma's kernel; anything else (more
+rows, fp32 activations, older GPUs, the CPU interpreter) multiplies the weight `dequantize`d by
+this module's Triton kernel, whose twin is Int4Weight.dequantize.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -27,7 +28,7 @@ import triton
 import triton.language as tl
 
 from frugal.ops import torch_ref
-from frugal.ops.triton.int4_mma import _kernel
+from frugal.ops.triton.int4_wgmma import _kernel
 from frugal.ops.triton.launch import pdl
 from frugal.ops.triton.split_k import counters, grid, partials
 from frugal.quant.int4 import Int4Weight
@@ -73,17 +74,23 @@ def repack(q: Int4Weight, dtype: torch.dtype) -> Int4Tiles:
     return Int4Tiles(words.view(n, kp // 8), params.to(dtype).contiguous(), k, group)
 
 
-def _config(m: int, n: int, k: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, SPLIT_K, num_warps, STAGES) for x [m, k] and n outputs, near the best of
-    `benchmarks/quant_linear.py --sweep` on the H200 (Llama-3.1-8B shapes): blocks of 128
-    outputs for the large matrices, else 64; the inputs split until there are about 256
-    programs (128 beyond 16 rows, whose blocks do 4x the work); four stages for long K."""
-    block_n = 128 if n >= 8192 or k >= 8192 else 64
-    blocks = triton.cdiv(n, block_n)
-    target = 256 if m <= 16 else 128
-    split = min(triton.next_power_of_2(triton.cdiv(target, blocks)),
-                max(1, triton.cdiv(k, TILE_K) // 2))
-    return block_n, split, 4, 4 if k >= 8192 else 3
+def _config(m: int, n: int, k: int, gated: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_N, SPLIT_K, num_warps, STAGES) for x [m, k] and n outputs (2n rows if gated),
+    near the best of `benchmarks/quant_linear.py --sweep` on the H200 (Llama-3.1-8B shapes):
+    blocks of 64 outputs (one warpgroup), the inputs split until there are about 512 programs
+    (256 beyond 16 rows), 4 tiles each at least; gated matrices (twice the rows a block) in
+    blocks of 128 on two warpgroups, about 160 programs."""
+    block_n, warps, target = (128, 8, 160) if gated else (64, 4, 512 if m <= 16 else 256)
+    blocks, tiles = triton.cdiv(n, block_n), triton.cdiv(k, TILE_K)
+    split = 1
+    while blocks * split * 2 <= target and tiles >= 8 * split:
+        split *= 2
+    return block_n, split, warps, 4
+
+
+@functools.cache
+def _hopper(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] == 9
 
 
 def int4_linear(x: torch.Tensor, w: Int4Tiles, bias: torch.Tensor | None = None,
@@ -98,10 +105,15 @@ def int4_linear(x: torch.Tensor, w: Int4Tiles, bias: torch.Tensor | None = None,
     if k != w.in_features:
         raise ValueError(f"int4_linear: x has {k} inputs, the weight {w.in_features}")
     fast = (not _INTERPRET and x.device.type == "cuda" and x.dtype in _OFFSET
-            and x.dtype == w.params.dtype and 0 < m <= SMALL_M and k % 2 == 0)
-    if not fast:  # (the kernel copies x's rows 4 bytes at least: K even)
+            and x.dtype == w.params.dtype and 0 < m <= SMALL_M and k % 2 == 0
+            and _hopper(x.device.index if x.device.index is not None
+                    else torch.cuda.current_device()))
+    if not fast:  # (the kernel copies x's rows 4 bytes at least: K even; wgmma is sm_90's)
         return torch_ref.linear(x, dequantize(w, x.dtype), bias, gated=gated, residual=residual)
-    block_n, split, num_warps, stages = config or _config(m, n, k)
+    block_n, split, num_warps, stages = config or _config(m, n, k, gated)
+    if num_warps % 4 or block_n % (16 * num_warps):
+        raise ValueError(f"int4_linear: {num_warps} warps (whole warpgroups) cannot share "
+                         f"{block_n} outputs in 16-row slabs")
     align = 8 if k % 8 == 0 else 2  # (x's rows are copied 16 or 4 bytes at a time)
     (blocks, _, split), split = grid(triton.cdiv(n, block_n), 1, split)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -112,7 +124,7 @@ def int4_linear(x: torch.Tensor, w: Int4Tiles, bias: torch.Tensor | None = None,
         KP=w.words.shape[1] * 8, GROUP=w.group, GATED=gated, HAS_BIAS=bias is not None,
         HAS_RESIDUAL=residual is not None, BLOCK_N=block_n,
         SPLIT_K=split, OFFSET=_OFFSET[x.dtype], EVEN_K=k % TILE_K == 0, K_ALIGN=align,
-        BLOCK_M=16 if m <= 16 else triton.next_power_of_2(m), WARPS=num_warps, STAGES=stages,
+        BLOCK_M=max(8, triton.next_power_of_2(m)), WARPS=num_warps, STAGES=stages,
         PDL=launch_pdl, num_warps=num_warps, launch_pdl=launch_pdl > 0)
     return out
 

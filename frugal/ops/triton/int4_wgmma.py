@@ -1,0 +1,272 @@
+"""The W4A16 matmul kernel for decode batches (up to 64 rows) on Hopper's warpgroup MMA, in
+Gluon, reading int4_linear's layout (see there).
+
+The product is computed transposed, outᵀ = W · xᵀ: the weights are the A operand, dequantized
+in registers (wgmma takes A from registers), and x's rows are the B operand's N (8 to 64), read
+by the tensor cores straight from shared memory. A decode batch of one to eight rows fills an
+m64n8k16 instruction with useful work (mma.sync's m16 would be 1/16 used at one row).
+
+A warp's A fragment of a 16-row slab holds, per 16 inputs, the pairs at inputs (2t, 2t+1) and
+(2t+8, 2t+9) (t = lane % 4) of rows g and g+8 (g = lane / 4): the words of int4_linear's layout
+give exactly that, two codes of a pair 16 bits apart, so one shift and one LOP3 make an operand
+register (bits MAGIC | code: the number OFFSET + code); the joins and the permute in `_operand`
+only rename registers (checked by `convert_layout(..., assert_trivial=True)` at compile time).
+Per group, Σ x (OFFSET + u) comes from the weights' MMA and Σ x from an MMA with ones, and
+Σ_k x_k w_k = scale · Σ x (OFFSET + u) + (min - OFFSET · scale) · Σ x. Tiles of 128 inputs
+stream through shared memory in a STAGES-deep cp.async ring; split-K partial sums are reduced
+by the last program of an output block (as split_k.finish). Up to 16 rows a group's MMAs are
+issued together and waited for once; beyond, one by one (fewer live registers).
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from frugal.ops.triton.launch import enter
+from frugal.ops.triton.split_k import epilogue
+
+
+@gluon.jit
+def _operand(words, LAYOUT: gl.constexpr, dtype: gl.constexpr):
+    """words [S, 2 (h), 8 (g), 4 (t), 1] int32 of rows 16 s + 8 h + g -> [16 S, 32] in dtype
+    (OFFSET + code) in LAYOUT (the wgmma A operand): input 16 a + 8 b + 2 t + c from nibble
+    (2 a + b) + 4 c of word t."""
+    u = words.to(gl.uint32, bitcast=True)
+    s1 = (u >> 4).to(gl.int32, bitcast=True)
+    s2 = (u >> 8).to(gl.int32, bitcast=True)
+    s3 = (u >> 12).to(gl.int32, bitcast=True)
+    j = gl.join(gl.join(words, s1), gl.join(s2, s3))  # [S, h, g, t, 1, 2 (b), 2 (a)]
+    j = gl.join(j, j)  # [..., b, a, 2 (c)]
+    if dtype == gl.bfloat16:
+        pairs = gl.inline_asm_elementwise("lop3.b32 $0, $1, 0x000F000F, 0x43004300, 0xEA;",
+                                          "=r,r,r", [j], dtype=gl.bfloat16, is_pure=True, pack=2)
+    else:
+        pairs = gl.inline_asm_elementwise("lop3.b32 $0, $1, 0x000F000F, 0x64006400, 0xEA;",
+                                          "=r,r,r", [j], dtype=gl.float16, is_pure=True, pack=2)
+    pairs = gl.permute(pairs, (0, 1, 2, 4, 6, 5, 3, 7))  # [S, h, g, 1, a, b, t, c]
+    BN: gl.constexpr = 16 * words.shape[0]
+    return gl.convert_layout(gl.reshape(pairs, (BN, 32)), LAYOUT, assert_trivial=True)
+
+
+@gluon.jit
+def _quarters(words):
+    """A tile's words [S, 2, 8, 4 (t), 4 (q)] -> the four [S, 2, 8, 4, 1] of q = 0..3."""
+    w = gl.reshape(words, (words.shape[0], 2, 8, 4, 2, 2))  # q = 2 q1 + q0
+    lo, hi = gl.split(gl.permute(w, (0, 1, 2, 3, 5, 4)))  # q1 = 0, 1
+    q0, q1 = gl.split(lo)
+    q2, q3 = gl.split(hi)
+    return (gl.expand_dims(q0, 4), gl.expand_dims(q1, 4), gl.expand_dims(q2, 4),
+            gl.expand_dims(q3, 4))
+
+
+@gluon.jit
+def _params(pair, dtype: gl.constexpr):
+    """A group's (scale, min) pairs (int32: scale in the low half, both in dtype) -> fp32."""
+    scale = pair.to(gl.int16).to(dtype, bitcast=True).to(gl.float32)
+    low = (pair >> 16).to(gl.int16).to(dtype, bitcast=True).to(gl.float32)
+    return scale, low
+
+
+@gluon.jit
+def _products(quarters, x_smem, stage, part, g: gl.constexpr, CHUNKS: gl.constexpr,
+              a_layout: gl.constexpr, ASYNC: gl.constexpr):
+    """part + group g's Σ x (OFFSET + u) [BN, BM]: its CHUNKS quarters' words against x's
+    chunks, as asynchronous MMAs (a token until waited for)."""
+    for c in gl.static_range(CHUNKS):
+        x_b = x_smem.index(stage * 4 + g * CHUNKS + c).permute((1, 0))  # [32, BM]
+        part = warpgroup_mma(_operand(quarters[g * CHUNKS + c], a_layout, x_smem.dtype), x_b,
+                             part, is_async=ASYNC)
+    return part
+
+
+@gluon.jit
+def _fold(acc, part, x_sum, p_smem, row: gl.constexpr, OFFSET: gl.constexpr,
+          dtype: gl.constexpr, acc_layout: gl.constexpr):
+    """acc + a group's products scaled by the (scale, min) pairs of p_smem's row `row`."""
+    scale, low = _params(p_smem.slice(row, 1).permute((1, 0)).load(acc_layout), dtype)
+    return acc + part * scale + x_sum * (low - OFFSET * scale)  # ([BN, 1] broadcast)
+
+
+@gluon.jit
+def _tile(words, words_up, x_smem, stage, p_smem, ones, acc, acc_up, GATED: gl.constexpr,
+          G: gl.constexpr, OFFSET: gl.constexpr, a_layout: gl.constexpr,
+          acc_layout: gl.constexpr, ASYNC: gl.constexpr):
+    """acc (and acc_up) [BN, BM] + one 128-input tile's products: words (words_up) [S, 2, 8, 4,
+    4], x_smem [STAGES · 4, BM, 32] (chunk 4 stage + c: inputs 32 c.. of the tile), p_smem
+    [halves · G, BN] the tile's (scale, min) pairs. ASYNC: a group's MMAs (Σ x with ones,
+    the weights', the up half's) are issued together and waited for once (more registers)."""
+    CHUNKS: gl.constexpr = 4 // G  # 32-input chunks per group
+    dtype: gl.constexpr = x_smem.dtype
+    quarters = _quarters(words)
+    quarters_up = quarters
+    if GATED:
+        quarters_up = _quarters(words_up)
+    for g in gl.static_range(G):
+        x_sum = gl.zeros_like(acc)
+        for c in gl.static_range(CHUNKS):
+            x_sum = warpgroup_mma(ones, x_smem.index(stage * 4 + g * CHUNKS + c).permute((1, 0)),
+                                  x_sum, is_async=ASYNC)
+        part = _products(quarters, x_smem, stage, gl.zeros_like(acc), g, CHUNKS, a_layout, ASYNC)
+        if GATED:
+            part_up = _products(quarters_up, x_smem, stage, gl.zeros_like(acc), g, CHUNKS,
+                                a_layout, ASYNC)
+            if ASYNC:
+                x_sum, part, part_up = warpgroup_mma_wait(0, deps=[x_sum, part, part_up])
+            acc_up = _fold(acc_up, part_up, x_sum, p_smem, G + g, OFFSET, dtype, acc_layout)
+        elif ASYNC:
+            x_sum, part = warpgroup_mma_wait(0, deps=[x_sum, part])
+        acc = _fold(acc, part, x_sum, p_smem, g, OFFSET, dtype, acc_layout)
+    return acc, acc_up
+
+
+@gluon.jit(do_not_specialize=["M"])  # (M, the rows, changes from step to step)
+def _kernel(x_ptr, w_ptr, p_ptr, b_ptr, r_ptr, out_ptr, part_ptr, count_ptr, M, N, K_PARTS,
+            KP: gl.constexpr, GROUP: gl.constexpr, GATED: gl.constexpr, HAS_BIAS: gl.constexpr,
+            HAS_RESIDUAL: gl.constexpr, BLOCK_N: gl.constexpr, SPLIT_K: gl.constexpr,
+            OFFSET: gl.constexpr, EVEN_K: gl.constexpr, K_ALIGN: gl.constexpr,
+            BLOCK_M: gl.constexpr, WARPS: gl.constexpr, STAGES: gl.constexpr,
+            PDL: gl.constexpr):
+    """out = epilogue(x @ wᵀ) for one block of BLOCK_N outputs (all BLOCK_M rows, 8 to 64) over
+    this program's share of the 128-input tiles (grid axis 1; SPLIT_K > 1: reduced by the last).
+    x: [M, K] with K = K_PARTS · K_ALIGN; w: [N (2N if GATED), K] as int4_linear's Int4Tiles,
+    p_ptr its (scale, min) pairs as int32 [KP / GROUP, N (2N)]. BLOCK_N: a multiple of 16 · WARPS
+    (WARPS a multiple of 4)."""
+    GK: gl.constexpr = GROUP if GROUP < 128 else 128  # inputs per scale within a tile
+    G: gl.constexpr = 128 // GK
+    TILES_PER_GROUP: gl.constexpr = GROUP // 128 if GROUP > 128 else 1
+    HALVES: gl.constexpr = 2 if GATED else 1
+    S: gl.constexpr = BLOCK_N // 16  # 16-row slabs
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, BLOCK_M, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    # words [S, 2 (h), 8 (g), 4 (t), 4 (q)] of rows 16 s + 8 h + g: lane = 4 g + t, slabs on
+    # warps (as the A fragment wants), a thread's four words one 16-byte copy
+    w_layout: gl.constexpr = gl.BlockedLayout([1, 2, 1, 1, 4], [1, 1, 8, 4, 1],
+                                              [WARPS, 1, 1, 1, 1], [4, 3, 2, 1, 0])
+    x_layout: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [WARPS, 1], [1, 0])
+    p_layout: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, WARPS], [1, 0])
+    w_smem = gl.allocate_shared_memory(gl.int32, [STAGES * HALVES, S, 2, 8, 4, 4],
+                                       gl.SwizzledSharedLayout(4, 1, 1, [4, 3, 2, 1, 0]))
+    x_smem = gl.allocate_shared_memory(
+        x_ptr.dtype.element_ty, [STAGES * 4, BLOCK_M, 32],
+        gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2))
+    p_smem = gl.allocate_shared_memory(gl.int32, [STAGES, HALVES * G, BLOCK_N],
+                                       gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    K = K_PARTS * K_ALIGN  # (so the compiler knows x's rows allow 16- or 4-byte copies)
+    enter(PDL)
+    pid_n = gl.program_id(0)
+    per = gl.cdiv(KP // 128, SPLIT_K)
+    first = gl.program_id(1) * per
+    last = gl.minimum(first + per, KP // 128)
+    width = 2 * N if GATED else N
+
+    # what tile 0 copies: a thread's four words of each row, x's rows, the (scale, min) pairs
+    L4: gl.constexpr = gl.SliceLayout(4, w_layout)
+    L3: gl.constexpr = gl.SliceLayout(3, L4)
+    L2: gl.constexpr = gl.SliceLayout(2, L3)
+    ws = gl.arange(0, S, gl.SliceLayout(1, L2))
+    wh = gl.arange(0, 2, gl.SliceLayout(0, L2))
+    wg = gl.arange(0, 8, gl.SliceLayout(0, gl.SliceLayout(1, L3)))
+    wt = gl.arange(0, 4, gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, L4))))
+    wq = gl.arange(0, 4, gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(
+        3, w_layout)))))
+    rows = (pid_n * BLOCK_N + gl.expand_dims(gl.expand_dims(ws * 16, 1) + gl.expand_dims(wh * 8, 0),
+                                             2) + gl.expand_dims(gl.expand_dims(wg, 0), 1))
+    rows4 = gl.expand_dims(rows, 3)  # [S, 2, 8, 1]
+    w_ptrs = (w_ptr + gl.expand_dims(rows4.to(gl.int64) * (KP // 8)
+                                     + gl.expand_dims(gl.expand_dims(gl.expand_dims(wt * 4, 0),
+                                                                     1), 2), 4)
+              + gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(wq, 0), 1), 2), 3))
+    w_mask = gl.expand_dims(rows4 < N, 4)
+    xm = gl.arange(0, BLOCK_M, gl.SliceLayout(1, x_layout))
+    x_cols = gl.expand_dims(gl.arange(0, 32, gl.SliceLayout(0, x_layout)), 0)  # [1, 32]
+    x_ptrs = x_ptr + gl.expand_dims(xm * K, 1) + x_cols
+    x_mask = gl.expand_dims(xm < M, 1)
+    pr = gl.arange(0, HALVES * G, gl.SliceLayout(1, p_layout))  # half · G + group
+    pn = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, p_layout))
+    p_offs = gl.expand_dims((pr // G) * N + (pr % G) * width, 1) + gl.expand_dims(pn, 0)
+    p_mask = gl.expand_dims(pn < N, 0)
+
+    ones = gl.full([BLOCK_N, 32], 1.0, x_ptr.dtype.element_ty, layout=a_layout)
+    acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=acc_layout)
+    acc_up = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=acc_layout)
+    for i in gl.static_range(STAGES - 1):
+        _issue(first + i, last, w_ptrs, w_mask, x_ptrs, x_mask, x_cols, K, p_ptr + p_offs,
+               p_mask, w_smem, x_smem, p_smem.index(i), i, G * width, N * (KP // 8), GATED,
+               EVEN_K, TILES_PER_GROUP)
+    for t in range(first, last):
+        async_copy.wait_group(STAGES - 2)  # tile t has landed (own copies) ...
+        gl.thread_barrier()  # ... everyone's, and the stage refilled below is read by no one
+        fence_async_shared()  # (the tensor cores read x through the async proxy)
+        j = t - first + STAGES - 1
+        _issue(first + j, last, w_ptrs, w_mask, x_ptrs, x_mask, x_cols, K, p_ptr + p_offs,
+               p_mask, w_smem, x_smem, p_smem.index(j % STAGES), j % STAGES, G * width,
+               N * (KP // 8), GATED, EVEN_K, TILES_PER_GROUP)
+        stage = (t - first) % STAGES
+        words = w_smem.index(stage * HALVES).load(w_layout)
+        words_up = words
+        if GATED:
+            words_up = w_smem.index(stage * HALVES + 1).load(w_layout)
+        acc, acc_up = _tile(words, words_up, x_smem, stage, p_smem.index(stage), ones, acc,
+                            acc_up, GATED, G, OFFSET, a_layout, acc_layout, BLOCK_M <= 16)
+    async_copy.wait_group(0)
+    acc = gl.permute(acc, (1, 0))  # [BM, BN], as the epilogue wants
+    acc_up = gl.permute(acc_up, (1, 0))
+    out_layout: gl.constexpr = acc.type.layout
+    offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, out_layout))
+    offs_m = gl.arange(0, BLOCK_M, gl.SliceLayout(1, out_layout))
+    mask = gl.expand_dims(offs_m < M, 1) & gl.expand_dims(offs_n < N, 0)
+    if SPLIT_K > 1:
+        rows = part_ptr + gl.expand_dims(offs_m * width, 1) + gl.expand_dims(offs_n, 0)
+        gl.store(rows + gl.program_id(1) * M * width, acc, mask=mask)
+        if GATED:
+            gl.store(rows + gl.program_id(1) * M * width + N, acc_up, mask=mask)
+        gl.thread_barrier()  # every thread's partials stored before the ticket is taken
+        ticket = gl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if ticket == SPLIT_K - 1:  # the last to arrive: sum in split order (deterministic)
+            acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=out_layout)
+            acc_up = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=out_layout)
+            for s in gl.static_range(SPLIT_K):  # (.cg: from L2, never a stale L1 line)
+                acc += gl.load(rows + s * M * width, mask=mask, other=0.0, cache_modifier=".cg")
+                if GATED:
+                    acc_up += gl.load(rows + s * M * width + N, mask=mask, other=0.0,
+                                      cache_modifier=".cg")
+            gl.store(count_ptr + pid_n, 0)
+            epilogue(acc, acc_up, offs_m, offs_n, offs_m < M, offs_n < N, N, b_ptr, r_ptr,
+                     out_ptr, GATED, HAS_BIAS, HAS_RESIDUAL)
+    else:
+        epilogue(acc, acc_up, offs_m, offs_n, offs_m < M, offs_n < N, N, b_ptr, r_ptr, out_ptr,
+                 GATED, HAS_BIAS, HAS_RESIDUAL)
+
+
+@gluon.jit
+def _issue(t, last, w_ptrs, w_mask, x_ptrs, x_mask, x_cols, K, p_ptrs, p_mask, w_smem, x_smem,
+           p_dst, stage, P_STRIDE, UP, GATED: gl.constexpr, EVEN_K: gl.constexpr,
+           TILES_PER_GROUP: gl.constexpr):
+    """Start copying tile t's words, inputs and (scale, min) pairs into a stage (as one group
+    of copies; nothing is read at or past `last`)."""
+    live = t < last
+    if GATED:
+        async_copy.async_copy_global_to_shared(w_smem.index(2 * stage), w_ptrs + t * 16,
+                                               mask=w_mask & live)
+        async_copy.async_copy_global_to_shared(w_smem.index(2 * stage + 1),
+                                               w_ptrs + UP + t * 16, mask=w_mask & live)
+    else:
+        async_copy.async_copy_global_to_shared(w_smem.index(stage), w_ptrs + t * 16,
+                                               mask=w_mask & live)
+    for c in gl.static_range(4):
+        x_live = x_mask & live
+        if not EVEN_K:
+            x_live = x_live & (x_cols + t * 128 + 32 * c < K)
+        async_copy.async_copy_global_to_shared(x_smem.index(stage * 4 + c),
+                                               x_ptrs + t * 128 + 32 * c, mask=x_live)
+    async_copy.async_copy_global_to_shared(p_dst, p_ptrs + (t // TILES_PER_GROUP) * P_STRIDE,
+                                           mask=p_mask & live)
+    async_copy.commit_group()
