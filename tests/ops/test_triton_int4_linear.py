@@ -84,7 +84,7 @@ def test_int4_linear_rejects_wrong_inputs():
     with pytest.raises(ValueError, match="inputs"):
         tri.int4_linear(torch.randn(1, 64, device=DEVICE), tri.repack(q.to(DEVICE), torch.float32))
     if GPU:
-        tiles = tri.repack(q.cuda(), torch.bfloat16)
+        tiles = tri.repack(q.to("cuda"), torch.bfloat16)
         with pytest.raises(ValueError, match="warpgroups"):
             tri.int4_linear(torch.randn(1, 128, device="cuda", dtype=torch.bfloat16), tiles,
                             config=(32, 1, 4, 3))
