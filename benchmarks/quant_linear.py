@@ -1,6 +1,7 @@
 """Micro-benchmark: quantized matmuls at decode batch sizes vs torch's kernels, on one GPU.
 
-For each shape K×N of the weight-quantization issue and M rows of activations (bf16), times
+For each shape K×N of the weight-quantization issue (and Llama-3.1-8B's gate_up, 4096×28672, which
+frugal's kernels run gated: SiLU·mul fused) and M rows of activations (bf16), times
 frugal's W4A16 kernel (`int4_linear`, group 128, symmetric) and FP8 paths (`fp8_linear`,
 per-channel scales: W8A16, the Triton kernel; and the path `--quantization fp8` serves, whose
 weights are W8A8: W8A16 up to 16 rows, beyond them x quantized per token by our kernel and
@@ -32,6 +33,7 @@ from frugal.quant.fp8 import quantize_fp8
 from frugal.quant.int4 import quantize_rtn
 
 SHAPES = [(4096, 14336), (14336, 4096), (4096, 6144), (4096, 4096)]  # (K, N)
+GATE_UP = (4096, 28672)  # Llama-3.1-8B's gate_up: frugal's kernels gated (SiLU·mul fused)
 CONFIGS = [c for c in itertools.product((64, 128, 256), (1, 2, 4, 8, 16), (4, 8), (3, 4, 6))
            if c[0] >= 16 * c[2]]
 # (BLOCK_N, SPLIT_K, warps, STAGES) of int4_wgmma's kernel
@@ -43,7 +45,8 @@ def copies_for(nbytes: int) -> int:
     return min(16, max(2, -(-2**28 // nbytes)))
 
 
-def bench_shape(k: int, n: int, ms: list[int], sweep: bool) -> list[dict]:
+def bench_shape(k: int, n: int, ms: list[int], sweep: bool, gated: bool = False) -> list[dict]:
+    """n: the weight's rows (gated: frugal's kernels give n / 2 outputs, SiLU·mul fused)."""
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5
     copies = copies_for(n * k // 2)
     q = quantize_rtn(w, 128, symmetric=True)
@@ -66,7 +69,7 @@ def bench_shape(k: int, n: int, ms: list[int], sweep: bool) -> list[dict]:
     for m in ms:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         x8 = torch.zeros(max(16, m), k, device="cuda", dtype=torch.float8_e4m3fn)
-        r = {"K": k, "N": n, "M": m}
+        r = {"K": k, "N": n, "M": m, "gated": gated}
         r["bf16_us"] = 1e3 * graph_time([lambda i=i, x=x: F.linear(x, w16[i % len(w16)])
                                          for i in range(16)])
         r["fp8_us"] = 1e3 * graph_time([lambda i=i, x8=x8: torch._scaled_mm(
@@ -75,20 +78,24 @@ def bench_shape(k: int, n: int, ms: list[int], sweep: bool) -> list[dict]:
         if tiny is not None:
             r["tinygemm_us"] = 1e3 * graph_time([lambda x=x: torch._weight_int4pack_mm(
                 x, tiny, 128, sz)] * 4)
-        r["int4_us"] = 1e3 * graph_time([lambda i=i, x=x: int4_linear(x, tiles[i % copies])
+        r["int4_us"] = 1e3 * graph_time([lambda i=i, x=x: int4_linear(x, tiles[i % copies],
+                                                                     gated=gated)
                                          for i in range(16)])
-        r["ours_fp8_us"] = 1e3 * graph_time([lambda i=i, x=x: fp8_linear(x, ours8[i % len(ours8)])
+        r["ours_fp8_us"] = 1e3 * graph_time([lambda i=i, x=x: fp8_linear(x, ours8[i % len(ours8)],
+                                                                         gated=gated)
                                              for i in range(16)])
-        r["w8a8_us"] = 1e3 * graph_time([lambda i=i, x=x: fp8_linear(x, ours8a8[i % len(ours8a8)])
+        r["w8a8_us"] = 1e3 * graph_time([lambda i=i, x=x: fp8_linear(x, ours8a8[i % len(ours8a8)],
+                                                                      gated=gated)
                                           for i in range(16)])
-        r["config"] = _config(m, n, k, False)
+        r["config"] = _config(m, n // 2 if gated else n, k, gated)
         if sweep:
             best = (r["int4_us"], r["config"])
             for c in CONFIGS:
-                if c[1] * 2 > k // 128 or not 100 <= -(-n // c[0]) * c[1] <= 1200:
+                if c[1] * 2 > k // 128 or not 64 <= -(-n // c[0]) * c[1] <= 1200:
                     continue
                 try:
-                    calls = [lambda i=i, x=x, c=c: int4_linear(x, tiles[i % copies], config=c)
+                    calls = [lambda i=i, x=x, c=c: int4_linear(x, tiles[i % copies], gated=gated,
+                                                               config=c)
                              for i in range(16)]
                     t = 1e3 * graph_time(calls)
                 except Exception as exc:  # noqa: BLE001 (a config the compiler refuses)
@@ -97,7 +104,9 @@ def bench_shape(k: int, n: int, ms: list[int], sweep: bool) -> list[dict]:
                 best = min(best, (t, c))
             r["best_us"], r["best_config"] = best
         ref = F.linear(x, dense)
-        got = int4_linear(x, tiles[0])
+        if gated:
+            ref = F.silu(ref[:, :n // 2]) * ref[:, n // 2:]
+        got = int4_linear(x, tiles[0], gated=gated)
         r["rel_err_vs_bf16"] = float((got.float() - ref.float()).norm() / ref.float().norm())
         rows.append(r)
         print(json.dumps(r), flush=True)
@@ -146,13 +155,15 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | CUDA-graph replay "
           "medians | W4A16 group 128 symmetric, FP8 per-tensor\n")
     rows = [r for k, n in SHAPES for r in bench_shape(k, n, ms, a.sweep)]
+    rows += bench_shape(*GATE_UP, ms, a.sweep, gated=True)
     print("\n| K×N | M | bf16 cuBLAS µs | FP8 _scaled_mm µs | tinygemm INT4 µs | frugal INT4 µs | "
           "INT4 TB/s | INT4 speed-up over FP8 | over bf16 | frugal W8A16 µs | "
           "frugal FP8 served µs | served / _scaled_mm speed |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         nbytes = r["K"] * r["N"] / 2 + r["K"] * r["N"] / 128 * 4
-        print(f"| {r['K']}×{r['N']} | {r['M']} | {r['bf16_us']:.1f} | {r['fp8_us']:.1f} | "
+        name = f"{r['K']}×{r['N']}" + (" gate_up" if r["gated"] else "")
+        print(f"| {name} | {r['M']} | {r['bf16_us']:.1f} | {r['fp8_us']:.1f} | "
               f"{r.get('tinygemm_us', float('nan')):.1f} | {r['int4_us']:.1f} | "
               f"{nbytes / r['int4_us'] / 1e6:.2f} | {r['fp8_us'] / r['int4_us']:.2f}x | "
               f"{r['bf16_us'] / r['int4_us']:.2f}x | {r['ours_fp8_us']:.1f} | "
