@@ -75,12 +75,20 @@ def _params(pair, dtype: gl.constexpr):
 
 
 @gluon.jit
+def _chunk(x_smem, stage, c: gl.constexpr):
+    """Inputs 32 c.. of a stage's tile as the B operand [32, BM] (x_smem [STAGES, 4 BM, 32]:
+    chunk c in rows c BM..)."""
+    BM: gl.constexpr = x_smem.shape[1] // 4
+    return x_smem.index(stage).slice(c * BM, BM).permute((1, 0))
+
+
+@gluon.jit
 def _products(quarters, x_smem, stage, part, g: gl.constexpr, CHUNKS: gl.constexpr,
               a_layout: gl.constexpr, ASYNC: gl.constexpr):
     """part + group g's Σ x (OFFSET + u) [BN, BM]: its CHUNKS quarters' words against x's
     chunks, as asynchronous MMAs (a token until waited for)."""
     for c in gl.static_range(CHUNKS):
-        x_b = x_smem.index(stage * 4 + g * CHUNKS + c).permute((1, 0))  # [32, BM]
+        x_b = _chunk(x_smem, stage, g * CHUNKS + c)  # [32, BM]
         part = warpgroup_mma(_operand(quarters[g * CHUNKS + c], a_layout, x_smem.dtype), x_b,
                              part, is_async=ASYNC)
     return part
@@ -99,7 +107,7 @@ def _tile(words, words_up, x_smem, stage, p_smem, ones, acc, acc_up, GATED: gl.c
           G: gl.constexpr, OFFSET: gl.constexpr, a_layout: gl.constexpr,
           acc_layout: gl.constexpr, ASYNC: gl.constexpr):
     """acc (and acc_up) [BN, BM] + one 128-input tile's products: words (words_up) [S, 2, 8, 4,
-    4], x_smem [STAGES · 4, BM, 32] (chunk 4 stage + c: inputs 32 c.. of the tile), p_smem
+    4], x_smem [STAGES, 4 BM, 32] (rows c BM..: the tile's inputs 32 c..), p_smem
     [halves · G, BN] the tile's (scale, min) pairs. ASYNC: a group's MMAs (Σ x with ones,
     the weights', the up half's) are issued together and waited for once (more registers)."""
     CHUNKS: gl.constexpr = 4 // G  # 32-input chunks per group
@@ -111,7 +119,7 @@ def _tile(words, words_up, x_smem, stage, p_smem, ones, acc, acc_up, GATED: gl.c
     for g in gl.static_range(G):
         x_sum = gl.zeros_like(acc)
         for c in gl.static_range(CHUNKS):
-            x_sum = warpgroup_mma(ones, x_smem.index(stage * 4 + g * CHUNKS + c).permute((1, 0)),
+            x_sum = warpgroup_mma(ones, _chunk(x_smem, stage, g * CHUNKS + c),
                                   x_sum, is_async=ASYNC)
         part = _products(quarters, x_smem, stage, gl.zeros_like(acc), g, CHUNKS, a_layout, ASYNC)
         if GATED:
@@ -150,12 +158,12 @@ def _kernel(x_ptr, w_ptr, p_ptr, b_ptr, r_ptr, out_ptr, part_ptr, count_ptr, M, 
     # warps (as the A fragment wants), a thread's four words one 16-byte copy
     w_layout: gl.constexpr = gl.BlockedLayout([1, 2, 1, 1, 4], [1, 1, 8, 4, 1],
                                               [WARPS, 1, 1, 1, 1], [4, 3, 2, 1, 0])
-    x_layout: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [WARPS, 1], [1, 0])
+    x_layout: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [WARPS, 1], [1, 0])  # [4 BM, 32]
     p_layout: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, WARPS], [1, 0])
     w_smem = gl.allocate_shared_memory(gl.int32, [STAGES * HALVES, S, 2, 8, 4, 4],
                                        gl.SwizzledSharedLayout(4, 1, 1, [4, 3, 2, 1, 0]))
     x_smem = gl.allocate_shared_memory(
-        x_ptr.dtype.element_ty, [STAGES * 4, BLOCK_M, 32],
+        x_ptr.dtype.element_ty, [STAGES, 4 * BLOCK_M, 32],
         gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2))
     p_smem = gl.allocate_shared_memory(gl.int32, [STAGES, HALVES * G, BLOCK_N],
                                        gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
@@ -185,10 +193,11 @@ def _kernel(x_ptr, w_ptr, p_ptr, b_ptr, r_ptr, out_ptr, part_ptr, count_ptr, M, 
                                                                      1), 2), 4)
               + gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(wq, 0), 1), 2), 3))
     w_mask = gl.expand_dims(rows4 < N, 4)
-    xm = gl.arange(0, BLOCK_M, gl.SliceLayout(1, x_layout))
-    x_cols = gl.expand_dims(gl.arange(0, 32, gl.SliceLayout(0, x_layout)), 0)  # [1, 32]
-    x_ptrs = x_ptr + gl.expand_dims(xm * K, 1) + x_cols
-    x_mask = gl.expand_dims(xm < M, 1)
+    xr = gl.arange(0, 4 * BLOCK_M, gl.SliceLayout(1, x_layout))  # chunk · BM + row
+    x_cols = gl.expand_dims((xr // BLOCK_M) * 32, 1) + gl.expand_dims(
+        gl.arange(0, 32, gl.SliceLayout(0, x_layout)), 0)  # [4 BM, 32]: the tile's input
+    x_ptrs = x_ptr + gl.expand_dims((xr % BLOCK_M) * K, 1) + x_cols
+    x_mask = gl.expand_dims(xr % BLOCK_M < M, 1)
     pr = gl.arange(0, HALVES * G, gl.SliceLayout(1, p_layout))  # half · G + group
     pn = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, p_layout))
     p_offs = gl.expand_dims((pr // G) * N + (pr % G) * width, 1) + gl.expand_dims(pn, 0)
@@ -261,12 +270,10 @@ def _issue(t, last, w_ptrs, w_mask, x_ptrs, x_mask, x_cols, K, p_ptrs, p_mask, w
     else:
         async_copy.async_copy_global_to_shared(w_smem.index(stage), w_ptrs + t * 16,
                                                mask=w_mask & live)
-    for c in gl.static_range(4):
-        x_live = x_mask & live
-        if not EVEN_K:
-            x_live = x_live & (x_cols + t * 128 + 32 * c < K)
-        async_copy.async_copy_global_to_shared(x_smem.index(stage * 4 + c),
-                                               x_ptrs + t * 128 + 32 * c, mask=x_live)
+    x_live = x_mask & live
+    if not EVEN_K:
+        x_live = x_live & (x_cols + t * 128 < K)
+    async_copy.async_copy_global_to_shared(x_smem.index(stage), x_ptrs + t * 128, mask=x_live)
     async_copy.async_copy_global_to_shared(p_dst, p_ptrs + (t // TILES_PER_GROUP) * P_STRIDE,
                                            mask=p_mask & live)
     async_copy.commit_group()
