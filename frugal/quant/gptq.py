@@ -5,7 +5,9 @@ the 4-bit grid allows. Groups get their scale and zero when their first column c
 the weights as updated so far); or, with act_order, columns go in order of decreasing H[j, j]
 (the inputs with the most energy first, while the most columns remain to absorb their error)
 and each group's scale and zero come from the original weights ("static groups", so a group
-stays one contiguous run of inputs on disk).
+stays one contiguous run of inputs on disk). Either way a group's range is clipped: of the
+factors in SHRINK, the one whose rounding error Σ H[k, k] (w - q)² is least shrinks it (the
+grid search of the paper's reference code, weighted by each input's energy).
 
 Hessians come from the engine itself: forward pre-hooks on a layer's matmuls accumulate the
 inputs the matmul sees (after a fused RMSNorm) while calibration text runs through. `sequential`
@@ -74,6 +76,28 @@ def first_layers(model: nn.Module, n: int) -> Iterator[None]:
 
 
 Quantized = Int4Weight | Fp8Weight
+SHRINK = torch.linspace(1.0, 0.7, 16).tolist()  # range factors a group's clipping tries
+
+
+def clipped_group_params(w: torch.Tensor, energy: torch.Tensor, symmetric: bool
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., groups, size], energy [groups, size] (H's diagonal for those inputs) -> scale and
+    integer zero [..., groups] as quant.int4.group_params gives for w scaled by the factor of
+    SHRINK with the least Σ energy · (w - q)², q the group rounded to nearest (1.0 included:
+    never worse than no clipping)."""
+    best = None
+    for factor in SHRINK:
+        scale, zero = group_params(w * factor, symmetric)
+        q = (torch.round(w / scale[..., None] + zero[..., None]).clamp(0, 15)
+             - zero[..., None]) * scale[..., None]
+        err = ((w - q) ** 2 * energy).sum(-1)
+        if best is None:
+            best = [err, scale, zero]
+        else:
+            better = err < best[0]
+            best = [torch.where(better, err, best[0]), torch.where(better, scale, best[1]),
+                    torch.where(better, zero, best[2])]
+    return best[1], best[2]
 
 
 def sequential(model: nn.Module, calibrate: Callable[[], None],
@@ -111,15 +135,18 @@ def gptq(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, symmetric
     scales = torch.zeros(n, k // group_size, dtype=torch.float64)
     zeros = torch.zeros_like(scales)
     codes = torch.zeros(n, k, dtype=torch.uint8)
+    energy = torch.diag(hessian).double().view(-1, group_size)
     if act_order:  # static groups: from the original weights (inputs never seen: as 0)
-        alive = (torch.diag(hessian) != 0).double()
-        scales, zeros = group_params((weight.double() * alive).view(n, -1, group_size),
-                                     symmetric)
+        alive = (energy != 0).double().view(-1)
+        scales, zeros = clipped_group_params((weight.double() * alive).view(n, -1, group_size),
+                                             energy, symmetric)
 
     def round_column(col: int, w_col: torch.Tensor, ahead) -> torch.Tensor:
         g = col // group_size
         if not act_order and col % group_size == 0:
-            scales[:, g], zeros[:, g] = group_params(ahead()[:, :group_size], symmetric)
+            scale, zero = clipped_group_params(ahead()[:, None, :group_size], energy[g:g + 1],
+                                               symmetric)
+            scales[:, g], zeros[:, g] = scale[:, 0], zero[:, 0]
         q = torch.round(w_col / scales[:, g] + zeros[:, g]).clamp(0, 15)
         codes[:, col] = q.to(torch.uint8)
         return (q - zeros[:, g]) * scales[:, g]

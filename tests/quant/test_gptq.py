@@ -7,8 +7,8 @@ import torch
 from frugal import LLM, SamplingParams
 from frugal.cli.main import main as cli
 from frugal.loader.safetensors import SafetensorsCheckpoint
-from frugal.quant.gptq import gptq, hessians, sequential
-from frugal.quant.int4 import quantize_rtn
+from frugal.quant.gptq import SHRINK, clipped_group_params, gptq, hessians, sequential
+from frugal.quant.int4 import group_params, quantize_rtn
 from tests.engine.test_fp8_kv import tiny_dir
 
 
@@ -31,6 +31,31 @@ def test_gptq_beats_rtn_on_correlated_inputs(symmetric, act_order):
     assert err(q.dequantize()) < 0.85 * err(quantize_rtn(w, 64, symmetric).dequantize())
     with pytest.raises(ValueError, match="group_size"):
         gptq(w[:, :96], torch.eye(96), 64, symmetric)
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_clipped_group_params_take_each_groups_least_weighted_error(symmetric):
+    """Per group, the factor of SHRINK with the least Σ energy · (w - q)², checked one group at
+    a time; symmetric, an outlier with little energy gets clipped, one with much energy not."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(5, 3, 32, generator=g, dtype=torch.float64)
+    w[:, :, 0] = 6.0  # an outlier in every group
+    energy = torch.rand(3, 32, generator=g, dtype=torch.float64) + 0.5
+    energy[0, 0], energy[1, 0] = 1e-3, 1e3  # ... cheap to clip in group 0, costly in group 1
+    scale, zero = clipped_group_params(w, energy, symmetric)
+
+    def error(group, s, z):
+        q = (torch.round(group / s + z).clamp(0, 15) - z) * s
+        return float(((group - q) ** 2 * energy[col]).sum())
+
+    for row in range(5):
+        for col in range(3):
+            group = w[row, col]
+            errors = [error(group, *group_params(group * f, symmetric)) for f in SHRINK]
+            assert error(group, scale[row, col], zero[row, col]) == pytest.approx(min(errors))
+    plain, _ = group_params(w, symmetric)
+    if symmetric:  # (asymmetric, shrinking the range also clips the other end)
+        assert (scale[:, 0] < plain[:, 0]).all() and (scale[:, 1] == plain[:, 1]).all()
 
 
 def test_hessians_see_what_each_matmul_multiplies(llm):
