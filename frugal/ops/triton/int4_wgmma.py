@@ -86,7 +86,7 @@ def _chunk(x_smem, stage, c: gl.constexpr):
 def _products(quarters, x_smem, stage, part, g: gl.constexpr, CHUNKS: gl.constexpr,
               a_layout: gl.constexpr, ASYNC: gl.constexpr):
     """part + group g's Σ x (OFFSET + u) [BN, BM]: its CHUNKS quarters' words against x's
-    chunks, as asynchronous MMAs (a token until waited for)."""
+    chunks (ASYNC: asynchronous MMAs, a token until waited for)."""
     for c in gl.static_range(CHUNKS):
         x_b = _chunk(x_smem, stage, g * CHUNKS + c)  # [32, BM]
         part = warpgroup_mma(_operand(quarters[g * CHUNKS + c], a_layout, x_smem.dtype), x_b,
