@@ -91,7 +91,8 @@ def bench_shape(k: int, n: int, ms: list[int], sweep: bool, gated: bool = False)
         if sweep:
             best = (r["int4_us"], r["config"])
             for c in CONFIGS:
-                if c[1] * 2 > k // 128 or not 64 <= -(-n // c[0]) * c[1] <= 1200:
+                blocks = -(-(n // 2 if gated else n) // c[0])
+                if c[1] * 2 > k // 128 or not 64 <= blocks * c[1] <= 1200:
                     continue
                 try:
                     calls = [lambda i=i, x=x, c=c: int4_linear(x, tiles[i % copies], gated=gated,

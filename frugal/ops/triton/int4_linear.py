@@ -89,8 +89,8 @@ def _config(m: int, n: int, k: int, gated: bool) -> tuple[int, int, int, int]:
 
 
 @functools.cache
-def _hopper(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] == 9
+def _hopper(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] == 9
 
 
 def int4_linear(x: torch.Tensor, w: Int4Tiles, bias: torch.Tensor | None = None,
@@ -106,8 +106,7 @@ def int4_linear(x: torch.Tensor, w: Int4Tiles, bias: torch.Tensor | None = None,
         raise ValueError(f"int4_linear: x has {k} inputs, the weight {w.in_features}")
     fast = (not _INTERPRET and x.device.type == "cuda" and x.dtype in _OFFSET
             and x.dtype == w.params.dtype and 0 < m <= SMALL_M and k % 2 == 0
-            and _hopper(x.device.index if x.device.index is not None
-                    else torch.cuda.current_device()))
+            and _hopper(x.device))
     if not fast:  # (the kernel copies x's rows 4 bytes at least: K even; wgmma is sm_90's)
         return torch_ref.linear(x, dequantize(w, x.dtype), bias, gated=gated, residual=residual)
     block_n, split, num_warps, stages = config or _config(m, n, k, gated)
