@@ -99,15 +99,6 @@ def round_rows(x: torch.Tensor) -> torch.Tensor:
     return (q.float() * scale).to(x.dtype)
 
 
-def round_tiles(x: torch.Tensor, tile: int = 128) -> torch.Tensor:
-    """x [M, K] as a W4A8 matmul sees it: quantize_rows of each row's tiles of `tile` inputs
-    (the last one zero-padded), then q · scale in x's dtype."""
-    m, k = x.shape
-    pad = -k % tile
-    q, scale = quantize_rows(torch.nn.functional.pad(x, (0, pad)).reshape(-1, tile))
-    return (q.float() * scale).reshape(m, k + pad)[:, :k].to(x.dtype)
-
-
 def quantize_fp8(weight: torch.Tensor, block: int | None = None, w8a8: bool = False
                  ) -> Fp8Weight:
     """Round-to-nearest FP8 of a float [N, K] weight: scale = amax / 448 per output channel

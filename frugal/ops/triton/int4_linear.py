@@ -11,11 +11,9 @@ the kernel's layout once, at load time (Int4Tiles):
   params: [Kp / group, N, 2] in the activations' dtype, group-major (a block of outputs reads
           contiguous values): each group's (scale, min), a 16-bit pair one 4-byte copy;
           w = u · scale + min for code u in [0, 15] (a zero point z becomes min = -z · scale).
-Up to SMALL_M rows in bf16 or fp16 on a Hopper GPU run int4_wgmma's kernel; more rows of a
-weight in groups of 128 (or multiples) on a GPU with FP8 tensor cores run W4A8 (int4_prefill:
-x rounded to e4m3 per row and 128-input tile, as quant.fp8.round_tiles); anything else (fp32
-activations, smaller groups, older GPUs, the CPU interpreter) multiplies the weight
-`dequantize`d by this module's Triton kernel, whose twin is Int4Weight.dequantize.
+Up to SMALL_M rows in bf16 or fp16 on a Hopper GPU run int4_wgmma's kernel; anything else (more
+rows, fp32 activations, older GPUs, the CPU interpreter) multiplies the weight `dequantize`d by
+this module's Triton kernel, whose twin is Int4Weight.dequantize.
 """
 
 from __future__ import annotations
@@ -30,9 +28,6 @@ import triton
 import triton.language as tl
 
 from frugal.ops import torch_ref
-from frugal.ops.triton.elementwise import silu_and_mul
-from frugal.ops.triton.int4_prefill import TILE_K as W4A8_TILE
-from frugal.ops.triton.int4_prefill import w4a8_matmul
 from frugal.ops.triton.int4_wgmma import _kernel
 from frugal.ops.triton.launch import pdl
 from frugal.ops.triton.split_k import counters, grid, partials
@@ -52,7 +47,6 @@ class Int4Tiles:
     params: torch.Tensor
     in_features: int
     group: int
-    centered: bool = False  # every group's min is -8 · scale (symmetric codes)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -77,9 +71,7 @@ def repack(q: Int4Weight, dtype: torch.dtype) -> Int4Tiles:
     mins = q.mins if q.mins is not None else -q.zeros * q.scales
     pad = (0, (kp - k) // group) if group <= TILE_K else (0, 0)
     params = torch.stack([F.pad(q.scales.float(), pad).t(), F.pad(mins.float(), pad).t()], -1)
-    params = params.to(dtype).contiguous()
-    centered = bool(torch.equal(params[..., 1], -8 * params[..., 0]))
-    return Int4Tiles(words.view(n, kp // 8), params, k, group, centered)
+    return Int4Tiles(words.view(n, kp // 8), params.to(dtype).contiguous(), k, group)
 
 
 def _config(m: int, n: int, k: int, gated: bool) -> tuple[int, int, int, int]:
@@ -101,30 +93,6 @@ def _hopper(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] == 9
 
 
-@functools.cache
-def _fp8_mma(device: torch.device) -> bool:
-    return torch.cuda.get_device_capability(device) >= (8, 9)
-
-
-def rounds_activations(x: torch.Tensor, w: Int4Tiles) -> bool:
-    """Whether x @ wᵀ runs W4A8 (x rounded as quant.fp8.round_tiles): more than SMALL_M rows in
-    the weight's dtype (bf16 or fp16), groups of 128 inputs or multiples, on a GPU with FP8
-    tensor cores."""
-    return (x.shape[0] > SMALL_M and x.device.type == "cuda" and not _INTERPRET
-            and x.dtype in _OFFSET and x.dtype == w.params.dtype and w.group % W4A8_TILE == 0
-            and w.words.shape[0] % 16 == 0 and _fp8_mma(x.device))
-
-
-def _w4a8(x: torch.Tensor, w: Int4Tiles, bias: torch.Tensor | None, gated: bool,
-          residual: torch.Tensor | None) -> torch.Tensor:
-    y = w4a8_matmul(x, w.words, w.params, w.group, w.centered)
-    if bias is not None:
-        y += bias
-    if gated:
-        y = silu_and_mul(y)
-    return y if residual is None else residual.add_(y)
-
-
 def int4_linear(x: torch.Tensor, w: Int4Tiles, bias: torch.Tensor | None = None,
                 gated: bool = False, residual: torch.Tensor | None = None,
                 config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
@@ -136,8 +104,6 @@ def int4_linear(x: torch.Tensor, w: Int4Tiles, bias: torch.Tensor | None = None,
     n = rows // 2 if gated else rows
     if k != w.in_features:
         raise ValueError(f"int4_linear: x has {k} inputs, the weight {w.in_features}")
-    if rounds_activations(x, w):
-        return _w4a8(x, w, bias, gated, residual)
     fast = (not _INTERPRET and x.device.type == "cuda" and x.dtype in _OFFSET
             and x.dtype == w.params.dtype and 0 < m <= SMALL_M and k % 2 == 0
             and _hopper(x.device))

@@ -8,9 +8,8 @@ attention; cuBLAS at one row also adds a split-K reduction kernel per matmul.
 
 Quantized weights take their own kernels up to 64 tokens (the RMSNorm, if any, as its own kernel
 first): INT4 (repacked by pack_weight into int4_linear's layout) and FP8 (fp8_linear); beyond,
-W8A8 FP8 weights run fp8_linear (FP8 cuBLAS) and INT4 weights on a GPU with FP8 tensor cores
-int4_linear's W4A8 kernel; otherwise the weight is dequantized for the step and the matmul is
-cuBLAS's.
+the weight is dequantized for the step and the matmul is cuBLAS's. W8A8 FP8 weights run
+fp8_linear (FP8 cuBLAS) at any number of tokens.
 
 A decode batch (2..64 tokens): gate_up runs as a Triton tensor-core kernel with SiLU·mul as its
 epilogue (one program holds all the rows, so there is no split-K to reduce first); the other
@@ -32,7 +31,6 @@ from frugal.ops.triton.fp8_linear import BLOCK_K as FP8_TILE_K
 from frugal.ops.triton.fp8_linear import fp8_linear
 from frugal.ops.triton.int4_linear import Int4Tiles, int4_linear, repack
 from frugal.ops.triton.int4_linear import dequantize as dequantize_int4
-from frugal.ops.triton.int4_linear import rounds_activations as int4_rounds_activations
 from frugal.ops.triton.launch import enter, pdl
 from frugal.ops.triton.split_k import epilogue
 from frugal.quant.fp8 import Fp8Weight
@@ -222,8 +220,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Int4Tiles | Fp8Weight,
     m = x.shape[0]
     if isinstance(weight, (Int4Tiles, Fp8Weight)):
         int4 = isinstance(weight, Int4Tiles)
-        w8a8 = int4_rounds_activations(x, weight) if int4 else weight.w8a8
-        if m > 0 and (m <= SMALL_M_MAX or w8a8):
+        if m > 0 and (m <= SMALL_M_MAX or (not int4 and weight.w8a8)):
             if norm is not None:
                 x = rms_norm(x, norm, eps)
             return (int4_linear if int4 else fp8_linear)(x, weight, bias, gated, residual)
