@@ -53,6 +53,14 @@ def test_repack_layout():
                 assert torch.equal(nibble, codes[:, :, :, a, b, :, c].transpose(2, 3).int())
     assert torch.equal(t.params[..., 0], q.scales.t())  # [group, row, (scale, min)]
     assert torch.equal(t.params[..., 1], (-q.zeros * q.scales).t())
+    assert not t.centered  # (zero points other than 8)
+
+
+@pytest.mark.parametrize("form", ["sym", "asym", "mins"])
+def test_repack_marks_symmetric_codes_centered(form):
+    """centered (the kernel then multiplies code - 8 and skips Σ x): every min is -8 · scale."""
+    q = weight(4, 256, 64, form, torch.Generator().manual_seed(0))
+    assert tri.repack(q, torch.bfloat16).centered == (form == "sym")
 
 
 @pytest.mark.parametrize("group,form,k", [(32, "sym", 160), (64, "asym", 256), (128, "mins", 384),

@@ -47,6 +47,7 @@ class Int4Tiles:
     params: torch.Tensor
     in_features: int
     group: int
+    centered: bool = False  # every group's min is -8 · scale (symmetric codes)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -71,21 +72,27 @@ def repack(q: Int4Weight, dtype: torch.dtype) -> Int4Tiles:
     mins = q.mins if q.mins is not None else -q.zeros * q.scales
     pad = (0, (kp - k) // group) if group <= TILE_K else (0, 0)
     params = torch.stack([F.pad(q.scales.float(), pad).t(), F.pad(mins.float(), pad).t()], -1)
-    return Int4Tiles(words.view(n, kp // 8), params.to(dtype).contiguous(), k, group)
+    params = params.to(dtype).contiguous()
+    centered = bool(torch.equal(params[..., 1], -8 * params[..., 0]))
+    return Int4Tiles(words.view(n, kp // 8), params, k, group, centered)
 
 
 def _config(m: int, n: int, k: int, gated: bool) -> tuple[int, int, int, int]:
     """(BLOCK_N, SPLIT_K, num_warps, STAGES) for x [m, k] and n outputs (2n rows if gated),
     near the best of `benchmarks/quant_linear.py --sweep` on the H200 (Llama-3.1-8B shapes):
     blocks of 64 outputs (one warpgroup), the inputs split until there are about 512 programs
-    (256 beyond 16 rows), 4 tiles each at least; gated matrices (twice the rows a block) in
-    blocks of 128 on two warpgroups, about 160 programs."""
-    block_n, warps, target = (128, 8, 160) if gated else (64, 4, 512 if m <= 16 else 256)
+    (256 beyond 16 rows), 4 tiles each at least, a ring of 4 tiles (3 beyond 16 rows); gated
+    matrices (twice the rows a block) up to 32 rows in blocks of 128 on two warpgroups (a ring
+    of 4), about 160 programs."""
+    if gated and m <= 32:
+        block_n, warps, target = 128, 8, 160
+    else:
+        block_n, warps, target = 64, 4, 512 if m <= 16 else 256
     blocks, tiles = triton.cdiv(n, block_n), triton.cdiv(k, TILE_K)
     split = 1
     while blocks * split * 2 <= target and tiles >= 8 * split:
         split *= 2
-    return block_n, split, warps, 4
+    return block_n, split, warps, 4 if m <= 16 or block_n == 128 else 3
 
 
 @functools.cache
@@ -114,6 +121,8 @@ def int4_linear(x: torch.Tensor, w: Int4Tiles, bias: torch.Tensor | None = None,
         raise ValueError(f"int4_linear: {num_warps} warps (whole warpgroups) cannot share "
                          f"{block_n} outputs in 16-row slabs")
     align = 8 if k % 8 == 0 else 2  # (x's rows are copied 16 or 4 bytes at a time)
+    block_m = max(8, triton.next_power_of_2(m))
+    centered = w.centered and block_m > 16  # (up to 16 rows the MMA with ones costs little)
     (blocks, _, split), split = grid(triton.cdiv(n, block_n), 1, split)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     launch_pdl = pdl(x.device)
@@ -123,8 +132,9 @@ def int4_linear(x: torch.Tensor, w: Int4Tiles, bias: torch.Tensor | None = None,
         KP=w.words.shape[1] * 8, GROUP=w.group, GATED=gated, HAS_BIAS=bias is not None,
         HAS_RESIDUAL=residual is not None, BLOCK_N=block_n,
         SPLIT_K=split, OFFSET=_OFFSET[x.dtype], EVEN_K=k % TILE_K == 0, K_ALIGN=align,
-        BLOCK_M=max(8, triton.next_power_of_2(m)), WARPS=num_warps, STAGES=stages,
-        PDL=launch_pdl, num_warps=num_warps, launch_pdl=launch_pdl > 0)
+        BLOCK_M=block_m, WARPS=num_warps, STAGES=stages, CENTERED=centered,
+        ASYNC=block_m <= 16 or centered, PDL=launch_pdl,
+        num_warps=num_warps, launch_pdl=launch_pdl > 0)
     return out
 
 

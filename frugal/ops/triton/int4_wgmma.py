@@ -15,7 +15,9 @@ Per group, Σ x (OFFSET + u) comes from the weights' MMA and Σ x from an MMA wi
 Σ_k x_k w_k = scale · Σ x (OFFSET + u) + (min - OFFSET · scale) · Σ x. Tiles of 128 inputs
 stream through shared memory in a STAGES-deep cp.async ring; split-K partial sums are reduced
 by the last program of an output block (as split_k.finish). Up to 16 rows a group's MMAs are
-issued together and waited for once; beyond, one by one (fewer live registers).
+issued together and waited for once; beyond, one by one (fewer live registers), except for
+CENTERED weights (symmetric: every min is -8 · scale), whose operand is code - 8 (one more
+FMA per register) and which need no Σ x: their MMAs are issued together at any BLOCK_M.
 """
 
 from __future__ import annotations
@@ -34,17 +36,28 @@ from frugal.ops.triton.split_k import epilogue
 
 
 @gluon.jit
-def _operand(words, LAYOUT: gl.constexpr, dtype: gl.constexpr):
+def _operand(words, LAYOUT: gl.constexpr, dtype: gl.constexpr, CENTERED: gl.constexpr):
     """words [S, 2 (h), 8 (g), 4 (t), 1] int32 of rows 16 s + 8 h + g -> [16 S, 32] in dtype
-    (OFFSET + code) in LAYOUT (the wgmma A operand): input 16 a + 8 b + 2 t + c from nibble
-    (2 a + b) + 4 c of word t."""
+    (OFFSET + code, or code - 8 if CENTERED) in LAYOUT (the wgmma A operand): input
+    16 a + 8 b + 2 t + c from nibble (2 a + b) + 4 c of word t."""
     u = words.to(gl.uint32, bitcast=True)
     s1 = (u >> 4).to(gl.int32, bitcast=True)
     s2 = (u >> 8).to(gl.int32, bitcast=True)
     s3 = (u >> 12).to(gl.int32, bitcast=True)
     j = gl.join(gl.join(words, s1), gl.join(s2, s3))  # [S, h, g, t, 1, 2 (b), 2 (a)]
     j = gl.join(j, j)  # [..., b, a, 2 (c)]
-    if dtype == gl.bfloat16:
+    if CENTERED:  # (OFFSET + code) · 1 - (OFFSET + 8), exact
+        if dtype == gl.bfloat16:
+            pairs = gl.inline_asm_elementwise(
+                "{.reg .b32 t, one, c; lop3.b32 t, $1, 0x000F000F, 0x43004300, 0xEA; "
+                "mov.b32 one, 0x3F803F80; mov.b32 c, 0xC308C308; fma.rn.bf16x2 $0, t, one, c;}",
+                "=r,r,r", [j], dtype=gl.bfloat16, is_pure=True, pack=2)
+        else:
+            pairs = gl.inline_asm_elementwise(
+                "{.reg .b32 t, c; lop3.b32 t, $1, 0x000F000F, 0x64006400, 0xEA; "
+                "mov.b32 c, 0x64086408; sub.f16x2 $0, t, c;}",
+                "=r,r,r", [j], dtype=gl.float16, is_pure=True, pack=2)
+    elif dtype == gl.bfloat16:
         pairs = gl.inline_asm_elementwise("lop3.b32 $0, $1, 0x000F000F, 0x43004300, 0xEA;",
                                           "=r,r,r", [j], dtype=gl.bfloat16, is_pure=True, pack=2)
     else:
@@ -84,32 +97,36 @@ def _chunk(x_smem, stage, c: gl.constexpr):
 
 @gluon.jit
 def _products(quarters, x_smem, stage, part, g: gl.constexpr, CHUNKS: gl.constexpr,
-              a_layout: gl.constexpr, ASYNC: gl.constexpr):
-    """part + group g's Σ x (OFFSET + u) [BN, BM]: its CHUNKS quarters' words against x's
-    chunks (ASYNC: asynchronous MMAs, a token until waited for)."""
+              a_layout: gl.constexpr, ASYNC: gl.constexpr, CENTERED: gl.constexpr):
+    """part + group g's Σ x (OFFSET + u) (Σ x (u - 8) if CENTERED) [BN, BM]: its CHUNKS
+    quarters' words against x's chunks (ASYNC: asynchronous MMAs, a token until waited for)."""
     for c in gl.static_range(CHUNKS):
         x_b = _chunk(x_smem, stage, g * CHUNKS + c)  # [32, BM]
-        part = warpgroup_mma(_operand(quarters[g * CHUNKS + c], a_layout, x_smem.dtype), x_b,
-                             part, is_async=ASYNC)
+        part = warpgroup_mma(_operand(quarters[g * CHUNKS + c], a_layout, x_smem.dtype,
+                                      CENTERED), x_b, part, is_async=ASYNC)
     return part
 
 
 @gluon.jit
 def _fold(acc, part, x_sum, p_smem, row: gl.constexpr, OFFSET: gl.constexpr,
-          dtype: gl.constexpr, acc_layout: gl.constexpr):
-    """acc + a group's products scaled by the (scale, min) pairs of p_smem's row `row`."""
+          dtype: gl.constexpr, acc_layout: gl.constexpr, CENTERED: gl.constexpr):
+    """acc + a group's products scaled by the (scale, min) pairs of p_smem's row `row` (if
+    CENTERED, every min is -8 · scale: the products alone)."""
     scale, low = _params(p_smem.slice(row, 1).permute((1, 0)).load(acc_layout), dtype)
-    return acc + part * scale + x_sum * (low - OFFSET * scale)  # ([BN, 1] broadcast)
+    if CENTERED:
+        return acc + part * scale  # ([BN, 1] broadcast)
+    return acc + part * scale + x_sum * (low - OFFSET * scale)
 
 
 @gluon.jit
 def _tile(words, words_up, x_smem, stage, p_smem, ones, acc, acc_up, GATED: gl.constexpr,
           G: gl.constexpr, OFFSET: gl.constexpr, a_layout: gl.constexpr,
-          acc_layout: gl.constexpr, ASYNC: gl.constexpr):
+          acc_layout: gl.constexpr, ASYNC: gl.constexpr, CENTERED: gl.constexpr):
     """acc (and acc_up) [BN, BM] + one 128-input tile's products: words (words_up) [S, 2, 8, 4,
     4], x_smem [STAGES, 4 BM, 32] (rows c BM..: the tile's inputs 32 c..), p_smem
     [halves · G, BN] the tile's (scale, min) pairs. ASYNC: a group's MMAs (Σ x with ones,
-    the weights', the up half's) are issued together and waited for once (more registers)."""
+    the weights', the up half's) are issued together and waited for once (more registers).
+    CENTERED (symmetric codes): the weights as u - 8, and no Σ x."""
     CHUNKS: gl.constexpr = 4 // G  # 32-input chunks per group
     dtype: gl.constexpr = x_smem.dtype
     quarters = _quarters(words)
@@ -118,19 +135,26 @@ def _tile(words, words_up, x_smem, stage, p_smem, ones, acc, acc_up, GATED: gl.c
         quarters_up = _quarters(words_up)
     for g in gl.static_range(G):
         x_sum = gl.zeros_like(acc)
-        for c in gl.static_range(CHUNKS):
-            x_sum = warpgroup_mma(ones, _chunk(x_smem, stage, g * CHUNKS + c),
-                                  x_sum, is_async=ASYNC)
-        part = _products(quarters, x_smem, stage, gl.zeros_like(acc), g, CHUNKS, a_layout, ASYNC)
+        if not CENTERED:
+            for c in gl.static_range(CHUNKS):
+                x_sum = warpgroup_mma(ones, _chunk(x_smem, stage, g * CHUNKS + c),
+                                      x_sum, is_async=ASYNC)
+        part = _products(quarters, x_smem, stage, gl.zeros_like(acc), g, CHUNKS, a_layout, ASYNC,
+                         CENTERED)
         if GATED:
             part_up = _products(quarters_up, x_smem, stage, gl.zeros_like(acc), g, CHUNKS,
-                                a_layout, ASYNC)
-            if ASYNC:
+                                a_layout, ASYNC, CENTERED)
+            if ASYNC and CENTERED:
+                part, part_up = warpgroup_mma_wait(0, deps=[part, part_up])
+            elif ASYNC:
                 x_sum, part, part_up = warpgroup_mma_wait(0, deps=[x_sum, part, part_up])
-            acc_up = _fold(acc_up, part_up, x_sum, p_smem, G + g, OFFSET, dtype, acc_layout)
+            acc_up = _fold(acc_up, part_up, x_sum, p_smem, G + g, OFFSET, dtype, acc_layout,
+                           CENTERED)
+        elif ASYNC and CENTERED:
+            part = warpgroup_mma_wait(0, deps=[part])
         elif ASYNC:
             x_sum, part = warpgroup_mma_wait(0, deps=[x_sum, part])
-        acc = _fold(acc, part, x_sum, p_smem, g, OFFSET, dtype, acc_layout)
+        acc = _fold(acc, part, x_sum, p_smem, g, OFFSET, dtype, acc_layout, CENTERED)
     return acc, acc_up
 
 
@@ -140,7 +164,7 @@ def _kernel(x_ptr, w_ptr, p_ptr, b_ptr, r_ptr, out_ptr, part_ptr, count_ptr, M, 
             HAS_RESIDUAL: gl.constexpr, BLOCK_N: gl.constexpr, SPLIT_K: gl.constexpr,
             OFFSET: gl.constexpr, EVEN_K: gl.constexpr, K_ALIGN: gl.constexpr,
             BLOCK_M: gl.constexpr, WARPS: gl.constexpr, STAGES: gl.constexpr,
-            PDL: gl.constexpr):
+            CENTERED: gl.constexpr, ASYNC: gl.constexpr, PDL: gl.constexpr):
     """out = epilogue(x @ wᵀ) for one block of BLOCK_N outputs (all BLOCK_M rows, 8 to 64) over
     this program's share of the 128-input tiles (grid axis 1; SPLIT_K > 1: reduced by the last).
     x: [M, K] with K = K_PARTS · K_ALIGN; w: [N (2N if GATED), K] as int4_linear's Int4Tiles,
@@ -224,7 +248,7 @@ def _kernel(x_ptr, w_ptr, p_ptr, b_ptr, r_ptr, out_ptr, part_ptr, count_ptr, M, 
         if GATED:
             words_up = w_smem.index(stage * HALVES + 1).load(w_layout)
         acc, acc_up = _tile(words, words_up, x_smem, stage, p_smem.index(stage), ones, acc,
-                            acc_up, GATED, G, OFFSET, a_layout, acc_layout, BLOCK_M <= 16)
+                            acc_up, GATED, G, OFFSET, a_layout, acc_layout, ASYNC, CENTERED)
     async_copy.wait_group(0)
     acc = gl.permute(acc, (1, 0))  # [BM, BN], as the epilogue wants
     acc_up = gl.permute(acc_up, (1, 0))
