@@ -81,16 +81,18 @@ def _config(m: int, n: int, k: int, gated: bool) -> tuple[int, int, int, int]:
     """(BLOCK_N, SPLIT_K, num_warps, STAGES) for x [m, k] and n outputs (2n rows if gated),
     near the best of `benchmarks/quant_linear.py --sweep` on the H200 (Llama-3.1-8B shapes):
     blocks of 64 outputs (one warpgroup), the inputs split until there are about 512 programs
-    (256 beyond 16 rows), 4 tiles each at least, a ring of 4 tiles (3 beyond 16 rows); gated
-    matrices (twice the rows a block) up to 32 rows in blocks of 128 on two warpgroups (a ring
-    of 4), about 160 programs."""
-    if gated and m <= 32:
+    (256 beyond 16 rows), 4 tiles each at least (16 beyond 32 rows), a ring of 4 tiles (3 beyond
+    16 rows). Blocks of 128 on two warpgroups (a ring of 4, about 160 programs) for gated
+    matrices (twice the rows a block) up to 32 rows and for wide ones (8192 outputs or more)
+    beyond 16."""
+    if (gated and m <= 32) or (not gated and m > 16 and n >= 8192):
         block_n, warps, target = 128, 8, 160
     else:
         block_n, warps, target = 64, 4, 512 if m <= 16 else 256
     blocks, tiles = triton.cdiv(n, block_n), triton.cdiv(k, TILE_K)
+    per_split = 8 if m <= 32 else 32  # (twice the fewest tiles a program streams)
     split = 1
-    while blocks * split * 2 <= target and tiles >= 8 * split:
+    while blocks * split * 2 <= target and tiles >= per_split * split:
         split *= 2
     return block_n, split, warps, 4 if m <= 16 or block_n == 128 else 3
 
