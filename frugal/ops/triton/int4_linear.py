@@ -125,10 +125,10 @@ def int4_linear(x: torch.Tensor, w: Int4Tiles, bias: torch.Tensor | None = None,
     align = 8 if k % 8 == 0 else 2  # (x's rows are copied 16 or 4 bytes at a time)
     block_m = max(8, triton.next_power_of_2(m))
     centered = w.centered and block_m > 16  # (up to 16 rows the MMA with ones costs little)
-    (blocks, _, split), split = grid(triton.cdiv(n, block_n), 1, split)
+    launch, split = grid(triton.cdiv(n, block_n), 1, split)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     launch_pdl = pdl(x.device)
-    _kernel[(blocks, split)](
+    _kernel[launch](
         x, w.words, w.params.view(torch.int32), bias, residual, out,
         partials(split, m, rows, x.device), counters(x.device), m, n, k // align,
         KP=w.words.shape[1] * 8, GROUP=w.group, GATED=gated, HAS_BIAS=bias is not None,

@@ -14,10 +14,11 @@ only rename registers (checked by `convert_layout(..., assert_trivial=True)` at 
 Per group, Σ x (OFFSET + u) comes from the weights' MMA and Σ x from an MMA with ones, and
 Σ_k x_k w_k = scale · Σ x (OFFSET + u) + (min - OFFSET · scale) · Σ x. Tiles of 128 inputs
 stream through shared memory in a STAGES-deep cp.async ring; split-K partial sums are reduced
-by the last program of an output block (as split_k.finish). Up to 16 rows a group's MMAs are
-issued together and waited for once; beyond, one by one (fewer live registers), except for
-CENTERED weights (symmetric: every min is -8 · scale), whose operand is code - 8 (one more
-FMA per register) and which need no Σ x: their MMAs are issued together at any BLOCK_M.
+by the last program of an output block (split_k.finish; the splits on grid axis 2). Up to 16
+rows a group's MMAs are issued together and waited for once; beyond, one by one (fewer live
+registers), except for CENTERED weights (symmetric: every min is -8 · scale), whose operand is
+code - 8 (one more FMA per register) and which need no Σ x: their MMAs are issued together at
+any BLOCK_M.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from frugal.ops.triton.launch import enter
-from frugal.ops.triton.split_k import epilogue
+from frugal.ops.triton.split_k import finish
 
 
 @gluon.jit
@@ -166,7 +167,7 @@ def _kernel(x_ptr, w_ptr, p_ptr, b_ptr, r_ptr, out_ptr, part_ptr, count_ptr, M, 
             BLOCK_M: gl.constexpr, WARPS: gl.constexpr, STAGES: gl.constexpr,
             CENTERED: gl.constexpr, ASYNC: gl.constexpr, PDL: gl.constexpr):
     """out = epilogue(x @ wᵀ) for one block of BLOCK_N outputs (all BLOCK_M rows, 8 to 64) over
-    this program's share of the 128-input tiles (grid axis 1; SPLIT_K > 1: reduced by the last).
+    this program's share of the 128-input tiles (grid axis 2; SPLIT_K > 1: reduced by the last).
     x: [M, K] with K = K_PARTS · K_ALIGN; w: [N (2N if GATED), K] as int4_linear's Int4Tiles,
     p_ptr its (scale, min) pairs as int32 [KP / GROUP, N (2N)]. BLOCK_N: a multiple of 16 · WARPS
     (WARPS a multiple of 4)."""
@@ -195,7 +196,7 @@ def _kernel(x_ptr, w_ptr, p_ptr, b_ptr, r_ptr, out_ptr, part_ptr, count_ptr, M, 
     enter(PDL)
     pid_n = gl.program_id(0)
     per = gl.cdiv(KP // 128, SPLIT_K)
-    first = gl.program_id(1) * per
+    first = gl.program_id(2) * per
     last = gl.minimum(first + per, KP // 128)
     width = 2 * N if GATED else N
 
@@ -255,28 +256,8 @@ def _kernel(x_ptr, w_ptr, p_ptr, b_ptr, r_ptr, out_ptr, part_ptr, count_ptr, M, 
     out_layout: gl.constexpr = acc.type.layout
     offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, out_layout))
     offs_m = gl.arange(0, BLOCK_M, gl.SliceLayout(1, out_layout))
-    mask = gl.expand_dims(offs_m < M, 1) & gl.expand_dims(offs_n < N, 0)
-    if SPLIT_K > 1:
-        rows = part_ptr + gl.expand_dims(offs_m * width, 1) + gl.expand_dims(offs_n, 0)
-        gl.store(rows + gl.program_id(1) * M * width, acc, mask=mask)
-        if GATED:
-            gl.store(rows + gl.program_id(1) * M * width + N, acc_up, mask=mask)
-        gl.thread_barrier()  # every thread's partials stored before the ticket is taken
-        ticket = gl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if ticket == SPLIT_K - 1:  # the last to arrive: sum in split order (deterministic)
-            acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=out_layout)
-            acc_up = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=out_layout)
-            for s in gl.static_range(SPLIT_K):  # (.cg: from L2, never a stale L1 line)
-                acc += gl.load(rows + s * M * width, mask=mask, other=0.0, cache_modifier=".cg")
-                if GATED:
-                    acc_up += gl.load(rows + s * M * width + N, mask=mask, other=0.0,
-                                      cache_modifier=".cg")
-            gl.store(count_ptr + pid_n, 0)
-            epilogue(acc, acc_up, offs_m, offs_n, offs_m < M, offs_n < N, N, b_ptr, r_ptr,
-                     out_ptr, GATED, HAS_BIAS, HAS_RESIDUAL)
-    else:
-        epilogue(acc, acc_up, offs_m, offs_n, offs_m < M, offs_n < N, N, b_ptr, r_ptr, out_ptr,
-                 GATED, HAS_BIAS, HAS_RESIDUAL)
+    finish(acc, acc_up, offs_m, offs_n, offs_m < M, offs_n < N, M, N, part_ptr, count_ptr, b_ptr,
+           r_ptr, out_ptr, GATED, HAS_BIAS, HAS_RESIDUAL, SPLIT_K)
 
 
 @gluon.jit

@@ -52,7 +52,8 @@ def finish(acc, acc_up, offs_m, offs_n, m_mask, n_mask, M, N, part_ptr, count_pt
            SPLIT_K: tl.constexpr):
     """acc (acc_up if GATED): this program's fp32 sums [BLOCK_M, BLOCK_N] for outputs
     (offs_m, offs_n) of an [M, N] result. SPLIT_K > 1: part_ptr [SPLIT_K, M, width] scratch,
-    count_ptr the launch's counters (one per (program_id(0), program_id(1)) block)."""
+    count_ptr the launch's counters (one per (program_id(0), program_id(1)) block). Plain
+    tl operations whose layouts follow acc's, so Gluon kernels call it too."""
     if SPLIT_K == 1:
         epilogue(acc, acc_up, offs_m, offs_n, m_mask, n_mask, N, b_ptr, r_ptr, out_ptr, GATED,
                   HAS_BIAS, HAS_RESIDUAL)
@@ -66,10 +67,11 @@ def finish(acc, acc_up, offs_m, offs_n, m_mask, n_mask, M, N, part_ptr, count_pt
         tl.debug_barrier()  # every thread's partials stored before the ticket is taken
         block = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
         ticket = tl.atomic_add(count_ptr + block, 1, sem="acq_rel", scope="gpu")
-        if ticket == SPLIT_K - 1:
-            acc = tl.zeros(acc.shape, tl.float32)
-            acc_up = tl.zeros(acc.shape, tl.float32)
-            for s in tl.static_range(SPLIT_K):  # (.cg: from L2, never a stale L1 line)
+        if ticket == SPLIT_K - 1:  # (.cg: from L2, never a stale L1 line)
+            acc = tl.load(part_ptr + rows, mask=mask, other=0.0, cache_modifier=".cg")
+            if GATED:
+                acc_up = tl.load(part_ptr + rows + N, mask=mask, other=0.0, cache_modifier=".cg")
+            for s in tl.static_range(1, SPLIT_K):
                 acc += tl.load(part_ptr + s * M * width + rows, mask=mask, other=0.0,
                                cache_modifier=".cg")
                 if GATED:
