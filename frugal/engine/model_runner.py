@@ -212,8 +212,14 @@ class ModelRunner:
         if after is not None and after.inputs.sampled:
             pending = Pending(after.tokens, {after.out.requests[i]: j
                                              for j, i in enumerate(after.inputs.sampled)})
-        inputs = prepare(out, self.pool.page_size, self.device, pending=pending, check=check,
-                         tag_updates=self.allocator.take_tag_updates() if check else None)
+        updates = self.allocator.take_tag_updates() if check else None
+        try:
+            inputs = prepare(out, self.pool.page_size, self.device, pending=pending, check=check,
+                             tag_updates=updates)
+        except BaseException:
+            if updates:  # (the device never got them: they go with the next step)
+                self.allocator.return_tag_updates(updates)
+            raise
         step = Launched(out, inputs, starts=[r.num_computed_tokens for r in out.requests])
         scoring = any(map(_scores_prompt, out.requests, step.starts))
         if inputs.tag_updates is not None:

@@ -81,6 +81,11 @@ class PageAllocator:
         updates, self._tag_updates = self._tag_updates, {}
         return updates
 
+    def return_tag_updates(self, updates: dict[int, int]) -> None:
+        """Hand back updates taken for a step that never ran, to be taken again (a page's newer
+        tag, from a later hand-out, wins)."""
+        self._tag_updates = {**updates, **self._tag_updates}
+
     @property
     def tags(self) -> list[int]:
         return list(self._tag)

@@ -116,3 +116,32 @@ def test_check_off_costs_nothing_and_changes_nothing(engine, baseline):
         engine.runner.set_integrity(True)
     assert {k: v[:2] for k, v in got.items()} == {k: v[:2] for k, v in baseline.items()}
     assert engine.runner.pool.tags.dtype == torch.int32
+
+
+def test_a_step_that_fails_to_launch_loses_no_tag_updates(monkeypatch):
+    """The tags of pages handed out for a step whose launch raised (here in prepare) still
+    reach the device's tag table with the next step: the request then runs to the same output
+    instead of failing the integrity check on its own pages."""
+    from frugal.engine import model_runner
+
+    llm = LLM(dtype="float32", device="cpu", kv_cache_memory="32MiB")
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    want = llm.generate([PROMPTS[0]], params)[0].outputs[0]
+    real = model_runner.prepare
+
+    def fail_once(*args, **kwargs):
+        monkeypatch.setattr(model_runner, "prepare", real)
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(model_runner, "prepare", fail_once)
+    engine = llm.engine
+    engine.add_request(PROMPTS[0], params, request_id="a")
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.step()
+    done = []
+    while engine.has_unfinished_requests():
+        done += [out for out in engine.step() if out.finished]
+    got = done[0].outputs[0]
+    assert got.error is None and got.token_ids == want.token_ids
+    runner = engine.runner
+    assert runner.pool.tags.tolist() == runner.allocator.tags

@@ -112,3 +112,16 @@ def test_random_workload_keeps_invariants():
         a.free(t)
     assert a.num_free == 32
     a.check([])
+
+
+def test_returned_tag_updates_are_taken_again_newest_tag_winning():
+    a = PageAllocator(4)
+    first = a.allocate(2)
+    taken = a.take_tag_updates()
+    assert taken == {r.page_id: r.tag for r in first}
+    a.free(first[:1])
+    again = a.allocate(3)  # (the freed page comes back last, with a newer tag)
+    a.return_tag_updates(taken)
+    updates = a.take_tag_updates()
+    assert updates == {p: a.tag(p) for p in {r.page_id for r in first + again}}
+    assert a.take_tag_updates() == {}
