@@ -103,8 +103,10 @@ def test_int4_linear_rejects_wrong_inputs():
 @pytest.mark.parametrize("m", [1, 8, 16, 33, 64, 200])
 def test_int4_linear_gpu(dtype, m):
     """The tensor-core kernel (up to 64 rows; 200 rows dequantize) with its real configs, at
-    real shapes: groups of 32 to 256, K padded (576), every epilogue."""
+    real shapes: groups of 32 to 256, K padded (576), every epilogue; symmetric weights
+    (beyond 16 rows: code - 8, no Σ x) plain and gated."""
     run(m, 1024, 4096, 128, "sym", dtype, seed=m)
+    run(m, 384, 576, 32, "sym", dtype, gated=True, residual=True, seed=m + 4)
     run(m, 512, 576, 32, "mins", dtype, gated=True, residual=True, seed=m + 1)
     run(m, 768, 1536, 64, "asym", dtype, bias=True, seed=m + 2)
     run(m, 320, 1024, 256, "mins", dtype, gated=True, seed=m + 3)  # groups over two tiles
