@@ -31,6 +31,7 @@ def run(m, n, k, group, form, dtype, gated=False, bias=False, residual=False, co
     ref = torch_ref.linear(x.float(), q.dequantize(), None if b is None else b.float(),
                            gated=gated, residual=None if r is None else r.float())
     tiles = tri.repack(q.to(DEVICE), dtype)
+    assert tiles.centered == (form == "sym")
     got = tri.int4_linear(x.to(DEVICE), tiles, None if b is None else b.to(DEVICE), gated,
                           None if r is None else r.to(DEVICE), config=config)
     assert got.shape == (m, n) and got.dtype == dtype
@@ -56,11 +57,17 @@ def test_repack_layout():
     assert not t.centered  # (zero points other than 8)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("form", ["sym", "asym", "mins"])
-def test_repack_marks_symmetric_codes_centered(form):
-    """centered (the kernel then multiplies code - 8 and skips Σ x): every min is -8 · scale."""
+def test_repack_marks_symmetric_codes_centered(form, dtype):
+    """centered (the kernel then multiplies code - 8 and skips Σ x): every min is -8 · scale;
+    one group off makes a weight not centered."""
     q = weight(4, 256, 64, form, torch.Generator().manual_seed(0))
-    assert tri.repack(q, torch.bfloat16).centered == (form == "sym")
+    assert tri.repack(q, dtype).centered == (form == "sym")
+    if form == "sym":
+        mins = -q.zeros * q.scales
+        mins[3, 2] += q.scales[3, 2]  # (zero point 7 in one group)
+        assert not tri.repack(Int4Weight(q.packed, q.scales, mins=mins), dtype).centered
 
 
 @pytest.mark.parametrize("group,form,k", [(32, "sym", 160), (64, "asym", 256), (128, "mins", 384),
@@ -100,13 +107,16 @@ def test_int4_linear_rejects_wrong_inputs():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("m", [1, 8, 16, 33, 64, 200])
+@pytest.mark.parametrize("m", [1, 8, 16, 24, 33, 64, 200])
 def test_int4_linear_gpu(dtype, m):
     """The tensor-core kernel (up to 64 rows; 200 rows dequantize) with its real configs, at
     real shapes: groups of 32 to 256, K padded (576), every epilogue; symmetric weights
-    (beyond 16 rows: code - 8, no Σ x) plain and gated."""
+    (beyond 16 rows: code - 8, no Σ x) plain, wide (blocks of 128 beyond 16 rows) and gated
+    (split-K)."""
     run(m, 1024, 4096, 128, "sym", dtype, seed=m)
+    run(m, 8192, 1024, 128, "sym", dtype, seed=m + 5)
     run(m, 384, 576, 32, "sym", dtype, gated=True, residual=True, seed=m + 4)
+    run(m, 512, 4096, 128, "sym", dtype, gated=True, bias=True, seed=m + 6)
     run(m, 512, 576, 32, "mins", dtype, gated=True, residual=True, seed=m + 1)
     run(m, 768, 1536, 64, "asym", dtype, bias=True, seed=m + 2)
     run(m, 320, 1024, 256, "mins", dtype, gated=True, seed=m + 3)  # groups over two tiles

@@ -90,9 +90,9 @@ def _config(m: int, n: int, k: int, gated: bool) -> tuple[int, int, int, int]:
     else:
         block_n, warps, target = 64, 4, 512 if m <= 16 else 256
     blocks, tiles = triton.cdiv(n, block_n), triton.cdiv(k, TILE_K)
-    per_split = 8 if m <= 32 else 32  # (twice the fewest tiles a program streams)
+    least = 4 if m <= 32 else 16  # tiles a program streams at least
     split = 1
-    while blocks * split * 2 <= target and tiles >= per_split * split:
+    while blocks * split * 2 <= target and tiles >= 2 * least * split:
         split *= 2
     return block_n, split, warps, 4 if m <= 16 or block_n == 128 else 3
 
