@@ -90,7 +90,8 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     x ≈ q · scale with scale = max|x[m]| / 448 (a zero row: 1e-12 / 448, its codes 0)."""
     x = x.float()
     scale = divide(x.abs().amax(1, keepdim=True).clamp(min=1e-12), FP8_MAX)
-    return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+    inverse = torch.ones_like(scale) / scale  # (one IEEE division a row, as the GPU kernel)
+    return (x * inverse).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
 def round_rows(x: torch.Tensor) -> torch.Tensor:
