@@ -9,11 +9,13 @@ weights are W8A8: W8A16 up to 16 rows, beyond them x quantized per token by our 
 cuBLAS (`F.linear`), FP8 `torch._scaled_mm` (per-tensor scales, M padded to 16, as
 ../shared/tools/gpu_peers.py measures it) and torch's INT4 tinygemm (`_weight_int4pack_mm`), and
 prints µs, the weight-read bandwidth and the ratios.
-   python benchmarks/quant_linear.py [--sweep | --sweep-fp8] [--m 1,8,16,32,64]
+   python benchmarks/quant_linear.py [--sweep | --sweep-fp8 | --centered] [--m 1,8,16,32,64]
 
 Times are medians of CUDA-graph replays; each call reads its own copy of the weight, so nothing
 is served from L2. --sweep times every INT4 kernel config per (shape, M) and prints the best;
---sweep-fp8 does the same for the W8A16 kernel (and times nothing else).
+--sweep-fp8 does the same for the W8A16 kernel (and times nothing else); --centered times the
+INT4 kernel with symmetric codes as code - 8 against the MMAs with ones for Σ x, three times
+each, alternating (and times nothing else).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from timing import graph_time
 
+import frugal.ops.triton.int4_linear as int4_module
 from frugal.ops.triton.fp8_linear import _config as fp8_config
 from frugal.ops.triton.fp8_linear import fp8_linear
 from frugal.ops.triton.int4_linear import _config, int4_linear, repack
@@ -139,14 +142,59 @@ def sweep_fp8(k: int, n: int, ms: list[int]) -> list[dict]:
     return rows
 
 
+def ab_centered(k: int, n: int, ms: list[int], gated: bool = False) -> list[dict]:
+    """Median µs of three alternating runs of each INT4 operand form at its default config."""
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5
+    q = quantize_rtn(w, 128, symmetric=True)
+    copies = copies_for(n * k // 2)
+    tiles = [repack(q, torch.bfloat16) for _ in range(copies)]
+    rule = int4_module._centered
+    rows = []
+    for m in ms:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        times = {"ones_us": [], "centered_us": []}
+        try:
+            for _ in range(3):
+                for form, centered in (("ones_us", False), ("centered_us", True)):
+                    int4_module._centered = lambda block_m, split, c=centered: c
+                    times[form].append(1e3 * graph_time(
+                        [lambda i=i, x=x: int4_linear(x, tiles[i % copies], gated=gated)
+                         for i in range(16)]))
+        finally:
+            int4_module._centered = rule
+        r = {"K": k, "N": n, "M": m, "gated": gated, "config": _config(m, n // 2 if gated else n,
+                                                                        k, gated)}
+        r.update({form: sorted(t)[1] for form, t in times.items()})
+        r["speedup"] = r["ones_us"] / r["centered_us"]
+        r["served"] = "centered" if rule(max(8, 1 << (m - 1).bit_length()),
+                                         r["config"][1]) else "ones"
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--m", default="1,8,16,32,64")
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--sweep-fp8", action="store_true")
+    p.add_argument("--centered", action="store_true")
     p.add_argument("--output", help="JSON of all rows")
     a = p.parse_args()
     ms = [int(m) for m in a.m.split(",")]
+    if a.centered:
+        rows = [r for k, n in SHAPES for r in ab_centered(k, n, ms)]
+        rows += ab_centered(*GATE_UP, ms, gated=True)
+        print("\n| K×N | M | config | with ones µs | centered µs | centered speed-up | served |")
+        print("|---|---|---|---|---|---|---|")
+        for r in rows:
+            name = f"{r['K']}×{r['N']}" + (" gate_up" if r["gated"] else "")
+            print(f"| {name} | {r['M']} | {tuple(r['config'])} | {r['ones_us']:.2f} | "
+                  f"{r['centered_us']:.2f} | {r['speedup']:.2f}x | {r['served']} |")
+        if a.output:
+            with open(a.output, "w") as f:
+                json.dump(rows, f, indent=1)
+        return
     if a.sweep_fp8:
         rows = [r for k, n in SHAPES for r in sweep_fp8(k, n, ms)]
         if a.output:

@@ -97,6 +97,14 @@ def _config(m: int, n: int, k: int, gated: bool) -> tuple[int, int, int, int]:
     return block_n, split, warps, 4 if m <= 16 or block_n == 128 else 3
 
 
+def _centered(block_m: int, split: int) -> bool:
+    """Whether symmetric codes enter the MMAs as code - 8 (no MMAs with ones for Σ x): beyond
+    16 rows, and up to 8 where the inputs are split in 4 parts at most. On the H200 that is
+    1.09-1.26x faster there, and 0.75-0.88x with 8 parts or at 9-16 rows
+    (`benchmarks/quant_linear.py --centered --m 1,4,8,16` times both)."""
+    return block_m > 16 or (block_m == 8 and split <= 4)
+
+
 @functools.cache
 def _hopper(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] == 9
@@ -124,7 +132,7 @@ def int4_linear(x: torch.Tensor, w: Int4Tiles, bias: torch.Tensor | None = None,
                          f"{block_n} outputs in 16-row slabs")
     align = 8 if k % 8 == 0 else 2  # (x's rows are copied 16 or 4 bytes at a time)
     block_m = max(8, triton.next_power_of_2(m))
-    centered = w.centered and block_m > 16  # (up to 16 rows the MMA with ones costs little)
+    centered = w.centered and _centered(block_m, split)
     launch, split = grid(triton.cdiv(n, block_n), 1, split)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     launch_pdl = pdl(x.device)
