@@ -99,8 +99,8 @@ def _config(m: int, n: int, k: int, gated: bool) -> tuple[int, int, int, int]:
 
 def _centered(block_m: int, split: int) -> bool:
     """Whether symmetric codes enter the MMAs as code - 8 (no MMAs with ones for Σ x): beyond
-    16 rows, and up to 8 where the inputs are split in 4 parts at most. On the H200 that is
-    1.09-1.26x faster there, and 0.75-0.88x with 8 parts or at 9-16 rows
+    16 rows, and up to 8 where the inputs are split in 4 parts at most: 1.09-1.26x faster
+    there on the H200, 0.75-0.88x with 8 parts, 0.77-1.22x by shape at 9-16 rows
     (`benchmarks/quant_linear.py --centered --m 1,4,8,16` times both)."""
     return block_m > 16 or (block_m == 8 and split <= 4)
 
