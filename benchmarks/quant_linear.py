@@ -26,6 +26,7 @@ import json
 
 import torch
 import torch.nn.functional as F
+import triton
 from timing import graph_time
 
 import frugal.ops.triton.int4_linear as int4_module
@@ -166,8 +167,8 @@ def ab_centered(k: int, n: int, ms: list[int], gated: bool = False) -> list[dict
                                                                         k, gated)}
         r.update({form: sorted(t)[1] for form, t in times.items()})
         r["speedup"] = r["ones_us"] / r["centered_us"]
-        r["served"] = "centered" if rule(max(8, 1 << (m - 1).bit_length()),
-                                         r["config"][1]) else "ones"
+        block_m = max(8, triton.next_power_of_2(m))  # (as int4_linear)
+        r["served"] = "centered" if rule(block_m, r["config"][1]) else "ones"
         rows.append(r)
         print(json.dumps(r), flush=True)
     return rows

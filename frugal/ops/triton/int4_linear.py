@@ -142,8 +142,7 @@ def int4_linear(x: torch.Tensor, w: Int4Tiles, bias: torch.Tensor | None = None,
         KP=w.words.shape[1] * 8, GROUP=w.group, GATED=gated, HAS_BIAS=bias is not None,
         HAS_RESIDUAL=residual is not None, BLOCK_N=block_n,
         SPLIT_K=split, OFFSET=_OFFSET[x.dtype], EVEN_K=k % TILE_K == 0, K_ALIGN=align,
-        BLOCK_M=block_m, WARPS=num_warps, STAGES=stages, CENTERED=centered,
-        ASYNC=block_m <= 16 or centered, PDL=launch_pdl,
+        BLOCK_M=block_m, WARPS=num_warps, STAGES=stages, CENTERED=centered, PDL=launch_pdl,
         num_warps=num_warps, launch_pdl=launch_pdl > 0)
     return out
 

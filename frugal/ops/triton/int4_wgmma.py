@@ -165,12 +165,13 @@ def _kernel(x_ptr, w_ptr, p_ptr, b_ptr, r_ptr, out_ptr, part_ptr, count_ptr, M, 
             HAS_RESIDUAL: gl.constexpr, BLOCK_N: gl.constexpr, SPLIT_K: gl.constexpr,
             OFFSET: gl.constexpr, EVEN_K: gl.constexpr, K_ALIGN: gl.constexpr,
             BLOCK_M: gl.constexpr, WARPS: gl.constexpr, STAGES: gl.constexpr,
-            CENTERED: gl.constexpr, ASYNC: gl.constexpr, PDL: gl.constexpr):
+            CENTERED: gl.constexpr, PDL: gl.constexpr):
     """out = epilogue(x @ wᵀ) for one block of BLOCK_N outputs (all BLOCK_M rows, 8 to 64) over
     this program's share of the 128-input tiles (grid axis 2; SPLIT_K > 1: reduced by the last).
     x: [M, K] with K = K_PARTS · K_ALIGN; w: [N (2N if GATED), K] as int4_linear's Int4Tiles,
     p_ptr its (scale, min) pairs as int32 [KP / GROUP, N (2N)]. BLOCK_N: a multiple of 16 · WARPS
-    (WARPS a multiple of 4)."""
+    (WARPS a multiple of 4). CENTERED: symmetric codes, multiplied as code - 8 (no Σ x)."""
+    ASYNC: gl.constexpr = BLOCK_M <= 16 or CENTERED  # a group's MMAs issued together
     GK: gl.constexpr = GROUP if GROUP < 128 else 128  # inputs per scale within a tile
     G: gl.constexpr = 128 // GK
     TILES_PER_GROUP: gl.constexpr = GROUP // 128 if GROUP > 128 else 1
