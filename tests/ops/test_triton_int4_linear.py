@@ -41,12 +41,15 @@ def run(m, n, k, group, form, dtype, gated=False, bias=False, residual=False, co
 
 
 def test_repack_layout():
-    """Word 4 t + q of a tile holds input 32 q + 16 a + 8 b + 2 t + c in nibble 2 a + b + 4 c;
-    scales and mins group-major."""
-    q = quantize_rtn(torch.randn(3, 256), 64, symmetric=False)
+    """Rows in blocks of 64 (the last padded with zeros), each block's tiles one after another;
+    word 4 t + q of a row's tile holds input 32 q + 16 a + 8 b + 2 t + c in nibble 2 a + b +
+    4 c; scales and mins group-major."""
+    q = quantize_rtn(torch.randn(67, 256), 64, symmetric=False)
     t = tri.repack(q, torch.float32)
-    words = t.words.view(3, 2, 4, 4)  # row, tile, t, q
-    codes = q.codes().view(3, 2, 4, 2, 2, 4, 2)  # row, tile, q, a, b, t, c
+    assert t.words.shape == (2, 2, 64, 16) and t.shape == (67, 256)  # block, tile, row, word
+    assert not t.words[1, :, 3:].any()
+    words = t.words.transpose(1, 2).reshape(128, 2, 4, 4)[:67]  # row, tile, t, q
+    codes = q.codes().view(67, 2, 4, 2, 2, 4, 2)  # row, tile, q, a, b, t, c
     for a in range(2):
         for b in range(2):
             for c in range(2):
@@ -110,9 +113,9 @@ def test_int4_linear_rejects_wrong_inputs():
 @pytest.mark.parametrize("m", [1, 8, 16, 24, 33, 64, 200])
 def test_int4_linear_gpu(dtype, m):
     """The tensor-core kernel (up to 64 rows; 200 rows dequantize) with its real configs, at
-    real shapes: groups of 32 to 256, K padded (576), every epilogue; symmetric weights
-    (beyond 16 rows: code - 8, no Σ x) plain, wide (blocks of 128 beyond 16 rows) and gated
-    (split-K)."""
+    real shapes: groups of 32 to 256, K padded (576), every epilogue; symmetric weights (code -
+    8, no Σ x) plain, wide (blocks of 128 beyond 16 rows) and gated (split-K); zero points and
+    mins (Σ x with ones)."""
     run(m, 1024, 4096, 128, "sym", dtype, seed=m)
     run(m, 8192, 1024, 128, "sym", dtype, seed=m + 5)
     run(m, 384, 576, 32, "sym", dtype, gated=True, residual=True, seed=m + 4)
@@ -127,7 +130,8 @@ def test_int4_linear_gpu(dtype, m):
                                     (256, 8, 4, 3), (64, 4, 4, 4)])
 def test_int4_linear_gpu_configs(config):
     """Blocks of 64 to 256 outputs, one to 16 splits (the last split shorter: 5 tiles in 3),
-    one or two warpgroups, 2 to 6 stages (more stages than a split has tiles)."""
+    one or two warpgroups, 2 to 6 stages (more stages than a split has tiles); 200 gated
+    outputs: the up half's rows start inside a block of 64 words' rows."""
     run(4, 200, 640, 32, "sym", torch.bfloat16, gated=True, bias=True, residual=True,
         config=config)
     run(16, 96, 4096, 128, "mins", torch.float16, config=config)

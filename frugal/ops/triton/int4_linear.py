@@ -2,12 +2,15 @@
 
 `repack` turns a quant.int4.Int4Weight (any source: compressed-tensors, GGUF, our RTN/GPTQ) into
 the kernel's layout once, at load time (Int4Tiles):
-  words:  [N, Kp / 8] int32. The inputs are cut into tiles of TILE_K = 128 (Kp: K rounded up,
-          the padding's codes 0). Word 4 t + q of a row's tile (t, q in 0..3) holds the codes of
-          inputs 32 q + 16 a + 8 b + 2 t + c (a, b, c in 0..1) in nibble (2 a + b) + 4 c: the
-          eight codes one tensor-core thread (lane % 4 = t) needs from the 32 inputs of block q,
-          each pair (c = 0, 1) 16 bits apart, so `(word >> 4 p) & 0x000F000F` is a ready pair
-          (int4_wgmma). A thread's four words of a tile are contiguous (one 16-byte load).
+  words:  [R / 64, Kp / 128, 64, 16] int32: row blocks (R: the rows rounded up to 64, the padding
+          0), tiles of TILE_K = 128 inputs (Kp: K rounded up, the padding's codes 0), a block's
+          64 rows, 16 words a row; each block's tile one contiguous 4 KB, so a block of
+          outputs streams its inputs as one contiguous run. Word 4 t + q of a row's tile (t, q
+          in 0..3) holds the codes of inputs 32 q + 16 a + 8 b + 2 t + c (a, b, c in 0..1) in
+          nibble (2 a + b) + 4 c: the eight codes one tensor-core thread (lane % 4 = t) needs
+          from the 32 inputs of block q, each pair (c = 0, 1) 16 bits apart, so
+          `(word >> 4 p) & 0x000F000F` is a ready pair (int4_wgmma). A thread's four words of a
+          tile are contiguous (one 16-byte load).
   params: [Kp / group, N, 2] in the activations' dtype, group-major (a block of outputs reads
           contiguous values): each group's (scale, min), a 16-bit pair one 4-byte copy;
           w = u · scale + min for code u in [0, 15] (a zero point z becomes min = -z · scale).
@@ -51,7 +54,11 @@ class Int4Tiles:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.words.shape[0], self.in_features
+        return self.params.shape[1], self.in_features
+
+    @property
+    def padded_k(self) -> int:  # Kp
+        return self.words.shape[1] * TILE_K
 
 
 def repack(q: Int4Weight, dtype: torch.dtype) -> Int4Tiles:
@@ -64,45 +71,41 @@ def repack(q: Int4Weight, dtype: torch.dtype) -> Int4Tiles:
     kp = triton.cdiv(k, TILE_K) * TILE_K
     codes = F.pad(q.codes(), (0, kp - k)).to(torch.int32)
     c = codes.view(n, kp // TILE_K, 4, 2, 2, 4, 2).permute(0, 1, 5, 2, 3, 4, 6)  # tile,t,q,a,b,c
-    words = torch.zeros(n, kp // TILE_K, 4, 4, dtype=torch.int32, device=codes.device)
+    blocks = triton.cdiv(n, 64)
+    words = torch.zeros(blocks * 64, kp // TILE_K, 4, 4, dtype=torch.int32, device=codes.device)
     for a in range(2):
         for b in range(2):
             for half in range(2):  # (half 1 at a = b = 1 wraps into the sign bit, as intended)
-                words |= c[..., a, b, half] << (4 * (2 * a + b + 4 * half))
+                words[:n] |= c[..., a, b, half] << (4 * (2 * a + b + 4 * half))
+    words = words.view(blocks, 64, kp // TILE_K, 16).transpose(1, 2).contiguous()
     mins = q.mins if q.mins is not None else -q.zeros * q.scales
     pad = (0, (kp - k) // group) if group <= TILE_K else (0, 0)
     params = torch.stack([F.pad(q.scales.float(), pad).t(), F.pad(mins.float(), pad).t()], -1)
     params = params.to(dtype).contiguous()
     centered = bool(torch.equal(params[..., 1], -8 * params[..., 0]))
-    return Int4Tiles(words.view(n, kp // 8), params, k, group, centered)
+    return Int4Tiles(words, params, k, group, centered)
 
 
 def _config(m: int, n: int, k: int, gated: bool) -> tuple[int, int, int, int]:
     """(BLOCK_N, SPLIT_K, num_warps, STAGES) for x [m, k] and n outputs (2n rows if gated),
     near the best of `benchmarks/quant_linear.py --sweep` on the H200 (Llama-3.1-8B shapes):
     blocks of 64 outputs (one warpgroup), the inputs split until there are about 512 programs
-    (256 beyond 16 rows), 4 tiles each at least (16 beyond 32 rows), a ring of 4 tiles (3 beyond
-    16 rows). Blocks of 128 on two warpgroups (a ring of 4, about 160 programs) for gated
-    matrices (twice the rows a block) up to 32 rows and for wide ones (8192 outputs or more)
+    up to 8 rows, 384 up to 16 and 256 beyond (a gated block counting twice: it streams twice
+    the rows), in 4 parts at most up to 16 rows, 4 tiles a part at least (16 beyond 32 rows);
+    a ring of 4 tiles (3 beyond 16 rows). Blocks of 128 on two warpgroups (a ring of 4, about
+    160 programs) for gated matrices at 17-32 rows and for wide ones (8192 outputs or more)
     beyond 16."""
-    if (gated and m <= 32) or (not gated and m > 16 and n >= 8192):
+    if m > 16 and ((gated and m <= 32) or (not gated and n >= 8192)):
         block_n, warps, target = 128, 8, 160
     else:
-        block_n, warps, target = 64, 4, 512 if m <= 16 else 256
-    blocks, tiles = triton.cdiv(n, block_n), triton.cdiv(k, TILE_K)
-    least = 4 if m <= 32 else 16  # tiles a program streams at least
+        block_n, warps, target = 64, 4, 512 if m <= 8 else 384 if m <= 16 else 256
+    blocks, tiles = triton.cdiv(n, block_n) * (2 if gated else 1), triton.cdiv(k, TILE_K)
+    least = 4 if m <= 32 else 16  # tiles a part streams at least
+    most = 4 if m <= 16 else tiles  # parts
     split = 1
-    while blocks * split * 2 <= target and tiles >= 2 * least * split:
+    while blocks * split * 2 <= target and tiles >= 2 * least * split and split < most:
         split *= 2
     return block_n, split, warps, 4 if m <= 16 or block_n == 128 else 3
-
-
-def _centered(block_m: int, split: int) -> bool:
-    """Whether symmetric codes enter the MMAs as code - 8 (no MMAs with ones for Σ x): beyond
-    16 rows, and up to 8 where the inputs are split in 4 parts at most: 1.09-1.26x faster
-    there on the H200, 0.75-0.88x with 8 parts, 0.77-1.22x by shape at 9-16 rows
-    (`benchmarks/quant_linear.py --centered --m 1,4,8,16` times both)."""
-    return block_m > 16 or (block_m == 8 and split <= 4)
 
 
 @functools.cache
@@ -117,7 +120,7 @@ def int4_linear(x: torch.Tensor, w: Int4Tiles, bias: torch.Tensor | None = None,
     (+ bias), silu(gate) · up if gated, + residual. As ops.linear without the norm."""
     x = x.contiguous()
     m, k = x.shape
-    rows = w.words.shape[0]
+    rows = w.params.shape[1]
     n = rows // 2 if gated else rows
     if k != w.in_features:
         raise ValueError(f"int4_linear: x has {k} inputs, the weight {w.in_features}")
@@ -132,17 +135,16 @@ def int4_linear(x: torch.Tensor, w: Int4Tiles, bias: torch.Tensor | None = None,
                          f"{block_n} outputs in 16-row slabs")
     align = 8 if k % 8 == 0 else 2  # (x's rows are copied 16 or 4 bytes at a time)
     block_m = max(8, triton.next_power_of_2(m))
-    centered = w.centered and _centered(block_m, split)
     launch, split = grid(triton.cdiv(n, block_n), 1, split)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     launch_pdl = pdl(x.device)
     _kernel[launch](
         x, w.words, w.params.view(torch.int32), bias, residual, out,
         partials(split, m, rows, x.device), counters(x.device), m, n, k // align,
-        KP=w.words.shape[1] * 8, GROUP=w.group, GATED=gated, HAS_BIAS=bias is not None,
+        KP=w.padded_k, GROUP=w.group, GATED=gated, HAS_BIAS=bias is not None,
         HAS_RESIDUAL=residual is not None, BLOCK_N=block_n,
         SPLIT_K=split, OFFSET=_OFFSET[x.dtype], EVEN_K=k % TILE_K == 0, K_ALIGN=align,
-        BLOCK_M=block_m, WARPS=num_warps, STAGES=stages, CENTERED=centered, PDL=launch_pdl,
+        BLOCK_M=block_m, WARPS=num_warps, STAGES=stages, CENTERED=w.centered, PDL=launch_pdl,
         num_warps=num_warps, launch_pdl=launch_pdl > 0)
     return out
 
@@ -158,8 +160,8 @@ def _dequantize_kernel(w_ptr, p_ptr, out_ptr, N, K, KP: tl.constexpr, GROUP: tl.
     n_mask = offs_n < N
     tile = tl.program_id(1)
     offs_w = tl.arange(0, 16)
-    words = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * (KP // 8) + tile * 16 + offs_w[None, :],
-                    mask=n_mask[:, None], other=0).reshape(BLOCK_N, 4, 4)
+    block = (offs_n // 64).to(tl.int64) * (KP * 8) + tile * 1024 + (offs_n % 64) * 16
+    words = tl.load(w_ptr + block[:, None] + offs_w[None, :]).reshape(BLOCK_N, 4, 4)
     low_c = tl.join(tl.join(words & 0xF, (words >> 4) & 0xF),
                     tl.join((words >> 8) & 0xF, (words >> 12) & 0xF))  # [BN, t, q, b, a]
     high = words >> 16
@@ -180,6 +182,6 @@ def dequantize(w: Int4Tiles, dtype: torch.dtype) -> torch.Tensor:
     """The weight [N, K] in dtype (for matmuls of many rows, which cuBLAS then runs)."""
     n, k = w.shape
     out = torch.empty(n, k, dtype=dtype, device=w.words.device)
-    _dequantize_kernel[(triton.cdiv(n, 64), w.words.shape[1] // 16)](
-        w.words, w.params, out, n, k, KP=w.words.shape[1] * 8, GROUP=w.group, BLOCK_N=64)
+    _dequantize_kernel[(triton.cdiv(n, 64), w.words.shape[1])](
+        w.words, w.params, out, n, k, KP=w.padded_k, GROUP=w.group, BLOCK_N=64)
     return out

@@ -214,10 +214,13 @@ def _kernel(x_ptr, w_ptr, p_ptr, b_ptr, r_ptr, out_ptr, part_ptr, count_ptr, M, 
     rows = (pid_n * BLOCK_N + gl.expand_dims(gl.expand_dims(ws * 16, 1) + gl.expand_dims(wh * 8, 0),
                                              2) + gl.expand_dims(gl.expand_dims(wg, 0), 1))
     rows4 = gl.expand_dims(rows, 3)  # [S, 2, 8, 1]
-    w_ptrs = (w_ptr + gl.expand_dims(rows4.to(gl.int64) * (KP // 8)
-                                     + gl.expand_dims(gl.expand_dims(gl.expand_dims(wt * 4, 0),
-                                                                     1), 2), 4)
-              + gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(wq, 0), 1), 2), 3))
+    wt5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(wt * 4, 0), 1), 2), 4)
+    wq5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(wq, 0), 1), 2), 3)
+    cols = wt5 + wq5  # [1, 1, 1, 4, 4]: a thread's words in its rows' tiles
+    w_ptrs = w_ptr + gl.expand_dims(_row_offsets(rows4, KP), 4) + cols  # tile 0's words
+    w_up = w_ptrs  # (GATED: the up half's rows N.. of the same outputs)
+    if GATED:
+        w_up = w_ptr + gl.expand_dims(_row_offsets(rows4 + N, KP), 4) + cols
     w_mask = gl.expand_dims(rows4 < N, 4)
     xr = gl.arange(0, 4 * BLOCK_M, gl.SliceLayout(1, x_layout))  # chunk · BM + row
     x_cols = gl.expand_dims((xr // BLOCK_M) * 32, 1) + gl.expand_dims(
@@ -233,17 +236,17 @@ def _kernel(x_ptr, w_ptr, p_ptr, b_ptr, r_ptr, out_ptr, part_ptr, count_ptr, M, 
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=acc_layout)
     acc_up = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=acc_layout)
     for i in gl.static_range(STAGES - 1):
-        _issue(first + i, last, w_ptrs, w_mask, x_ptrs, x_mask, x_cols, K, p_ptr + p_offs,
-               p_mask, w_smem, x_smem, p_smem.index(i), i, G * width, N * (KP // 8), GATED,
-               EVEN_K, TILES_PER_GROUP)
+        _issue(first + i, last, w_ptrs, w_up, w_mask, x_ptrs, x_mask, x_cols, K, p_ptr + p_offs,
+               p_mask, w_smem, x_smem, p_smem.index(i), i, G * width, GATED, EVEN_K,
+               TILES_PER_GROUP)
     for t in range(first, last):
         async_copy.wait_group(STAGES - 2)  # tile t has landed (own copies) ...
         gl.thread_barrier()  # ... everyone's, and the stage refilled below is read by no one
         fence_async_shared()  # (the tensor cores read x through the async proxy)
         j = t - first + STAGES - 1
-        _issue(first + j, last, w_ptrs, w_mask, x_ptrs, x_mask, x_cols, K, p_ptr + p_offs,
-               p_mask, w_smem, x_smem, p_smem.index(j % STAGES), j % STAGES, G * width,
-               N * (KP // 8), GATED, EVEN_K, TILES_PER_GROUP)
+        _issue(first + j, last, w_ptrs, w_up, w_mask, x_ptrs, x_mask, x_cols, K, p_ptr + p_offs,
+               p_mask, w_smem, x_smem, p_smem.index(j % STAGES), j % STAGES, G * width, GATED,
+               EVEN_K, TILES_PER_GROUP)
         stage = (t - first) % STAGES
         words = w_smem.index(stage * HALVES).load(w_layout)
         words_up = words
@@ -262,19 +265,25 @@ def _kernel(x_ptr, w_ptr, p_ptr, b_ptr, r_ptr, out_ptr, part_ptr, count_ptr, M, 
 
 
 @gluon.jit
-def _issue(t, last, w_ptrs, w_mask, x_ptrs, x_mask, x_cols, K, p_ptrs, p_mask, w_smem, x_smem,
-           p_dst, stage, P_STRIDE, UP, GATED: gl.constexpr, EVEN_K: gl.constexpr,
+def _row_offsets(rows, KP: gl.constexpr):
+    """Where tile 0 of weight rows `rows` starts in int4_linear's words (row blocks of 64)."""
+    return (rows // 64).to(gl.int64) * (KP * 8) + (rows % 64) * 16
+
+
+@gluon.jit
+def _issue(t, last, w_ptrs, w_up, w_mask, x_ptrs, x_mask, x_cols, K, p_ptrs, p_mask, w_smem,
+           x_smem, p_dst, stage, P_STRIDE, GATED: gl.constexpr, EVEN_K: gl.constexpr,
            TILES_PER_GROUP: gl.constexpr):
-    """Start copying tile t's words, inputs and (scale, min) pairs into a stage (as one group
-    of copies; nothing is read at or past `last`)."""
+    """Start copying tile t's words (w_up: the up half's), inputs and (scale, min) pairs into a
+    stage (as one group of copies; nothing is read at or past `last`)."""
     live = t < last
     if GATED:
-        async_copy.async_copy_global_to_shared(w_smem.index(2 * stage), w_ptrs + t * 16,
+        async_copy.async_copy_global_to_shared(w_smem.index(2 * stage), w_ptrs + t * 1024,
                                                mask=w_mask & live)
-        async_copy.async_copy_global_to_shared(w_smem.index(2 * stage + 1),
-                                               w_ptrs + UP + t * 16, mask=w_mask & live)
+        async_copy.async_copy_global_to_shared(w_smem.index(2 * stage + 1), w_up + t * 1024,
+                                               mask=w_mask & live)
     else:
-        async_copy.async_copy_global_to_shared(w_smem.index(stage), w_ptrs + t * 16,
+        async_copy.async_copy_global_to_shared(w_smem.index(stage), w_ptrs + t * 1024,
                                                mask=w_mask & live)
     x_live = x_mask & live
     if not EVEN_K:
