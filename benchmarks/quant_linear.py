@@ -12,10 +12,11 @@ prints µs, the weight-read bandwidth and the ratios.
    python benchmarks/quant_linear.py [--sweep | --sweep-fp8 | --centered] [--m 1,8,16,32,64]
 
 Times are medians of CUDA-graph replays; each call reads its own copy of the weight, so nothing
-is served from L2. --sweep times every INT4 kernel config per (shape, M) and prints the best;
---sweep-fp8 does the same for the W8A16 kernel (and times nothing else); --centered times the
-INT4 kernel with symmetric codes as code - 8 against the MMAs with ones for Σ x, three times
-each, alternating (and times nothing else).
+is served from L2. Kernels launch in the PDL mode the server uses for quantized weights
+("wait", see ops.triton.launch). --sweep times every INT4 kernel config per (shape, M) and
+prints the best; --sweep-fp8 does the same for the W8A16 kernel (and times nothing else);
+--centered times the INT4 kernel with symmetric codes as code - 8 against the MMAs with ones
+for Σ x, three times each, alternating (and times nothing else).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from timing import graph_time
 from frugal.ops.triton.fp8_linear import _config as fp8_config
 from frugal.ops.triton.fp8_linear import fp8_linear
 from frugal.ops.triton.int4_linear import _config, int4_linear, repack
+from frugal.ops.triton.launch import set_default
 from frugal.quant.fp8 import quantize_fp8
 from frugal.quant.int4 import quantize_rtn
 
@@ -178,6 +180,7 @@ def main() -> None:
     p.add_argument("--output", help="JSON of all rows")
     a = p.parse_args()
     ms = [int(m) for m in a.m.split(",")]
+    set_default("wait")  # (as the model runner for quantized weights)
     if a.centered:
         rows = [r for k, n in SHAPES for r in ab_centered(k, n, ms)]
         rows += ab_centered(*GATE_UP, ms, gated=True)
