@@ -9,8 +9,9 @@ import torch
 
 from frugal.config import EngineConfig
 from frugal.engine.detokenizer import IncrementalDetokenizer, find_stop
-from frugal.engine.model_runner import Launched, ModelRunner, StepResult
+from frugal.engine.model_runner import ModelRunner
 from frugal.engine.scheduler import Scheduler
+from frugal.engine.step import Launched, StepResult
 from frugal.loader import open_checkpoint
 from frugal.request import (
     CompletionOutput,

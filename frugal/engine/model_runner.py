@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from dataclasses import dataclass, field
 
 import torch
 
@@ -13,9 +12,10 @@ from frugal import ops
 from frugal.config import KV_DTYPES, EngineConfig
 from frugal.engine import kv_scales
 from frugal.engine.cuda_graph import DecodeGraphs
-from frugal.engine.memory import LOGITS_ROWS, kv_budget, warm_up
+from frugal.engine.memory import kv_budget, warm_up
 from frugal.engine.sampler import Sampler, token_logprobs
 from frugal.engine.scheduler import SchedulerOutput
+from frugal.engine.step import Launched, StepResult, failures, score_prompt, scores_prompt
 from frugal.engine.step_inputs import Pending, StepInputs, prepare
 from frugal.kv_cache.page_allocator import PageAllocator
 from frugal.kv_cache.pool import KVPool
@@ -23,53 +23,8 @@ from frugal.layers.linear import quantize_layers
 from frugal.loader import Checkpoint
 from frugal.models.registry import model_class
 from frugal.quant.fp8 import Fp8Weight
-from frugal.request import Request, TokenLogprob
 
 logger = logging.getLogger("frugal")
-
-
-@dataclass
-class StepResult:
-    """What one step produced. sampled[i] indexes SchedulerOutput.requests and got tokens[i];
-    logprobs and prompt_logprobs are keyed by position in sampled and in requests. failures:
-    requests whose pages failed the integrity check (in this step or, for steps that sampled
-    nothing, an earlier one), with the message; their tokens are garbage to be dropped."""
-
-    sampled: list[int]
-    tokens: list[int] = field(default_factory=list)
-    logprobs: dict[int, TokenLogprob] = field(default_factory=dict)
-    prompt_logprobs: dict[int, PromptScores] = field(default_factory=dict)
-    failures: list[tuple[Request, str]] = field(default_factory=list)
-
-
-@dataclass
-class Launched:
-    """A step queued on the device: its inputs, its sampled tokens and integrity status
-    (device; pinned host copies and an event on CUDA), and what finish() may still need:
-    logits when a request wants log-probabilities, hidden states when one scores its prompt
-    (None otherwise, so a step launched ahead holds no more memory than it must)."""
-
-    out: SchedulerOutput
-    inputs: StepInputs
-    hidden: torch.Tensor | None = None
-    logits: torch.Tensor | None = None
-    tokens: torch.Tensor | None = None
-    host_tokens: torch.Tensor | None = None
-    status: torch.Tensor | None = None  # [num_requests, 4], see ops.check_kv_pages
-    host_status: torch.Tensor | None = None
-    done: torch.cuda.Event | None = None
-    starts: list[int] = field(default_factory=list)  # num_computed_tokens before this step
-
-
-@dataclass
-class PromptScores:
-    """Scores of prompt tokens first, first+1, ...: top-k entries and/or full log-prob rows."""
-
-    first: int
-    entries: list[TokenLogprob] | None = None
-    tensor: torch.Tensor | None = None  # [num_scored, vocab] fp32 log-probabilities
-
-
 
 
 @contextlib.contextmanager
@@ -221,7 +176,7 @@ class ModelRunner:
                 self.allocator.return_tag_updates(updates)
             raise
         step = Launched(out, inputs, starts=[r.num_computed_tokens for r in out.requests])
-        scoring = any(map(_scores_prompt, out.requests, step.starts))
+        scoring = any(map(scores_prompt, out.requests, step.starts))
         if inputs.tag_updates is not None:
             self.pool.tags.index_copy_(0, *inputs.tag_updates)
         if self.graphs is not None and self.graphs.fits(inputs) and not scoring:
@@ -263,7 +218,7 @@ class ModelRunner:
         """Whether the next step may be launched before this one's tokens are read: nothing
         needs this step's logits or hidden states later (log-probabilities, prompt scores: a
         captured graph's outputs are overwritten by the next replay)."""
-        return all(r.params.logprobs is None and not _scores_prompt(r, start)
+        return all(r.params.logprobs is None and not scores_prompt(r, start)
                    for r, start in zip(step.out.requests, step.starts))
 
     @torch.inference_mode()
@@ -285,7 +240,7 @@ class ModelRunner:
         unread = []
         for earlier in self._unread:
             if waited or earlier.done.query():
-                result.failures += _failures(earlier)
+                result.failures += failures(earlier)
             else:
                 unread.append(earlier)
         self._unread = unread
@@ -298,48 +253,9 @@ class ModelRunner:
                                          [requests[i].params.logprobs for i in wanted])
                 result.logprobs = dict(zip(wanted, entries))
         for i, (request, start) in enumerate(zip(out.requests, step.starts)):
-            if _scores_prompt(request, start):
-                scored = self._score_prompt(request, start, out.num_new_tokens[i], step.hidden,
-                                            inputs.cu_seqlens[i])
+            if scores_prompt(request, start):
+                scored = score_prompt(self.compute_logits, request, start,
+                                      out.num_new_tokens[i], step.hidden, inputs.cu_seqlens[i])
                 if scored is not None:
                     result.prompt_logprobs[i] = scored
         return result
-
-    def _score_prompt(self, request: Request, start: int, num_new: int, hidden: torch.Tensor,
-                      row: int) -> PromptScores | None:
-        """Log-probabilities of the prompt tokens the chunk from position `start` predicts (the
-        hidden state at position p scores prompt token p + 1), for tokens start+1 .. in order."""
-        end = min(start + num_new, request.num_prompt_tokens - 1)
-        if end <= start:
-            return None
-        p = request.params
-        scores = PromptScores(start + 1, [] if p.prompt_logprobs is not None else None)
-        rows = []
-        for chunk in range(start, end, LOGITS_ROWS):  # bound the [rows, vocab] logits
-            stop = min(chunk + LOGITS_ROWS, end)
-            logits = self.compute_logits(hidden[row + chunk - start:row + stop - start])
-            if scores.entries is not None:
-                targets = torch.tensor(request.prompt_token_ids[chunk + 1:stop + 1],
-                                       device=logits.device)
-                scores.entries += token_logprobs(logits, targets,
-                                                 [p.prompt_logprobs] * (stop - chunk))
-            if p.prompt_logprobs_tensor:
-                rows.append(logits.log_softmax(dim=-1))
-        if rows:
-            scores.tensor = torch.cat(rows)
-        return scores
-
-
-def _failures(step: Launched) -> list[tuple[Request, str]]:
-    """The requests of a finished step whose pages failed the integrity check."""
-    status = step.host_status if step.host_status is not None else step.status
-    return [(step.out.requests[i], f"KV cache integrity check failed: page {page} expected tag "
-             f"{expected}, found {found}")
-            for i, (failed, page, expected, found) in enumerate(status.tolist()) if failed]
-
-
-def _scores_prompt(request: Request, start: int) -> bool:
-    """Whether a chunk of this request from position `start` has prompt tokens to score."""
-    p = request.params
-    wants = p.prompt_logprobs is not None or p.prompt_logprobs_tensor
-    return wants and start < request.num_prompt_tokens - 1
