@@ -90,14 +90,14 @@ def _config(m: int, n: int, k: int, gated: bool) -> tuple[int, int, int, int]:
     """(BLOCK_N, SPLIT_K, num_warps, STAGES) for x [m, k] and n outputs (2n rows if gated),
     near the best of `benchmarks/quant_linear.py --sweep` on the H200 (Llama-3.1-8B shapes):
     blocks of 64 outputs (one warpgroup), the inputs split until there are about 512 programs
-    up to 8 rows, 384 up to 16 and 256 beyond (a gated block counting twice: it streams twice
+    up to 8 rows, 384 up to 32 and 256 beyond (a gated block counting twice: it streams twice
     the rows), 8 tiles a part at least (4 at 17-32 rows, 16 beyond); a ring of 4 tiles (3
     beyond 16 rows). Blocks of 128 on two warpgroups (a ring of 4, about 160 programs) for
     gated matrices at 17-32 rows and for wide ones (8192 outputs or more) beyond 16."""
     if m > 16 and ((gated and m <= 32) or (not gated and n >= 8192)):
         block_n, warps, target = 128, 8, 160
     else:
-        block_n, warps, target = 64, 4, 512 if m <= 8 else 384 if m <= 16 else 256
+        block_n, warps, target = 64, 4, 512 if m <= 8 else 384 if m <= 32 else 256
     blocks, tiles = triton.cdiv(n, block_n) * (2 if gated else 1), triton.cdiv(k, TILE_K)
     least = 8 if m <= 16 else 4 if m <= 32 else 16  # tiles a part streams at least
     split = 1
