@@ -274,8 +274,9 @@ def _row_offsets(rows, KP: gl.constexpr):
 def _issue(t, last, w_ptrs, w_up, w_mask, x_ptrs, x_mask, x_cols, K, p_ptrs, p_mask, w_smem,
            x_smem, p_dst, stage, P_STRIDE, GATED: gl.constexpr, EVEN_K: gl.constexpr,
            TILES_PER_GROUP: gl.constexpr):
-    """Start copying tile t's words (w_up: the up half's), inputs and (scale, min) pairs into a
-    stage (as one group of copies; nothing is read at or past `last`)."""
+    """Start copying tile t's words (w_up: the up half's; a 64-row block's tiles are 1024 words
+    apart), inputs and (scale, min) pairs into a stage (as one group of copies; nothing is read
+    at or past `last`)."""
     live = t < last
     if GATED:
         async_copy.async_copy_global_to_shared(w_smem.index(2 * stage), w_ptrs + t * 1024,
