@@ -131,9 +131,7 @@ def _tile(words, words_up, x_smem, stage, p_smem, ones, acc, acc_up, GATED: gl.c
     CHUNKS: gl.constexpr = 4 // G  # 32-input chunks per group
     dtype: gl.constexpr = x_smem.dtype
     quarters = _quarters(words)
-    quarters_up = quarters
-    if GATED:
-        quarters_up = _quarters(words_up)
+    quarters_up = _quarters(words_up) if GATED else quarters
     for g in gl.static_range(G):
         x_sum = gl.zeros_like(acc)
         if not CENTERED:
@@ -142,21 +140,31 @@ def _tile(words, words_up, x_smem, stage, p_smem, ones, acc, acc_up, GATED: gl.c
                                       x_sum, is_async=ASYNC)
         part = _products(quarters, x_smem, stage, gl.zeros_like(acc), g, CHUNKS, a_layout, ASYNC,
                          CENTERED)
+        part_up = part
         if GATED:
             part_up = _products(quarters_up, x_smem, stage, gl.zeros_like(acc), g, CHUNKS,
                                 a_layout, ASYNC, CENTERED)
-            if ASYNC and CENTERED:
-                part, part_up = warpgroup_mma_wait(0, deps=[part, part_up])
-            elif ASYNC:
-                x_sum, part, part_up = warpgroup_mma_wait(0, deps=[x_sum, part, part_up])
+        if ASYNC:
+            x_sum, part, part_up = _wait(x_sum, part, part_up, GATED, CENTERED)
+        if GATED:
             acc_up = _fold(acc_up, part_up, x_sum, p_smem, G + g, OFFSET, dtype, acc_layout,
                            CENTERED)
-        elif ASYNC and CENTERED:
-            part = warpgroup_mma_wait(0, deps=[part])
-        elif ASYNC:
-            x_sum, part = warpgroup_mma_wait(0, deps=[x_sum, part])
         acc = _fold(acc, part, x_sum, p_smem, g, OFFSET, dtype, acc_layout, CENTERED)
     return acc, acc_up
+
+
+@gluon.jit
+def _wait(x_sum, part, part_up, GATED: gl.constexpr, CENTERED: gl.constexpr):
+    """Wait for a group's asynchronous MMAs (part_up, if not GATED, is returned as given)."""
+    if GATED and CENTERED:
+        part, part_up = warpgroup_mma_wait(0, deps=[part, part_up])
+    elif GATED:
+        x_sum, part, part_up = warpgroup_mma_wait(0, deps=[x_sum, part, part_up])
+    elif CENTERED:
+        part = warpgroup_mma_wait(0, deps=[part])
+    else:
+        x_sum, part = warpgroup_mma_wait(0, deps=[x_sum, part])
+    return x_sum, part, part_up
 
 
 @gluon.jit(do_not_specialize=["M"])  # (M, the rows, changes from step to step)
@@ -249,9 +257,7 @@ def _kernel(x_ptr, w_ptr, p_ptr, b_ptr, r_ptr, out_ptr, part_ptr, count_ptr, M, 
                EVEN_K, TILES_PER_GROUP)
         stage = (t - first) % STAGES
         words = w_smem.index(stage * HALVES).load(w_layout)
-        words_up = words
-        if GATED:
-            words_up = w_smem.index(stage * HALVES + 1).load(w_layout)
+        words_up = w_smem.index(stage * HALVES + 1).load(w_layout) if GATED else words
         acc, acc_up = _tile(words, words_up, x_smem, stage, p_smem.index(stage), ones, acc,
                             acc_up, GATED, G, OFFSET, a_layout, acc_layout, ASYNC, CENTERED)
     async_copy.wait_group(0)
@@ -274,9 +280,8 @@ def _row_offsets(rows, KP: gl.constexpr):
 def _issue(t, last, w_ptrs, w_up, w_mask, x_ptrs, x_mask, x_cols, K, p_ptrs, p_mask, w_smem,
            x_smem, p_dst, stage, P_STRIDE, GATED: gl.constexpr, EVEN_K: gl.constexpr,
            TILES_PER_GROUP: gl.constexpr):
-    """Start copying tile t's words (w_up: the up half's; a 64-row block's tiles are 1024 words
-    apart), inputs and (scale, min) pairs into a stage (as one group of copies; nothing is read
-    at or past `last`)."""
+    """Start copying tile t's words (w_up: the up half's; a row block's tiles 1024 words apart),
+    inputs and (scale, min) pairs into a stage (one group of copies; none at or past `last`)."""
     live = t < last
     if GATED:
         async_copy.async_copy_global_to_shared(w_smem.index(2 * stage), w_ptrs + t * 1024,
