@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from frugal.ops import torch_ref
-from frugal.ops.triton.int4_wgmma import _kernel
+from frugal.ops.triton.int4_wgmma import _kernel, row_offsets
 from frugal.ops.triton.launch import pdl
 from frugal.ops.triton.split_k import counters, grid, partials
 from frugal.quant.int4 import Int4Weight
@@ -118,7 +118,7 @@ def int4_linear(x: torch.Tensor, w: Int4Tiles, bias: torch.Tensor | None = None,
     (+ bias), silu(gate) · up if gated, + residual. As ops.linear without the norm."""
     x = x.contiguous()
     m, k = x.shape
-    rows = w.params.shape[1]
+    rows = w.shape[0]
     n = rows // 2 if gated else rows
     if k != w.in_features:
         raise ValueError(f"int4_linear: x has {k} inputs, the weight {w.in_features}")
@@ -158,7 +158,7 @@ def _dequantize_kernel(w_ptr, p_ptr, out_ptr, N, K, KP: tl.constexpr, GROUP: tl.
     n_mask = offs_n < N
     tile = tl.program_id(1)
     offs_w = tl.arange(0, 16)
-    block = (offs_n // 64).to(tl.int64) * (KP * 8) + tile * 1024 + (offs_n % 64) * 16
+    block = row_offsets(offs_n, KP) + tile * 1024
     words = tl.load(w_ptr + block[:, None] + offs_w[None, :]).reshape(BLOCK_N, 4, 4)
     low_c = tl.join(tl.join(words & 0xF, (words >> 4) & 0xF),
                     tl.join((words >> 8) & 0xF, (words >> 12) & 0xF))  # [BN, t, q, b, a]

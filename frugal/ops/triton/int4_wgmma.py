@@ -23,6 +23,8 @@ any BLOCK_M.
 
 from __future__ import annotations
 
+import triton
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
@@ -225,10 +227,10 @@ def _kernel(x_ptr, w_ptr, p_ptr, b_ptr, r_ptr, out_ptr, part_ptr, count_ptr, M, 
     wt5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(wt * 4, 0), 1), 2), 4)
     wq5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(wq, 0), 1), 2), 3)
     cols = wt5 + wq5  # [1, 1, 1, 4, 4]: a thread's words in its rows' tiles
-    w_ptrs = w_ptr + gl.expand_dims(_row_offsets(rows4, KP), 4) + cols  # tile 0's words
+    w_ptrs = w_ptr + gl.expand_dims(row_offsets(rows4, KP), 4) + cols  # tile 0's words
     w_up = w_ptrs  # (GATED: the up half's rows N.. of the same outputs)
     if GATED:
-        w_up = w_ptr + gl.expand_dims(_row_offsets(rows4 + N, KP), 4) + cols
+        w_up = w_ptr + gl.expand_dims(row_offsets(rows4 + N, KP), 4) + cols
     w_mask = gl.expand_dims(rows4 < N, 4)
     xr = gl.arange(0, 4 * BLOCK_M, gl.SliceLayout(1, x_layout))  # chunk · BM + row
     x_cols = gl.expand_dims((xr // BLOCK_M) * 32, 1) + gl.expand_dims(
@@ -270,18 +272,19 @@ def _kernel(x_ptr, w_ptr, p_ptr, b_ptr, r_ptr, out_ptr, part_ptr, count_ptr, M, 
            r_ptr, out_ptr, GATED, HAS_BIAS, HAS_RESIDUAL, SPLIT_K)
 
 
-@gluon.jit
-def _row_offsets(rows, KP: gl.constexpr):
-    """Where tile 0 of weight rows `rows` starts in int4_linear's words (row blocks of 64)."""
-    return (rows // 64).to(gl.int64) * (KP * 8) + (rows % 64) * 16
+@triton.jit
+def row_offsets(rows, KP: tl.constexpr):
+    """Where tile 0 of weight rows `rows` starts in int4_linear's words (row blocks of 64, a
+    block's tiles 1024 words apart); plain tl, so the dequantize kernel calls it too."""
+    return (rows // 64).to(tl.int64) * (KP * 8) + (rows % 64) * 16
 
 
 @gluon.jit
 def _issue(t, last, w_ptrs, w_up, w_mask, x_ptrs, x_mask, x_cols, K, p_ptrs, p_mask, w_smem,
            x_smem, p_dst, stage, P_STRIDE, GATED: gl.constexpr, EVEN_K: gl.constexpr,
            TILES_PER_GROUP: gl.constexpr):
-    """Start copying tile t's words (w_up: the up half's; a row block's tiles 1024 words apart),
-    inputs and (scale, min) pairs into a stage (one group of copies; none at or past `last`)."""
+    """Start copying tile t's words (w_up: the up half's; see row_offsets), inputs and (scale,
+    min) pairs into a stage (one group of copies; none at or past `last`)."""
     live = t < last
     if GATED:
         async_copy.async_copy_global_to_shared(w_smem.index(2 * stage), w_ptrs + t * 1024,
