@@ -93,9 +93,8 @@ def _fp8_kernel(x_ptr, w_ptr, s_ptr, b_ptr, r_ptr, out_ptr, part_ptr, count_ptr,
         acc *= tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
         if GATED:
             acc_up *= tl.load(s_ptr + N + offs_n, mask=n_mask, other=0.0)[None, :]
-    block = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
     finish(acc, acc_up, offs_m, offs_n, m_mask, n_mask, M, N, part_ptr, count_ptr, b_ptr, r_ptr,
-           out_ptr, block, tl.program_id(2), SPLIT_K, GATED, HAS_BIAS, HAS_RESIDUAL, SPLIT_K > 1)
+           out_ptr, GATED, HAS_BIAS, HAS_RESIDUAL, SPLIT_K)
 
 
 @triton.jit

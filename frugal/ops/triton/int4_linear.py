@@ -33,7 +33,7 @@ import triton.language as tl
 from frugal.ops import torch_ref
 from frugal.ops.triton.int4_wgmma import _kernel, row_offsets
 from frugal.ops.triton.launch import pdl
-from frugal.ops.triton.split_k import MAX_BLOCKS, counters, partials
+from frugal.ops.triton.split_k import counters, grid, partials
 from frugal.quant.int4 import Int4Weight
 
 TILE_K = 128
@@ -87,7 +87,7 @@ def repack(q: Int4Weight, dtype: torch.dtype) -> Int4Tiles:
 
 
 def _config(m: int, n: int, k: int, gated: bool) -> tuple[int, int, int, int]:
-    """(BLOCK_N, programs, num_warps, STAGES) for x [m, k] and n outputs (2n rows if gated),
+    """(BLOCK_N, SPLIT_K, num_warps, STAGES) for x [m, k] and n outputs (2n rows if gated),
     near the best of `benchmarks/quant_linear.py --sweep` on the H200 (Llama-3.1-8B shapes):
     blocks of 64 outputs (one warpgroup), the inputs split until there are about 512 programs
     up to 8 rows, 384 up to 32 and 256 beyond (a gated block counting twice: it streams twice
@@ -103,16 +103,7 @@ def _config(m: int, n: int, k: int, gated: bool) -> tuple[int, int, int, int]:
     split = 1
     while blocks * split * 2 <= target and tiles >= 2 * least * split:
         split *= 2
-    return block_n, triton.cdiv(n, block_n) * split, warps, 4 if m <= 16 or block_n == 128 else 3
-
-
-def _parts(blocks: int, tiles: int, programs: int) -> int:
-    """The most programs that share one block when `programs` cut blocks × tiles units evenly
-    (1: every block is one program's)."""
-    if programs <= blocks and blocks % programs == 0:
-        return 1
-    least = blocks * tiles // programs  # units a program takes at least
-    return (tiles - 2) // least + 2 if tiles >= 2 else 2
+    return block_n, split, warps, 4 if m <= 16 or block_n == 128 else 3
 
 
 @functools.cache
@@ -136,26 +127,21 @@ def int4_linear(x: torch.Tensor, w: Int4Tiles, bias: torch.Tensor | None = None,
             and _hopper(x.device))
     if not fast:  # (the kernel copies x's rows 4 bytes at least: K even; wgmma is sm_90's)
         return torch_ref.linear(x, dequantize(w, x.dtype), bias, gated=gated, residual=residual)
-    block_n, programs, num_warps, stages = config or _config(m, n, k, gated)
-    if num_warps % 4 or block_n % 64 or block_n % (16 * num_warps):
+    block_n, split, num_warps, stages = config or _config(m, n, k, gated)
+    if num_warps % 4 or block_n % (16 * num_warps):
         raise ValueError(f"int4_linear: {num_warps} warps (whole warpgroups) cannot share "
-                         f"{block_n} outputs in 16-row slabs and 64-row blocks")
+                         f"{block_n} outputs in 16-row slabs")
     align = 8 if k % 8 == 0 else 2  # (x's rows are copied 16 or 4 bytes at a time)
     block_m = max(8, triton.next_power_of_2(m))
-    blocks, tiles = triton.cdiv(n, block_n), w.padded_k // TILE_K
-    programs = max(1, min(programs, blocks * tiles))
-    if blocks > MAX_BLOCKS:  # (one counter a block)
-        programs = blocks
-    parts = _parts(blocks, tiles, programs)
+    launch, split = grid(triton.cdiv(n, block_n), 1, split)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     launch_pdl = pdl(x.device)
-    _kernel[(programs,)](
+    _kernel[launch](
         x, w.words, w.params.view(torch.int32), bias, residual, out,
-        partials(parts, m, rows, x.device), counters(x.device), m, n, k // align,
+        partials(split, m, rows, x.device), counters(x.device), m, n, k // align,
         KP=w.padded_k, GROUP=w.group, GATED=gated, HAS_BIAS=bias is not None,
-        HAS_RESIDUAL=residual is not None, BLOCK_N=block_n, SHARED=parts > 1,
-        ALIGNED=blocks * tiles % programs == 0 and tiles % (blocks * tiles // programs) == 0,
-        OFFSET=_OFFSET[x.dtype], EVEN_N=n % block_n == 0, EVEN_K=k % TILE_K == 0, K_ALIGN=align,
+        HAS_RESIDUAL=residual is not None, BLOCK_N=block_n,
+        SPLIT_K=split, OFFSET=_OFFSET[x.dtype], EVEN_K=k % TILE_K == 0, K_ALIGN=align,
         BLOCK_M=block_m, WARPS=num_warps, STAGES=stages, CENTERED=w.centered, PDL=launch_pdl,
         num_warps=num_warps, launch_pdl=launch_pdl > 0)
     return out

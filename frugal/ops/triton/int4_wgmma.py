@@ -13,13 +13,12 @@ register (bits MAGIC | code: the number OFFSET + code); the joins and the permut
 only rename registers (checked by `convert_layout(..., assert_trivial=True)` at compile time).
 Per group, Σ x (OFFSET + u) comes from the weights' MMA and Σ x from an MMA with ones, and
 Σ_k x_k w_k = scale · Σ x (OFFSET + u) + (min - OFFSET · scale) · Σ x. Tiles of 128 inputs
-stream through shared memory in a STAGES-deep cp.async ring. The grid's programs share the
-work evenly (stream-K): each takes one run of (block of outputs, tile) units, so every SM gets
-the same share however many blocks there are; a block split between programs is reduced by
-the last of them (split_k.finish). Up to 16 rows a group's MMAs are issued together and waited
-for once; beyond, one by one (fewer live registers), except for CENTERED weights (symmetric:
-every min is -8 · scale), whose operand is code - 8 (one more FMA per register) and which need
-no Σ x: their MMAs are issued together at any BLOCK_M.
+stream through shared memory in a STAGES-deep cp.async ring; split-K partial sums are reduced
+by the last program of an output block (split_k.finish; the splits on grid axis 2). Up to 16
+rows a group's MMAs are issued together and waited for once; beyond, one by one (fewer live
+registers), except for CENTERED weights (symmetric: every min is -8 · scale), whose operand is
+code - 8 (one more FMA per register) and which need no Σ x: their MMAs are issued together at
+any BLOCK_M.
 """
 
 from __future__ import annotations
@@ -173,27 +172,19 @@ def _wait(x_sum, part, part_up, GATED: gl.constexpr, CENTERED: gl.constexpr):
 @gluon.jit(do_not_specialize=["M"])  # (M, the rows, changes from step to step)
 def _kernel(x_ptr, w_ptr, p_ptr, b_ptr, r_ptr, out_ptr, part_ptr, count_ptr, M, N, K_PARTS,
             KP: gl.constexpr, GROUP: gl.constexpr, GATED: gl.constexpr, HAS_BIAS: gl.constexpr,
-            HAS_RESIDUAL: gl.constexpr, BLOCK_N: gl.constexpr, SHARED: gl.constexpr,
-            ALIGNED: gl.constexpr,
-            OFFSET: gl.constexpr, EVEN_N: gl.constexpr, EVEN_K: gl.constexpr,
-            K_ALIGN: gl.constexpr,
+            HAS_RESIDUAL: gl.constexpr, BLOCK_N: gl.constexpr, SPLIT_K: gl.constexpr,
+            OFFSET: gl.constexpr, EVEN_K: gl.constexpr, K_ALIGN: gl.constexpr,
             BLOCK_M: gl.constexpr, WARPS: gl.constexpr, STAGES: gl.constexpr,
             CENTERED: gl.constexpr, PDL: gl.constexpr):
-    """out = epilogue(x @ wᵀ) in blocks of BLOCK_N outputs (all BLOCK_M rows, 8 to 64). The
-    work, units of (block, 128-input tile) in block-major order, is cut evenly over the grid's
-    programs: program p takes units [p U / P, (p + 1) U / P), a run that may end one block's
-    inputs and start the next's. A block whose units more than one program shares is reduced
-    by the last of them (split_k.finish; SHARED: some block may be shared; ALIGNED: every run
-    stays within one block; EVEN_N: N a multiple of BLOCK_N).
+    """out = epilogue(x @ wᵀ) for one block of BLOCK_N outputs (all BLOCK_M rows, 8 to 64) over
+    this program's share of the 128-input tiles (grid axis 2; SPLIT_K > 1: reduced by the last).
     x: [M, K] with K = K_PARTS · K_ALIGN; w: [N (2N if GATED), K] as int4_linear's Int4Tiles,
-    p_ptr its (scale, min) pairs as int32 [KP / GROUP, N (2N)]. BLOCK_N: a multiple of 64 and
-    of 16 · WARPS (WARPS a multiple of 4). CENTERED: symmetric codes, multiplied as code - 8
-    (no Σ x)."""
+    p_ptr its (scale, min) pairs as int32 [KP / GROUP, N (2N)]. BLOCK_N: a multiple of 16 · WARPS
+    (WARPS a multiple of 4). CENTERED: symmetric codes, multiplied as code - 8 (no Σ x)."""
     ASYNC: gl.constexpr = BLOCK_M <= 16 or CENTERED  # a group's MMAs issued together
     GK: gl.constexpr = GROUP if GROUP < 128 else 128  # inputs per scale within a tile
     G: gl.constexpr = 128 // GK
     TILES_PER_GROUP: gl.constexpr = GROUP // 128 if GROUP > 128 else 1
-    T: gl.constexpr = KP // 128  # a block's units
     HALVES: gl.constexpr = 2 if GATED else 1
     S: gl.constexpr = BLOCK_N // 16  # 16-row slabs
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -214,14 +205,13 @@ def _kernel(x_ptr, w_ptr, p_ptr, b_ptr, r_ptr, out_ptr, part_ptr, count_ptr, M, 
                                        gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     K = K_PARTS * K_ALIGN  # (so the compiler knows x's rows allow 16- or 4-byte copies)
     enter(PDL)
+    pid_n = gl.program_id(0)
+    per = gl.cdiv(KP // 128, SPLIT_K)
+    first = gl.program_id(2) * per
+    last = gl.minimum(first + per, KP // 128)
     width = 2 * N if GATED else N
-    units = gl.cdiv(N, BLOCK_N) * T
-    programs = gl.num_programs(0)
-    pid = gl.program_id(0)
-    first = (pid.to(gl.int64) * units // programs).to(gl.int32)
-    last = ((pid + 1).to(gl.int64) * units // programs).to(gl.int32)
 
-    # block 0's rows: a thread's four words of each row, x's rows, the (scale, min) pairs
+    # what tile 0 copies: a thread's four words of each row, x's rows, the (scale, min) pairs
     L4: gl.constexpr = gl.SliceLayout(4, w_layout)
     L3: gl.constexpr = gl.SliceLayout(3, L4)
     L2: gl.constexpr = gl.SliceLayout(2, L3)
@@ -231,67 +221,55 @@ def _kernel(x_ptr, w_ptr, p_ptr, b_ptr, r_ptr, out_ptr, part_ptr, count_ptr, M, 
     wt = gl.arange(0, 4, gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, L4))))
     wq = gl.arange(0, 4, gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(
         3, w_layout)))))
-    rows = (gl.expand_dims(gl.expand_dims(ws * 16, 1) + gl.expand_dims(wh * 8, 0), 2)
-            + gl.expand_dims(gl.expand_dims(wg, 0), 1))
+    rows = (pid_n * BLOCK_N + gl.expand_dims(gl.expand_dims(ws * 16, 1) + gl.expand_dims(wh * 8, 0),
+                                             2) + gl.expand_dims(gl.expand_dims(wg, 0), 1))
     rows4 = gl.expand_dims(rows, 3)  # [S, 2, 8, 1]
     wt5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(wt * 4, 0), 1), 2), 4)
     wq5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(wq, 0), 1), 2), 3)
     cols = wt5 + wq5  # [1, 1, 1, 4, 4]: a thread's words in its rows' tiles
-    w_ptrs = w_ptr + gl.expand_dims(row_offsets(rows4, KP), 4) + cols  # block 0, tile 0
+    w_ptrs = w_ptr + gl.expand_dims(row_offsets(rows4, KP), 4) + cols  # tile 0's words
     w_up = w_ptrs  # (GATED: the up half's rows N.. of the same outputs)
     if GATED:
         w_up = w_ptr + gl.expand_dims(row_offsets(rows4 + N, KP), 4) + cols
+    w_mask = gl.expand_dims(rows4 < N, 4)
     xr = gl.arange(0, 4 * BLOCK_M, gl.SliceLayout(1, x_layout))  # chunk · BM + row
     x_cols = gl.expand_dims((xr // BLOCK_M) * 32, 1) + gl.expand_dims(
         gl.arange(0, 32, gl.SliceLayout(0, x_layout)), 0)  # [4 BM, 32]: the tile's input
     x_ptrs = x_ptr + gl.expand_dims((xr % BLOCK_M) * K, 1) + x_cols
     x_mask = gl.expand_dims(xr % BLOCK_M < M, 1)
     pr = gl.arange(0, HALVES * G, gl.SliceLayout(1, p_layout))  # half · G + group
-    pn = gl.arange(0, BLOCK_N, gl.SliceLayout(0, p_layout))
+    pn = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, p_layout))
     p_offs = gl.expand_dims((pr // G) * N + (pr % G) * width, 1) + gl.expand_dims(pn, 0)
-    p_cols = gl.expand_dims(pn, 0)
+    p_mask = gl.expand_dims(pn < N, 0)
 
     ones = gl.full([BLOCK_N, 32], 1.0, x_ptr.dtype.element_ty, layout=a_layout)
-    p_ptrs = p_ptr + p_offs
-    ahead_b = first // T  # the next unit to copy: tile ahead_t of block ahead_b
-    ahead_t = first - ahead_b * T
+    acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=acc_layout)
+    acc_up = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=acc_layout)
     for i in gl.static_range(STAGES - 1):
-        _issue(first + i < last, ahead_b, ahead_t, w_ptrs, w_up, rows4, N, x_ptrs, x_mask,
-               x_cols, K, p_ptrs, p_cols, w_smem, x_smem, p_smem.index(i), i, G * width, T,
-               BLOCK_N, GATED, EVEN_N, EVEN_K, TILES_PER_GROUP)
-        ahead_b, ahead_t = _next(ahead_b, ahead_t, T, ALIGNED)
-    stage = first * 0  # unit u's stage: (u - first) % STAGES
-    for block in range(first // T, (last - 1) // T + 1):
-        acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=acc_layout)
-        acc_up = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=acc_layout)
-        for u in range(gl.maximum(first, block * T), gl.minimum(last, block * T + T)):
-            async_copy.wait_group(STAGES - 2)  # unit u has landed (own copies) ...
-            gl.thread_barrier()  # ... everyone's, and the stage refilled below is read by no one
-            fence_async_shared()  # (the tensor cores read x through the async proxy)
-            refill = stage + (STAGES - 1)  # unit u + STAGES - 1's stage
-            refill -= STAGES * (refill >= STAGES).to(gl.int32)
-            _issue(u + STAGES - 1 < last, ahead_b, ahead_t, w_ptrs, w_up, rows4, N, x_ptrs,
-                   x_mask, x_cols, K, p_ptrs, p_cols, w_smem, x_smem, p_smem.index(refill),
-                   refill, G * width, T, BLOCK_N, GATED, EVEN_N, EVEN_K, TILES_PER_GROUP)
-            ahead_b, ahead_t = _next(ahead_b, ahead_t, T, ALIGNED)
-            words = w_smem.index(stage * HALVES).load(w_layout)
-            words_up = w_smem.index(stage * HALVES + 1).load(w_layout) if GATED else words
-            acc, acc_up = _tile(words, words_up, x_smem, stage, p_smem.index(stage), ones, acc,
-                                acc_up, GATED, G, OFFSET, a_layout, acc_layout, ASYNC, CENTERED)
-            stage += 1
-            stage -= STAGES * (stage == STAGES).to(gl.int32)
-        acc = gl.permute(acc, (1, 0))  # [BM, BN], as the epilogue wants
-        acc_up = gl.permute(acc_up, (1, 0))
-        out_layout: gl.constexpr = acc.type.layout
-        offs_n = block * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, out_layout))
-        offs_m = gl.arange(0, BLOCK_M, gl.SliceLayout(1, out_layout))
-        # the programs whose runs hold the block's first and last units
-        owner = ((block * T + 1).to(gl.int64) * programs - 1) // units
-        parts = (((block * T + T).to(gl.int64) * programs - 1) // units - owner + 1).to(gl.int32)
-        finish(acc, acc_up, offs_m, offs_n, offs_m < M, offs_n < N, M, N, part_ptr, count_ptr,
-               b_ptr, r_ptr, out_ptr, block, (pid - owner).to(gl.int32), parts, GATED, HAS_BIAS,
-               HAS_RESIDUAL, SHARED)
+        _issue(first + i, last, w_ptrs, w_up, w_mask, x_ptrs, x_mask, x_cols, K, p_ptr + p_offs,
+               p_mask, w_smem, x_smem, p_smem.index(i), i, G * width, GATED, EVEN_K,
+               TILES_PER_GROUP)
+    for t in range(first, last):
+        async_copy.wait_group(STAGES - 2)  # tile t has landed (own copies) ...
+        gl.thread_barrier()  # ... everyone's, and the stage refilled below is read by no one
+        fence_async_shared()  # (the tensor cores read x through the async proxy)
+        j = t - first + STAGES - 1
+        _issue(first + j, last, w_ptrs, w_up, w_mask, x_ptrs, x_mask, x_cols, K, p_ptr + p_offs,
+               p_mask, w_smem, x_smem, p_smem.index(j % STAGES), j % STAGES, G * width, GATED,
+               EVEN_K, TILES_PER_GROUP)
+        stage = (t - first) % STAGES
+        words = w_smem.index(stage * HALVES).load(w_layout)
+        words_up = w_smem.index(stage * HALVES + 1).load(w_layout) if GATED else words
+        acc, acc_up = _tile(words, words_up, x_smem, stage, p_smem.index(stage), ones, acc,
+                            acc_up, GATED, G, OFFSET, a_layout, acc_layout, ASYNC, CENTERED)
     async_copy.wait_group(0)
+    acc = gl.permute(acc, (1, 0))  # [BM, BN], as the epilogue wants
+    acc_up = gl.permute(acc_up, (1, 0))
+    out_layout: gl.constexpr = acc.type.layout
+    offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, out_layout))
+    offs_m = gl.arange(0, BLOCK_M, gl.SliceLayout(1, out_layout))
+    finish(acc, acc_up, offs_m, offs_n, offs_m < M, offs_n < N, M, N, part_ptr, count_ptr, b_ptr,
+           r_ptr, out_ptr, GATED, HAS_BIAS, HAS_RESIDUAL, SPLIT_K)
 
 
 @triton.jit
@@ -302,42 +280,24 @@ def row_offsets(rows, KP: tl.constexpr):
 
 
 @gluon.jit
-def _next(b, t, T: gl.constexpr, ALIGNED: gl.constexpr):
-    """The unit after tile t of block b (ALIGNED: no program's run leaves its block)."""
-    t += 1
-    if not ALIGNED:
-        end = (t == T).to(gl.int32)
-        b += end
-        t -= T * end
-    return b, t
-
-
-@gluon.jit
-def _issue(live, b, t, w_ptrs, w_up, rows4, N, x_ptrs, x_mask, x_cols, K, p_ptrs, p_cols,
-           w_smem, x_smem, p_dst, stage, P_STRIDE, T: gl.constexpr, BLOCK_N: gl.constexpr,
-           GATED: gl.constexpr, EVEN_N: gl.constexpr, EVEN_K: gl.constexpr,
+def _issue(t, last, w_ptrs, w_up, w_mask, x_ptrs, x_mask, x_cols, K, p_ptrs, p_mask, w_smem,
+           x_smem, p_dst, stage, P_STRIDE, GATED: gl.constexpr, EVEN_K: gl.constexpr,
            TILES_PER_GROUP: gl.constexpr):
-    """Start copying tile t of block b, its words (w_ptrs, w_up: block 0's tile 0, see
-    row_offsets), inputs and (scale, min) pairs, into a stage (one group of copies; none if not
-    live)."""
-    words = (b * (BLOCK_N // 64) * T + t) * 1024  # (a block of BLOCK_N rows: whole 64s)
-    rest = N - b * BLOCK_N  # outputs from the block's first on
-    if EVEN_N:
-        w_mask = live
-    else:
-        w_mask = gl.expand_dims(rows4 < rest, 4) & live
+    """Start copying tile t's words (w_up: the up half's; see row_offsets), inputs and (scale,
+    min) pairs into a stage (one group of copies; none at or past `last`)."""
+    live = t < last
     if GATED:
-        async_copy.async_copy_global_to_shared(w_smem.index(2 * stage), w_ptrs + words,
-                                               mask=w_mask)
-        async_copy.async_copy_global_to_shared(w_smem.index(2 * stage + 1), w_up + words,
-                                               mask=w_mask)
+        async_copy.async_copy_global_to_shared(w_smem.index(2 * stage), w_ptrs + t * 1024,
+                                               mask=w_mask & live)
+        async_copy.async_copy_global_to_shared(w_smem.index(2 * stage + 1), w_up + t * 1024,
+                                               mask=w_mask & live)
     else:
-        async_copy.async_copy_global_to_shared(w_smem.index(stage), w_ptrs + words, mask=w_mask)
+        async_copy.async_copy_global_to_shared(w_smem.index(stage), w_ptrs + t * 1024,
+                                               mask=w_mask & live)
     x_live = x_mask & live
     if not EVEN_K:
         x_live = x_live & (x_cols + t * 128 < K)
     async_copy.async_copy_global_to_shared(x_smem.index(stage), x_ptrs + t * 128, mask=x_live)
-    p_live = live if EVEN_N else (p_cols < rest) & live
-    async_copy.async_copy_global_to_shared(
-        p_dst, p_ptrs + b * BLOCK_N + (t // TILES_PER_GROUP) * P_STRIDE, mask=p_live)
+    async_copy.async_copy_global_to_shared(p_dst, p_ptrs + (t // TILES_PER_GROUP) * P_STRIDE,
+                                           mask=p_mask & live)
     async_copy.commit_group()

@@ -1,9 +1,8 @@
 """The end of a quantized matmul kernel: epilogue, and split-K reduced inside the kernel.
 
-With several programs sharing one block of outputs (each a run of its input tiles), each
-stores its fp32 partial sums, then takes a ticket from that block's counter; the last to
-arrive adds the partials up in input order (deterministic), runs the epilogue, and resets the
-counter for the next launch. No
+With SPLIT_K programs sharing one block of outputs, each stores its fp32 partial sums, then
+takes a ticket from that block's counter; the last to arrive adds the partials up in split
+order (deterministic), runs the epilogue, and resets the counter for the next launch. No
 extra kernels per matmul (they cost more than the split saves at decode: measured ~25 µs
 against ~12 for a Llama-3.1-8B MLP matmul at one token), CUDA-graph safe (the counters
 live in one persistent buffer per device, allocated before any capture).
@@ -34,9 +33,9 @@ def grid(n_blocks: int, m_blocks: int, split: int) -> tuple[tuple[int, int, int]
     return (n_blocks, m_blocks, split), split
 
 
-def partials(parts: int, m: int, width: int, device: torch.device) -> torch.Tensor:
-    """Scratch for partial sums [parts, m, width] fp32 (any content; none if parts is 1)."""
-    return torch.empty(parts if parts > 1 else 0, m, width, dtype=torch.float32, device=device)
+def partials(split: int, m: int, width: int, device: torch.device) -> torch.Tensor:
+    """Scratch for split-K partial sums [split, m, width] fp32 (any content)."""
+    return torch.empty(split if split > 1 else 0, m, width, dtype=torch.float32, device=device)
 
 
 @triton.jit
@@ -49,43 +48,38 @@ def tile_range(tiles, SPLIT_K: tl.constexpr):
 
 @triton.jit
 def finish(acc, acc_up, offs_m, offs_n, m_mask, n_mask, M, N, part_ptr, count_ptr, b_ptr, r_ptr,
-           out_ptr, block, part, parts, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
-           HAS_RESIDUAL: tl.constexpr, SHARED: tl.constexpr):
+           out_ptr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+           SPLIT_K: tl.constexpr):
     """acc (acc_up if GATED): this program's fp32 sums [BLOCK_M, BLOCK_N] for outputs
-    (offs_m, offs_n) of an [M, N] result, the share `part` (0 ≤ part < parts) of output block
-    `block` (its counter in count_ptr). SHARED: blocks may have parts > 1 (part_ptr
-    [parts at most, M, width] scratch); else every block is one program's. Plain tl operations
-    whose layouts follow acc's, so Gluon kernels call it too."""
-    if SHARED:
-        ready = parts == 1
-        if parts > 1:
-            width = 2 * N if GATED else N
-            mask = m_mask[:, None] & n_mask[None, :]
-            rows = offs_m[:, None] * width + offs_n[None, :]
-            tl.store(part_ptr + part * M * width + rows, acc, mask=mask)
-            if GATED:
-                tl.store(part_ptr + part * M * width + rows + N, acc_up, mask=mask)
-            tl.debug_barrier()  # every thread's partials stored before the ticket is taken
-            ticket = tl.atomic_add(count_ptr + block, 1, sem="acq_rel", scope="gpu")
-            ready = ticket == parts - 1
-            if ready:  # (.cg: from L2, never a stale L1 line)
-                acc = tl.load(part_ptr + rows, mask=mask, other=0.0, cache_modifier=".cg")
-                if GATED:
-                    acc_up = tl.load(part_ptr + rows + N, mask=mask, other=0.0,
-                                     cache_modifier=".cg")
-                for s in range(1, parts):
-                    acc += tl.load(part_ptr + s * M * width + rows, mask=mask, other=0.0,
-                                   cache_modifier=".cg")
-                    if GATED:
-                        acc_up += tl.load(part_ptr + s * M * width + rows + N, mask=mask,
-                                          other=0.0, cache_modifier=".cg")
-                tl.store(count_ptr + block, 0)
-        if ready:
-            epilogue(acc, acc_up, offs_m, offs_n, m_mask, n_mask, N, b_ptr, r_ptr, out_ptr,
-                     GATED, HAS_BIAS, HAS_RESIDUAL)
-    else:
+    (offs_m, offs_n) of an [M, N] result. SPLIT_K > 1: part_ptr [SPLIT_K, M, width] scratch,
+    count_ptr the launch's counters (one per (program_id(0), program_id(1)) block). Plain
+    tl operations whose layouts follow acc's, so Gluon kernels call it too."""
+    if SPLIT_K == 1:
         epilogue(acc, acc_up, offs_m, offs_n, m_mask, n_mask, N, b_ptr, r_ptr, out_ptr, GATED,
-                 HAS_BIAS, HAS_RESIDUAL)
+                  HAS_BIAS, HAS_RESIDUAL)
+    else:
+        width = 2 * N if GATED else N
+        mask = m_mask[:, None] & n_mask[None, :]
+        rows = offs_m[:, None] * width + offs_n[None, :]
+        tl.store(part_ptr + tl.program_id(2) * M * width + rows, acc, mask=mask)
+        if GATED:
+            tl.store(part_ptr + tl.program_id(2) * M * width + rows + N, acc_up, mask=mask)
+        tl.debug_barrier()  # every thread's partials stored before the ticket is taken
+        block = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+        ticket = tl.atomic_add(count_ptr + block, 1, sem="acq_rel", scope="gpu")
+        if ticket == SPLIT_K - 1:  # (.cg: from L2, never a stale L1 line)
+            acc = tl.load(part_ptr + rows, mask=mask, other=0.0, cache_modifier=".cg")
+            if GATED:
+                acc_up = tl.load(part_ptr + rows + N, mask=mask, other=0.0, cache_modifier=".cg")
+            for s in tl.static_range(1, SPLIT_K):
+                acc += tl.load(part_ptr + s * M * width + rows, mask=mask, other=0.0,
+                               cache_modifier=".cg")
+                if GATED:
+                    acc_up += tl.load(part_ptr + s * M * width + rows + N, mask=mask,
+                                      other=0.0, cache_modifier=".cg")
+            tl.store(count_ptr + block, 0)
+            epilogue(acc, acc_up, offs_m, offs_n, m_mask, n_mask, N, b_ptr, r_ptr, out_ptr,
+                      GATED, HAS_BIAS, HAS_RESIDUAL)
 
 
 @triton.jit
