@@ -175,12 +175,14 @@ def _kernel(x_ptr, w_ptr, p_ptr, b_ptr, r_ptr, out_ptr, part_ptr, count_ptr, M, 
             HAS_RESIDUAL: gl.constexpr, BLOCK_N: gl.constexpr, SPLIT_K: gl.constexpr,
             OFFSET: gl.constexpr, EVEN_K: gl.constexpr, K_ALIGN: gl.constexpr,
             BLOCK_M: gl.constexpr, WARPS: gl.constexpr, STAGES: gl.constexpr,
-            CENTERED: gl.constexpr, PDL: gl.constexpr):
+            UNROLL: gl.constexpr, CENTERED: gl.constexpr, PDL: gl.constexpr):
     """out = epilogue(x @ wᵀ) for one block of BLOCK_N outputs (all BLOCK_M rows, 8 to 64) over
     this program's share of the 128-input tiles (grid axis 2; SPLIT_K > 1: reduced by the last).
     x: [M, K] with K = K_PARTS · K_ALIGN; w: [N (2N if GATED), K] as int4_linear's Int4Tiles,
     p_ptr its (scale, min) pairs as int32 [KP / GROUP, N (2N)]. BLOCK_N: a multiple of 16 · WARPS
-    (WARPS a multiple of 4). CENTERED: symmetric codes, multiplied as code - 8 (no Σ x)."""
+    (WARPS a multiple of 4). CENTERED: symmetric codes, multiplied as code - 8 (no Σ x).
+    UNROLL: tiles a step of the loop takes, 1 or STAGES (then every stage is a constant: fewer
+    instructions a tile, more registers)."""
     ASYNC: gl.constexpr = BLOCK_M <= 16 or CENTERED  # a group's MMAs issued together
     GK: gl.constexpr = GROUP if GROUP < 128 else 128  # inputs per scale within a tile
     G: gl.constexpr = 128 // GK
@@ -249,19 +251,27 @@ def _kernel(x_ptr, w_ptr, p_ptr, b_ptr, r_ptr, out_ptr, part_ptr, count_ptr, M, 
         _issue(first + i, last, w_ptrs, w_up, w_mask, x_ptrs, x_mask, x_cols, K, p_ptr + p_offs,
                p_mask, w_smem, x_smem, p_smem.index(i), i, G * width, GATED, EVEN_K,
                TILES_PER_GROUP)
-    for t in range(first, last):
-        async_copy.wait_group(STAGES - 2)  # tile t has landed (own copies) ...
-        gl.thread_barrier()  # ... everyone's, and the stage refilled below is read by no one
-        fence_async_shared()  # (the tensor cores read x through the async proxy)
-        j = t - first + STAGES - 1
-        _issue(first + j, last, w_ptrs, w_up, w_mask, x_ptrs, x_mask, x_cols, K, p_ptr + p_offs,
-               p_mask, w_smem, x_smem, p_smem.index(j % STAGES), j % STAGES, G * width, GATED,
-               EVEN_K, TILES_PER_GROUP)
-        stage = (t - first) % STAGES
-        words = w_smem.index(stage * HALVES).load(w_layout)
-        words_up = w_smem.index(stage * HALVES + 1).load(w_layout) if GATED else words
-        acc, acc_up = _tile(words, words_up, x_smem, stage, p_smem.index(stage), ones, acc,
-                            acc_up, GATED, G, OFFSET, a_layout, acc_layout, ASYNC, CENTERED)
+    for t0 in range(first, last, UNROLL):
+        for u in gl.static_range(UNROLL):
+            t = t0 + u
+            if t < last:
+                async_copy.wait_group(STAGES - 2)  # tile t has landed (own copies) ...
+                gl.thread_barrier()  # ... everyone's, and the stage refilled below is unread
+                fence_async_shared()  # (the tensor cores read x through the async proxy)
+                if UNROLL == STAGES:  # (the stages are constants)
+                    stage = u
+                    refill = (u + STAGES - 1) % STAGES
+                else:
+                    stage = (t - first) % STAGES
+                    refill = (t - first + STAGES - 1) % STAGES
+                _issue(t + STAGES - 1, last, w_ptrs, w_up, w_mask, x_ptrs, x_mask, x_cols, K,
+                       p_ptr + p_offs, p_mask, w_smem, x_smem, p_smem.index(refill), refill,
+                       G * width, GATED, EVEN_K, TILES_PER_GROUP)
+                words = w_smem.index(stage * HALVES).load(w_layout)
+                words_up = w_smem.index(stage * HALVES + 1).load(w_layout) if GATED else words
+                acc, acc_up = _tile(words, words_up, x_smem, stage, p_smem.index(stage), ones,
+                                    acc, acc_up, GATED, G, OFFSET, a_layout, acc_layout, ASYNC,
+                                    CENTERED)
     async_copy.wait_group(0)
     acc = gl.permute(acc, (1, 0))  # [BM, BN], as the epilogue wants
     acc_up = gl.permute(acc_up, (1, 0))
