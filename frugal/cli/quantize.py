@@ -31,12 +31,16 @@ def add_quantize_parser(subparsers) -> None:
     p.add_argument("model", nargs="?", default=None,
                    help="a .gguf file or a HF directory (default: the bundled model)")
     p.add_argument("--output", required=True, help="directory to write")
-    p.add_argument("--scheme", default="w4a16", choices=["w4a16", "fp8"])
+    p.add_argument("--scheme", default="w4a16", choices=["w4a16", "fp8", "w8a16"],
+                   help="w4a16: INT4 weights; fp8: FP8 (e4m3) weights, activations quantized "
+                        "per token in steps of more than 16 tokens (W8A8); w8a16: FP8 weights, "
+                        "activations kept in the model's dtype")
     p.add_argument("--group-size", type=int, default=128, choices=GROUP_SIZES,
                    help="w4a16: inputs per scale")
     p.add_argument("--asymmetric", action="store_true", help="w4a16: zero points per group")
     p.add_argument("--weight-block-size", type=int, default=None,
-                   help="fp8: one scale per block × block tile (e.g. 128) instead of per channel")
+                   help="fp8, w8a16: one scale per block × block tile (e.g. 128) instead of per "
+                        "channel (activations then kept)")
     p.add_argument("--method", default="rtn", choices=["rtn", "gptq"],
                    help="rtn: round to nearest; gptq: error-compensated, calibrated on text")
     p.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=None,
@@ -59,7 +63,7 @@ def run_quantize(args: argparse.Namespace) -> int:
     if args.method == "gptq" and args.weight_block_size is not None:
         raise ValueError("method: gptq quantizes FP8 per channel (no --weight-block-size)")
     if int4 and args.weight_block_size is not None:
-        raise ValueError("weight_block_size: only with --scheme fp8")
+        raise ValueError("weight_block_size: only with --scheme fp8 or w8a16")
     if not int4 and args.asymmetric:
         raise ValueError("asymmetric: only with --scheme w4a16 (FP8 scales are symmetric)")
     if args.weight_block_size is not None and args.weight_block_size < 16:
@@ -117,7 +121,8 @@ def run_quantize(args: argparse.Namespace) -> int:
         raise
     hf["quantization_config"] = (
         compressed.quantization_config(args.group_size, not args.asymmetric, kept)
-        if int4 else fp8.quantization_config(args.weight_block_size, kept))
+        if int4 else fp8.quantization_config(args.weight_block_size, kept,
+                                             w8a8=args.scheme == "fp8"))
     (out / "config.json").write_text(json.dumps(hf, indent=2))
     if ckpt.tokenizer is not None:
         ckpt.tokenizer.save(out)

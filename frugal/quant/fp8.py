@@ -126,10 +126,11 @@ def expand(scales: torch.Tensor, block: int | None, n: int, k: int) -> torch.Ten
     return scales.float().repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]
 
 
-def quantization_config(block: int | None, ignore: list[str]) -> dict:
+def quantization_config(block: int | None, ignore: list[str], w8a8: bool = True) -> dict:
     """config.json's entry for an FP8 checkpoint: compressed-tensors' float-quantized format
-    (per-channel weight scales, activations dynamic per token) or, with block scales, the
-    `quant_method: fp8` form with weight_block_size that DeepSeek and GLM checkpoints use."""
+    (per-channel weight scales; activations dynamic per token if w8a8, else none named: kept)
+    or, with block scales, the `quant_method: fp8` form with weight_block_size that DeepSeek
+    and GLM checkpoints use (whose activations this engine keeps)."""
     if block is not None:
         return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                 "weight_block_size": [block, block], "modules_to_not_convert": ignore}
@@ -138,7 +139,8 @@ def quantization_config(block: int | None, ignore: list[str]) -> dict:
             "quantization_status": "compressed", "ignore": ignore,
             "config_groups": {"group_0": {
                 "targets": ["Linear"], "weights": {**fp8, "strategy": "channel"},
-                "input_activations": {**fp8, "dynamic": True, "strategy": "token"}}}}
+                "input_activations": ({**fp8, "dynamic": True, "strategy": "token"}
+                                      if w8a8 else None)}}}
 
 
 def checkpoint_form(q: dict | None) -> tuple[int | None, bool] | None:

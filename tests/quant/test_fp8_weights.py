@@ -84,11 +84,13 @@ def test_checkpoint_form_reads_the_activation_scheme():
     assert checkpoint_form({"quant_method": "fp8", "weight_block_size": [128, 128]}) == (128, False)
 
 
-@pytest.mark.parametrize("block", [None, 32])
-def test_quantize_fp8_writes_what_loads_back(tmp_path, block, capsys):
+@pytest.mark.parametrize("scheme,block", [("fp8", None), ("fp8", 32), ("w8a16", None)])
+def test_quantize_fp8_writes_what_loads_back(tmp_path, scheme, block, capsys):
+    """Per-channel fp8 checkpoints name per-token activations (W8A8 when loaded); w8a16 ones
+    and block-scaled ones name none (activations kept)."""
     src = tiny_dir(tmp_path / "src")
     out = tmp_path / "fp8"
-    args = ["quantize", str(src), "--output", str(out), "--scheme", "fp8"]
+    args = ["quantize", str(src), "--output", str(out), "--scheme", scheme]
     assert cli(args + (["--weight-block-size", str(block)] if block else [])) == 0
     assert "quantized 14 matrices" in capsys.readouterr().out
     config = json.loads((out / "config.json").read_text())["quantization_config"]
@@ -96,6 +98,8 @@ def test_quantize_fp8_writes_what_loads_back(tmp_path, block, capsys):
         assert config["quant_method"] == "fp8" and config["weight_block_size"] == [32, 32]
     else:
         assert config["format"] == "float-quantized"
+        group = config["config_groups"]["group_0"]
+        assert (group["input_activations"] is not None) == (scheme == "fp8")
     tensors = load_file(out / "model.safetensors")
     original = dict(SafetensorsCheckpoint(src).weights())
     loaded = dict(SafetensorsCheckpoint(out).weights())
@@ -109,7 +113,7 @@ def test_quantize_fp8_writes_what_loads_back(tmp_path, block, capsys):
         assert torch.equal(loaded[name].scales, want.scales)
     llm = LLM(str(out), device="cpu", kv_cache_memory="8MiB")
     o_proj = llm.engine.runner.model.model.layers[1].self_attn.o_proj.qweight
-    assert isinstance(o_proj, Fp8Weight) and o_proj.w8a8 == (block is None)
+    assert isinstance(o_proj, Fp8Weight) and o_proj.w8a8 == (scheme == "fp8" and block is None)
     assert llm.engine.runner.weights_quantization == "fp8"  # (loaded as stored, no flag)
     assert len(llm.generate([[5, 6, 7]], PARAMS)[0].outputs[0].token_ids) == 6
 
@@ -120,7 +124,7 @@ def test_quantize_fp8_rejects_misuse(tmp_path, capsys):
     assert cli(base + ["--scheme", "fp8", "--method", "gptq", "--weight-block-size", "128"]) != 0
     assert "gptq quantizes FP8 per channel" in capsys.readouterr().err
     assert cli(base + ["--weight-block-size", "128"]) != 0
-    assert "weight_block_size: only with --scheme fp8" in capsys.readouterr().err
+    assert "weight_block_size: only with --scheme fp8 or w8a16" in capsys.readouterr().err
 
 
 def test_gptq_fp8_beats_round_to_nearest():
