@@ -15,11 +15,11 @@ Per group, Σ x (OFFSET + u) comes from the weights' MMA and Σ x from an MMA wi
 Σ_k x_k w_k = scale · Σ x (OFFSET + u) + (min - OFFSET · scale) · Σ x. Tiles of 128 inputs
 stream through shared memory in a STAGES-deep cp.async ring (the loop unrolled by STAGES where
 that measured faster: stages, offsets and MMA descriptors constants); split-K partial sums are
-reduced by the last program of an output block (split_k.finish; the splits on grid axis 2). Up to 16
-rows a group's MMAs are issued together and waited for once; beyond, one by one (fewer live
-registers), except for CENTERED weights (symmetric: every min is -8 · scale), whose operand is
-code - 8 (one more FMA per register) and which need no Σ x: their MMAs are issued together at
-any BLOCK_M.
+reduced by the last program of an output block (split_k.finish; the splits on grid axis 2).
+Up to 16 rows a group's MMAs are issued together and waited for once; beyond, one by one
+(fewer live registers), except for CENTERED weights (symmetric: every min is -8 · scale),
+whose operand is code - 8 (one more FMA per register) and which need no Σ x: their MMAs are
+issued together at any BLOCK_M.
 """
 
 from __future__ import annotations
