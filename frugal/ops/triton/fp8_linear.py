@@ -1,12 +1,10 @@
-"""FP8 (e4m3) weight matmuls: W8A8 on torch._scaled_mm, W8A16 with the weight widened in
-registers.
+"""FP8 (e4m3) weight matmuls: W8A8 (fp8_w8a8) and W8A16 with the weight widened in registers.
 
 W8A8 (an Fp8Weight with w8a8 and per-channel scales, bf16/fp16 activations, more than 16 rows:
-quant.fp8.rounds_activations): one kernel turns x into e4m3 with one scale per row (its amax /
-448), and torch's FP8 matmul applies both scale vectors in its epilogue (`_scaled_mm`, rows
-padded to 16 as it requires); SiLU·mul and the residual add follow as their own steps. Prefill
-included. Up to 16 rows torch's row-wise FP8 kernel is slower than the W8A16 kernel below (it
-has no split-K: few programs), so small decode batches keep their activations and run W8A16.
+quant.fp8.rounds_activations): x is quantized per token and multiplied on FP8 tensor cores, by
+fp8_w8a8's split-K kernel up to 64 rows and torch._scaled_mm beyond. Up to 16 rows the W8A16
+kernel below is faster (it reads x as it is: no quantizing kernel first), so small decode
+batches keep their activations.
 
 W8A16 (weights without w8a8, block scales, fp32 activations, and w8a8 weights up to 16 rows):
 the weight is used as stored ([N, K]
@@ -26,10 +24,10 @@ import torch
 import triton
 import triton.language as tl
 
-from frugal.ops.triton.elementwise import silu_and_mul
+from frugal.ops.triton.fp8_w8a8 import w8a8_linear, w8a8_supported
 from frugal.ops.triton.launch import enter, pdl
 from frugal.ops.triton.split_k import counters, finish, grid, partials, tile_range
-from frugal.quant.fp8 import FP8, Fp8Weight, round_rows, rounds_activations
+from frugal.quant.fp8 import Fp8Weight, round_rows, rounds_activations
 
 BLOCK_K = 128
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -129,57 +127,6 @@ def _config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
     return 16, 128, split, 4, 3
 
 
-@triton.jit(do_not_specialize=["M"])  # (M, the rows, changes from step to step)
-def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, BLOCK: tl.constexpr):
-    """Row m of q = x[m] · (1 / s[m]) saturated to e4m3, s[m] = max(max|x[m]|, 1e-12) / 448, as
-    quant.fp8.quantize_rows; rows M.. (padding) get codes 0."""
-    m = tl.program_id(0)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < K
-    x = tl.load(x_ptr + m.to(tl.int64) * K + offs, mask=mask & (m < M), other=0.0)
-    x = x.to(tl.float32)
-    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12), 448.0)  # (FP8_MAX)
-    # (one reciprocal a row: a division per element made the kernel compute-bound)
-    q = tl.clamp(x * tl.math.div_rn(1.0, scale), -448.0, 448.0)
-    tl.store(q_ptr + m.to(tl.int64) * K + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(s_ptr + m, scale)
-
-
-def quantize_rows_padded(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (q [M16, K] e4m3, scales [M16, 1] fp32), M16 = M rounded up to 16."""
-    m, k = x.shape
-    rows = -(-m // 16) * 16
-    q = torch.empty(rows, k, dtype=FP8, device=x.device)
-    scales = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
-    block = triton.next_power_of_2(k)
-    _quantize_rows_kernel[(rows,)](x, q, scales, m, k, BLOCK=block,
-                                   num_warps=8 if block >= 8192 else 4)
-    return q, scales
-
-
-def w8a8_supported(x: torch.Tensor, w: Fp8Weight) -> bool:
-    """Whether x @ wᵀ runs on _scaled_mm: W8A8 applies (quant.fp8.rounds_activations) and the
-    device, dtype and shapes are ones it takes."""
-    n, k = w.shape
-    return (rounds_activations(w, x.shape[0]) and w.block is None and x.device.type == "cuda"
-            and not _INTERPRET and x.dtype in (torch.bfloat16, torch.float16)
-            and k % 16 == 0 and n % 16 == 0)
-
-
-def _w8a8(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, gated: bool,
-          residual: torch.Tensor | None) -> torch.Tensor:
-    m = x.shape[0]
-    q, scales = quantize_rows_padded(x)
-    y = torch._scaled_mm(q, w.data.t(), scale_a=scales, scale_b=w.scales.t(),
-                         out_dtype=torch.bfloat16)[:m]
-    y = y.to(x.dtype)
-    if bias is not None:
-        y = y + bias
-    if gated:
-        y = silu_and_mul(y)
-    return y if residual is None else residual.add_(y)
-
-
 def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
                gated: bool = False, residual: torch.Tensor | None = None,
                config: tuple[int, ...] | None = None) -> torch.Tensor:
@@ -195,7 +142,7 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
         raise ValueError(f"fp8_linear: x has {k} inputs, the weight {w.shape[1]}")
     if rounds_activations(w, m):
         if w8a8_supported(x, w):
-            return _w8a8(x, w, bias, gated, residual)
+            return w8a8_linear(x, w, bias, gated, residual)
         x = round_rows(x)  # (elsewhere: x rounded as W8A8 would see it)
     if w.block is not None and (w.block % BLOCK_K or (gated and n % w.block)):
         raise ValueError(f"fp8_linear: block scales of {w.block} need a multiple of {BLOCK_K} "
