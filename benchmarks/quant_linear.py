@@ -3,18 +3,20 @@
 For each shape K×N of the weight-quantization issue (and Llama-3.1-8B's gate_up, 4096×28672, which
 frugal's kernels run gated: SiLU·mul fused) and M rows of activations (bf16), times
 frugal's W4A16 kernel (`int4_linear`, group 128, symmetric) and FP8 paths (`fp8_linear`,
-per-channel scales: W8A16, the Triton kernel; and the path `--quantization fp8` serves, whose
-weights are W8A8: W8A16 up to 16 rows, beyond them x quantized per token by our kernel and
-`_scaled_mm` with row-wise scales) against, in the same run, bf16
+per-channel scales: W8A16, as `--scheme w8a16` checkpoints run; and W8A8, the path
+`--quantization fp8` serves: x quantized per token by our kernel, then our split-K FP8 kernel,
+fp8_w8a8) against, in the same run, bf16
 cuBLAS (`F.linear`), FP8 `torch._scaled_mm` (per-tensor scales, M padded to 16, as
 ../shared/tools/gpu_peers.py measures it) and torch's INT4 tinygemm (`_weight_int4pack_mm`), and
 prints µs, the weight-read bandwidth and the ratios.
-   python benchmarks/quant_linear.py [--sweep | --sweep-fp8 | --centered] [--m 1,8,16,32,64]
+   python benchmarks/quant_linear.py [--sweep | --sweep-fp8 | --sweep-w8a8 | --centered]
+                                     [--m 1,8,16,32,64]
 
 Times are medians of CUDA-graph replays; each call reads its own copy of the weight, so nothing
 is served from L2. Kernels launch in the PDL mode the server uses for quantized weights
 ("wait", see ops.triton.launch). --sweep times every INT4 kernel config per (shape, M) and
-prints the best; --sweep-fp8 does the same for the W8A16 kernel (and times nothing else);
+prints the best; --sweep-fp8 and --sweep-w8a8 do the same for the W8A16 and W8A8 kernels (and
+time nothing else);
 --centered times the INT4 kernel with symmetric codes as code - 8 against the MMAs with ones
 for Σ x, three times each, alternating (and times nothing else).
 """
@@ -94,8 +96,6 @@ def bench_shape(k: int, n: int, ms: list[int], sweep: bool, gated: bool = False)
         r["ours_fp8_us"] = 1e3 * graph_time([lambda i=i, x=x: fp8_linear(x, ours8[i % len(ours8)],
                                                                          gated=gated)
                                              for i in range(16)])
-        r["w8a8_kernel_us"] = 1e3 * graph_time([lambda i=i, x=x: w8a8_linear(
-            x, ours8a8[i % len(ours8a8)], gated=gated) for i in range(16)])
         r["w8a8_us"] = 1e3 * graph_time([lambda i=i, x=x: fp8_linear(x, ours8a8[i % len(ours8a8)],
                                                                       gated=gated)
                                           for i in range(16)])
@@ -245,8 +245,8 @@ def main() -> None:
     rows += bench_shape(*GATE_UP, ms, a.sweep, gated=True)
     print("\n| K×N | M | bf16 cuBLAS µs | FP8 _scaled_mm µs | tinygemm INT4 µs | frugal INT4 µs | "
           "INT4 TB/s | INT4 speed-up over FP8 | over bf16 | frugal W8A16 µs | "
-          "frugal W8A8 µs | frugal FP8 served µs | served / _scaled_mm speed |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "frugal W8A8 (served) µs | served / _scaled_mm speed |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         nbytes = r["K"] * r["N"] / 2 + r["K"] * r["N"] / 128 * 4
         name = f"{r['K']}×{r['N']}" + (" gate_up" if r["gated"] else "")
@@ -254,8 +254,7 @@ def main() -> None:
               f"{r.get('tinygemm_us', float('nan')):.1f} | {r['int4_us']:.1f} | "
               f"{nbytes / r['int4_us'] / 1e6:.2f} | {r['fp8_us'] / r['int4_us']:.2f}x | "
               f"{r['bf16_us'] / r['int4_us']:.2f}x | {r['ours_fp8_us']:.1f} | "
-              f"{r['w8a8_kernel_us']:.1f} | {r['w8a8_us']:.1f} | "
-              f"{r['fp8_us'] / r['w8a8_us']:.2f}x |")
+              f"{r['w8a8_us']:.1f} | {r['fp8_us'] / r['w8a8_us']:.2f}x |")
     if a.output:
         with open(a.output, "w") as f:
             json.dump(rows, f, indent=1)

@@ -33,8 +33,8 @@ def add_quantize_parser(subparsers) -> None:
     p.add_argument("--output", required=True, help="directory to write")
     p.add_argument("--scheme", default="w4a16", choices=["w4a16", "fp8", "w8a16"],
                    help="w4a16: INT4 weights; fp8: FP8 (e4m3) weights, activations quantized "
-                        "per token in steps of more than 16 tokens (W8A8); w8a16: FP8 weights, "
-                        "activations kept in the model's dtype")
+                        "per token (W8A8); w8a16: FP8 weights, activations kept in the "
+                        "model's dtype")
     p.add_argument("--group-size", type=int, default=128, choices=GROUP_SIZES,
                    help="w4a16: inputs per scale")
     p.add_argument("--asymmetric", action="store_true", help="w4a16: zero points per group")

@@ -6,12 +6,12 @@ A weight [N, K] is stored as
           strategy) or [ceil(N / block), ceil(K / block)] (one per block × block tile: the
           `weight_block_size: [128, 128]` form of DeepSeek / GLM FP8 checkpoints, whose
           `weight_scale_inv` is this multiplier);
-and w = data · scale. With w8a8 the activations of steps of more than W8A16_MAX_ROWS tokens
-are quantized too, dynamically per token (`quantize_rows`: one scale per row of x, its amax /
-448), and the matmul runs in FP8 (W8A8, torch._scaled_mm on the GPU); smaller steps, and every
-step without w8a8, keep activations in the model's dtype (W8A16: the GPU kernel widens the
-weight in registers). The split is where each measures faster on the H200 (docs/benchmarks.md):
-FP8 tensor cores for prompts and large batches, our split-K kernel for small decode batches.
+and w = data · scale. With w8a8 the activations are quantized too, dynamically per token
+(`quantize_rows`: one scale per row of x, its amax / 448), and the matmul runs in FP8 (W8A8: on
+the GPU our split-K kernel for decode batches, torch._scaled_mm for prompts), at every step, so
+a request's numbers do not depend on the batch it runs in; without w8a8 activations keep the
+model's dtype (W8A16: the GPU kernel widens the weight in registers). On the H200 W8A8 measured
+faster at every batch size (docs/benchmarks.md); W8A16 keeps more accuracy (docs/accuracy.md).
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from frugal.quant import divide
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
-W8A16_MAX_ROWS = 16  # w8a8 weights: steps of up to this many tokens keep activations as they are
 
 
 @dataclass
@@ -32,7 +31,7 @@ class Fp8Weight:
     data: torch.Tensor
     scales: torch.Tensor
     block: int | None = None  # None: per output channel
-    w8a8: bool = False  # activations quantized per token (steps > W8A16_MAX_ROWS tokens)
+    w8a8: bool = False  # activations quantized per token (W8A8)
     _dense: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -78,11 +77,6 @@ class Fp8Weight:
                              f"{block}")
         return Fp8Weight(torch.cat([p.data for p in parts]),
                          torch.cat([p.scales for p in parts]), block, w8a8)
-
-
-def rounds_activations(w: Fp8Weight, rows: int) -> bool:
-    """Whether a matmul of `rows` tokens with w quantizes its activations (W8A8)."""
-    return w.w8a8 and rows > W8A16_MAX_ROWS
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -48,9 +48,9 @@ def _round(w):
 
 
 def test_w8a8_rounds_the_activations_per_token():
-    """torch_ref.linear with a W8A8 weight in a step of more than 16 tokens: norm, then each row
-    of x rounded to FP8 on its own scale, then the matmul with the dequantized weight, SiLU·mul
-    and the residual. Steps of up to 16 tokens keep x (W8A16)."""
+    """torch_ref.linear with a W8A8 weight: norm, then each row of x rounded to FP8 on its own
+    scale, then the matmul with the dequantized weight, SiLU·mul and the residual; a row's
+    result does not depend on the rows beside it (one token alone gives the same)."""
     g = torch.Generator().manual_seed(3)
     w = torch.randn(64, 48, generator=g)
     x = torch.randn(20, 48, generator=g) * torch.logspace(-3, 4, 20)[:, None]
@@ -66,9 +66,9 @@ def test_w8a8_rounds_the_activations_per_token():
     plain = torch_ref.linear(x, Fp8Weight(codes, scale), norm=norm, eps=1e-6, gated=True,
                              residual=r.clone())
     assert not torch.allclose(plain, want, rtol=1e-3, atol=1e-3)  # W8A16 does not round x
-    small = torch_ref.linear(x[:16], Fp8Weight(codes, scale, w8a8=True), norm=norm, eps=1e-6,
-                             gated=True, residual=r[:16].clone())
-    torch.testing.assert_close(small, plain[:16])
+    one = torch_ref.linear(x[5:6], Fp8Weight(codes, scale, w8a8=True), norm=norm, eps=1e-6,
+                           gated=True, residual=r[5:6].clone())
+    torch.testing.assert_close(one, want[5:6], rtol=1e-5, atol=1e-5)
 
 
 def test_checkpoint_form_reads_the_activation_scheme():

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from frugal.ops.torch_ref.activation import silu_and_mul
 from frugal.ops.torch_ref.norm import rms_norm
-from frugal.quant.fp8 import Fp8Weight, round_rows, rounds_activations
+from frugal.quant.fp8 import Fp8Weight, round_rows
 from frugal.quant.int4 import Int4Weight
 
 # Up to this many tokens, weight @ x.T runs 1.3-3x faster than x @ weight.T through MKL's sgemm on
@@ -19,7 +19,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Int4Weight | Fp8Weight,
            bias: torch.Tensor | None = None, norm: torch.Tensor | None = None, eps: float = 0.0,
            gated: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
     """x: [num_tokens, in]; weight: [out, in] (INT4 or FP8: its dequantization in x's dtype,
-    and where W8A8 applies, quant.fp8.rounds_activations, x rounded per token to FP8 too);
+    and with a w8a8 FP8 weight x rounded per token to FP8 too);
     bias: [out] or None -> [num_tokens, out].
 
     Fusable neighbours, applied in this order: norm ([in]): x is RMS-normalized (eps) and scaled
@@ -27,7 +27,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Int4Weight | Fp8Weight,
     residual ([num_tokens, out']): added last. The caller hands the residual over: fast
     backends may write the sum into its storage.
     """
-    w8a8 = isinstance(weight, Fp8Weight) and rounds_activations(weight, x.shape[0])
+    w8a8 = isinstance(weight, Fp8Weight) and weight.w8a8
     if isinstance(weight, (Int4Weight, Fp8Weight)):
         weight = weight.dense(x.dtype)
     if norm is not None:

@@ -1,13 +1,11 @@
 """FP8 (e4m3) weight matmuls: W8A8 (fp8_w8a8) and W8A16 with the weight widened in registers.
 
-W8A8 (an Fp8Weight with w8a8 and per-channel scales, bf16/fp16 activations, more than 16 rows:
-quant.fp8.rounds_activations): x is quantized per token and multiplied on FP8 tensor cores, by
-fp8_w8a8's split-K kernel up to 64 rows and torch._scaled_mm beyond. Up to 16 rows the W8A16
-kernel below is faster (it reads x as it is: no quantizing kernel first), so small decode
-batches keep their activations.
+W8A8 (an Fp8Weight with w8a8 and per-channel scales, bf16/fp16 activations): x is quantized
+per token and multiplied on FP8 tensor cores, by fp8_w8a8's split-K kernel up to 64 rows and
+torch._scaled_mm beyond.
 
-W8A16 (weights without w8a8, block scales, fp32 activations, and w8a8 weights up to 16 rows):
-the weight is used as stored ([N, K]
+W8A16 (weights without w8a8; w8a8 ones with block scales, fp32 activations or in the CPU
+interpreter, then x rounded per token first): the weight is used as stored ([N, K]
 float8_e4m3fn, row-major, and its float32 scales). A tile of 128 inputs is loaded K-contiguous,
 as the tensor cores' B operand wants it, and widened to fp16 (one instruction per two values,
 exact); bf16 activations go to fp16 with saturation at ±65504 (fp16's range; activations
@@ -27,7 +25,7 @@ import triton.language as tl
 from frugal.ops.triton.fp8_w8a8 import w8a8_linear, w8a8_supported
 from frugal.ops.triton.launch import enter, pdl
 from frugal.ops.triton.split_k import counters, finish, grid, partials, tile_range
-from frugal.quant.fp8 import Fp8Weight, round_rows, rounds_activations
+from frugal.quant.fp8 import Fp8Weight, round_rows
 
 BLOCK_K = 128
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -132,15 +130,15 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
                config: tuple[int, ...] | None = None) -> torch.Tensor:
     """x: [M, K] (bf16, fp16 or fp32); w: [N (2N if gated), K] -> [M, N] in x's dtype: x @ wᵀ
     (+ bias), silu(gate) · up if gated, + residual. As ops.linear without the norm. A w8a8
-    weight quantizes x per token beyond 16 rows (on _scaled_mm where w8a8_supported, else x is
-    rounded as W8A8 would see it and the W8A16 kernel runs)."""
+    weight quantizes x per token (fp8_w8a8 where w8a8_supported, else x is rounded as W8A8
+    would see it and the W8A16 kernel runs)."""
     x = x.contiguous()
     m, k = x.shape
     rows = w.shape[0]
     n = rows // 2 if gated else rows
     if k != w.shape[1]:
         raise ValueError(f"fp8_linear: x has {k} inputs, the weight {w.shape[1]}")
-    if rounds_activations(w, m):
+    if w.w8a8:
         if w8a8_supported(x, w):
             return w8a8_linear(x, w, bias, gated, residual)
         x = round_rows(x)  # (elsewhere: x rounded as W8A8 would see it)

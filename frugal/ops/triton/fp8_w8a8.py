@@ -22,7 +22,7 @@ import triton.language as tl
 from frugal.ops.triton.elementwise import silu_and_mul
 from frugal.ops.triton.launch import enter, pdl
 from frugal.ops.triton.split_k import counters, finish, grid, partials, tile_range
-from frugal.quant.fp8 import FP8, Fp8Weight, rounds_activations
+from frugal.quant.fp8 import FP8, Fp8Weight
 
 SMALL_M = 64  # most rows _kernel takes (one block of rows); beyond, _scaled_mm
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -131,11 +131,10 @@ def quantize_rows_padded(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def w8a8_supported(x: torch.Tensor, w: Fp8Weight) -> bool:
-    """Whether x @ wᵀ runs here: W8A8 applies (quant.fp8.rounds_activations) and the device,
-    dtype and shapes are ones these kernels take (per-channel scales; K and N multiples of
-    16, as _scaled_mm wants)."""
+    """Whether x @ wᵀ runs here: a w8a8 weight, and a device, dtype and shapes these kernels
+    take (per-channel scales; K and N multiples of 16, as _scaled_mm wants)."""
     n, k = w.shape
-    return (rounds_activations(w, x.shape[0]) and w.block is None and x.device.type == "cuda"
+    return (w.w8a8 and w.block is None and x.device.type == "cuda"
             and not _INTERPRET and x.dtype in (torch.bfloat16, torch.float16)
             and k % 16 == 0 and n % 16 == 0)
 
