@@ -89,8 +89,8 @@ def profile_step(runner: ModelRunner, config: EngineConfig) -> int:
 # Dummy prompt steps run at start-up, as (decodes, new tokens of one prompt): every launch of the
 # prompt attention kernel (its blocks of rows are picked by the prompt's length: see
 # ops.triton.attention._extend_launch), a decode beside a prompt, and matmuls of up to 16 and of
-# more rows (FP8 W8A8 weights switch kernels there).
-WARM_UP_STEPS = ((0, 2), (0, 16), (0, 32), (1, 16))
+# more rows (the quantized weights' kernels compile a variant per block of rows).
+WARM_UP_STEPS = ((0, 2), (0, 16), (0, 32), (0, 64), (1, 16))
 
 
 @torch.inference_mode()

@@ -9,7 +9,8 @@ A weight [N, K] is stored as
 and w = data · scale. With w8a8 the activations are quantized too, dynamically per token
 (`quantize_rows`: one scale per row of x, its amax / 448), and the matmul runs in FP8 (W8A8: on
 the GPU our split-K kernel for decode batches, torch._scaled_mm for prompts), at every step, so
-a request's numbers do not depend on the batch it runs in; without w8a8 activations keep the
+a token's activations are rounded the same way whatever batch it runs in; without w8a8
+activations keep the
 model's dtype (W8A16: the GPU kernel widens the weight in registers). On the H200 W8A8 measured
 faster at every batch size (docs/benchmarks.md); W8A16 keeps more accuracy (docs/accuracy.md).
 """

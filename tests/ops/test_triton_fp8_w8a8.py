@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from frugal.ops import torch_ref
-from frugal.quant.fp8 import quantize_fp8, quantize_rows
+from frugal.quant.fp8 import Fp8Weight, quantize_fp8, quantize_rows
 
 w8a8 = pytest.importorskip("frugal.ops.triton.fp8_w8a8")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -22,7 +22,8 @@ def run(m, n, k, dtype, gated=False, bias=False, residual=False, config=None, se
     b = torch.randn(rows, generator=g) if bias else None
     r = torch.randn(m, n, generator=g) if residual else None
     q, scales = quantize_rows(x)
-    ref = torch_ref.linear(q.float() * scales, w, b, gated=gated, residual=r)
+    ref = torch_ref.linear(q.float() * scales, Fp8Weight(w.data, w.scales), b, gated=gated,
+                           residual=r)  # (x as rounded; the weight's copy without w8a8)
     dev = [None if t is None else t.to(DEVICE).to(dtype) for t in (b, r)]
     got = w8a8.multiply(q.to(DEVICE), scales.to(DEVICE), m, w.to(DEVICE), dtype, dev[0], gated,
                         dev[1], config)
@@ -36,6 +37,7 @@ def run(m, n, k, dtype, gated=False, bias=False, residual=False, config=None, se
 
 
 def test_w8a8_kernel():
+    """Plain matmuls: a few rows, and 16 rows of a partial last tile."""
     run(3, 40, 384, torch.float32, seed=1)
     run(16, 64, 200, torch.float32, bias=True, seed=2)  # a partial tile
 
@@ -51,10 +53,26 @@ def test_w8a8_kernel_rejects():
     """More rows than one block, or block-scaled weights, are not this kernel's."""
     w = quantize_fp8(torch.randn(64, 128), w8a8=True)
     q, s = quantize_rows(torch.randn(65, 128))
-    with pytest.raises(ValueError, match="at most 64"):
+    with pytest.raises(ValueError, match="65 rows"):
         w8a8.multiply(q, s, 65, w, torch.float32)
-    with pytest.raises(ValueError, match="per-channel"):
+    with pytest.raises(ValueError, match="4 rows"):
+        w8a8.multiply(q[:3], s[:3], 4, w, torch.float32)  # (fewer codes than rows)
+    with pytest.raises(ValueError, match="block 128"):
         w8a8.multiply(q, s, 4, quantize_fp8(torch.randn(128, 128), 128, True), torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", [1, 4])
+def test_w8a8_kernel_sums_in_fp32_gpu(split):
+    """Products of one sign over K = 14336 (where FP8 MMAs, adding with about 14 bits, drift):
+    within bf16's rounding of an fp64 sum of the same FP8 values, whatever the split."""
+    g = torch.Generator().manual_seed(11)
+    w = quantize_fp8(torch.rand(256, 14336, generator=g), w8a8=True)
+    q, scales = quantize_rows(torch.rand(32, 14336, generator=g))
+    ref = (q.double() * scales.double()) @ (w.data.double() * w.scales.double()).t()
+    got = w8a8.multiply(q.cuda(), scales.cuda(), 32, w.to("cuda"), torch.bfloat16,
+                        config=(64, split, 4, 4)).double().cpu()
+    assert float((got - ref).norm() / ref.norm()) < 4e-3
 
 
 @pytest.mark.gpu

@@ -1,9 +1,9 @@
 """Triton kernels for NVIDIA GPUs, with the signatures of frugal.ops.torch_ref.
 
-Matmuls of many tokens stay with cuBLAS (FP8 W8A8 weights on its FP8 matmul; other
-quantized weights take our W4A16 / W8A16 kernels up to 64 tokens); the
-kernels here cover the decode GEMV with its neighbours fused, attention over the paged cache, the
-KV store, the small ops between matmuls and the KV-cache integrity check.
+Matmuls of many tokens stay with cuBLAS (FP8 W8A8 weights on torch's FP8 matmul beyond 64
+tokens); quantized weights take our W4A16 / W8A8 / W8A16 kernels up to 64 tokens, and the
+kernels here also cover the decode GEMV with its neighbours fused, attention over the paged
+cache, the KV store, the small ops between matmuls and the KV-cache integrity check.
 """
 
 from frugal.ops.triton.attention import paged_attention

@@ -5,9 +5,11 @@ One kernel turns x into e4m3 with one scale per row (its amax / 448, as
 quant.fp8.quantize_rows), rows padded to 16. Then, up to SMALL_M rows (decode batches),
 `_kernel` multiplies: the product is computed transposed, outᵀ = W · xᵀ, so the weight's rows
 fill the FP8 MMA's 64-row side and x's rows its narrow one; both operands are read as stored
-(K-contiguous, as FP8 MMAs want them), the fp32 sums are carried by the MMAs from tile to tile,
-and both scale vectors multiply once at the end; the inputs are split across programs (split-K,
-reduced in the kernel: split_k.finish) so that a few rows still keep every SM streaming weights.
+(K-contiguous, as FP8 MMAs want them); each 128-input tile's products are added into the fp32
+sums apart (Hopper's FP8 MMAs add with about 14 bits: carried over all of K, sums of one sign
+were off by 6 % RMS at K = 14336), and both scale vectors multiply once at the end; the inputs
+are split across programs (split-K, reduced in the kernel: split_k.finish) so that a few rows
+still keep every SM streaming weights.
 Beyond SMALL_M rows (prefill) torch._scaled_mm multiplies with its row-wise scales (CUTLASS).
 """
 
@@ -79,11 +81,12 @@ def _kernel(q_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, r_ptr, out_ptr, part_ptr, count
 
 @triton.jit
 def _dot(w, qt, acc, DOT_F32: tl.constexpr):
-    """acc + w [BN, 128] e4m3 · qt [128, BM] (e4m3, or its values in fp32) -> [BN, BM] fp32."""
+    """acc + w [BN, 128] e4m3 · qt [128, BM] (e4m3, or its values in fp32) -> [BN, BM] fp32,
+    the tile's products summed by the MMAs and added to acc in fp32."""
     if DOT_F32:
         y = tl.dot(w.to(tl.float32), qt, acc, input_precision="ieee")
     else:
-        y = tl.dot(w, qt, acc)
+        y = tl.dot(w, qt, acc, max_num_imprecise_acc=128)
     return y
 
 
@@ -91,7 +94,8 @@ def _config(m: int, n: int, k: int, gated: bool) -> tuple[int, int, int, int]:
     """(BLOCK_N, SPLIT_K, num_warps, num_stages) for x [m, k] and n outputs (2n rows if
     gated), near the best of `benchmarks/quant_linear.py --sweep-w8a8` on the H200 at 32 and
     64 rows (Llama-3.1-8B shapes): blocks of 64 outputs (one warpgroup), the inputs split while
-    the programs stay within two an SM (264), 4 tiles a part at least."""
+    the blocks (a gated one counting twice: it streams twice the rows) times the parts stay
+    within two an SM (264), 4 tiles a part at least. (m: the same at every row count.)"""
     blocks, tiles = triton.cdiv(n, 64) * (2 if gated else 1), triton.cdiv(k, 128)
     split = 1
     while blocks * split * 2 <= 264 and tiles >= 8 * split:
@@ -163,13 +167,17 @@ def multiply(q: torch.Tensor, scales: torch.Tensor, m: int, w: Fp8Weight, dtype:
              residual: torch.Tensor | None = None,
              config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """_kernel on x's codes q [>= m, K] e4m3 and row scales [>= m, 1] fp32 -> [m, N] in dtype
-    (m <= SMALL_M); as w8a8_linear after quantizing."""
+    (m <= SMALL_M); as w8a8_linear after quantizing (bias [N (2N)], residual [m, N]
+    contiguous)."""
     k = q.shape[1]
     rows = w.shape[0]
     n = rows // 2 if gated else rows
-    if k != w.shape[1] or w.block is not None or m > SMALL_M:
-        raise ValueError(f"w8a8 multiply: {m} rows of {k} inputs (at most {SMALL_M}), weight "
-                         f"{w.shape} with block {w.block} (per-channel scales only)")
+    if not 0 < m <= min(SMALL_M, q.shape[0], scales.shape[0]) or q.dtype != FP8:
+        raise ValueError(f"w8a8 multiply: {m} rows (at most {SMALL_M}) of codes {q.dtype} "
+                         f"{tuple(q.shape)} and scales {tuple(scales.shape)}")
+    if k != w.shape[1] or w.block is not None or (gated and rows % 2):
+        raise ValueError(f"w8a8 multiply: weight {w.shape} with block {w.block} for {k} inputs "
+                         "(per-channel scales only; gated: an even number of rows)")
     block_n, split, num_warps, num_stages = config or _config(m, n, k, gated)
     launch, split = grid(triton.cdiv(n, block_n), 1, split)
     out = torch.empty(m, n, dtype=dtype, device=q.device)

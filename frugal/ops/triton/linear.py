@@ -9,7 +9,7 @@ attention; cuBLAS at one row also adds a split-K reduction kernel per matmul.
 Quantized weights take their own kernels up to 64 tokens (the RMSNorm, if any, as its own kernel
 first): INT4 (repacked by pack_weight into int4_linear's layout) and FP8 (fp8_linear); beyond,
 the weight is dequantized for the step and the matmul is cuBLAS's. W8A8 FP8 weights run
-fp8_linear (FP8 cuBLAS) at any number of tokens.
+fp8_linear at any number of tokens (beyond 64, FP8 _scaled_mm).
 
 A decode batch (2..64 tokens): gate_up runs as a Triton tensor-core kernel with SiLU·mul as its
 epilogue (one program holds all the rows, so there is no split-K to reduce first); the other
