@@ -8,7 +8,8 @@ per-channel scales: W8A16, as `--scheme w8a16` checkpoints run; and W8A8, the pa
 fp8_w8a8) against, in the same run, bf16
 cuBLAS (`F.linear`), FP8 `torch._scaled_mm` (per-tensor scales, M padded to 16, as
 ../shared/tools/gpu_peers.py measures it) and torch's INT4 tinygemm (`_weight_int4pack_mm`), and
-prints µs, the weight-read bandwidth and the ratios.
+prints µs, the weight-read bandwidth and the ratios (the JSON also has `quantize_x_us`: W8A8's
+per-token quantizing kernel alone, part of its time).
    python benchmarks/quant_linear.py [--sweep | --sweep-fp8 | --sweep-w8a8 | --centered]
                                      [--m 1,8,16,32,64]
 
@@ -35,7 +36,7 @@ from timing import graph_time
 from frugal.ops.triton.fp8_linear import _config as fp8_config
 from frugal.ops.triton.fp8_linear import fp8_linear
 from frugal.ops.triton.fp8_w8a8 import _config as w8a8_config
-from frugal.ops.triton.fp8_w8a8 import w8a8_linear
+from frugal.ops.triton.fp8_w8a8 import quantize_rows_padded, w8a8_linear
 from frugal.ops.triton.int4_linear import _config, int4_linear, repack
 from frugal.ops.triton.launch import set_default
 from frugal.quant.fp8 import quantize_fp8
@@ -99,6 +100,7 @@ def bench_shape(k: int, n: int, ms: list[int], sweep: bool, gated: bool = False)
         r["w8a8_us"] = 1e3 * graph_time([lambda i=i, x=x: fp8_linear(x, ours8a8[i % len(ours8a8)],
                                                                       gated=gated)
                                           for i in range(16)])
+        r["quantize_x_us"] = 1e3 * graph_time([lambda x=x: quantize_rows_padded(x)] * 16)
         r["config"] = _config(m, n // 2 if gated else n, k, gated)
         if sweep:
             best = (r["int4_us"], r["config"])
