@@ -128,6 +128,18 @@ def bench_shape(k: int, n: int, ms: list[int], sweep: bool, gated: bool = False)
     return rows
 
 
+def time_configs(configs: list[tuple], calls_for) -> tuple[dict[str, float], str]:
+    """µs per call of calls_for(config) (16 calls) for each config the compiler takes, keyed by
+    str(config), and the fastest's key."""
+    times = {}
+    for c in configs:
+        try:
+            times[str(c)] = 1e3 * graph_time(calls_for(c))
+        except Exception as exc:  # noqa: BLE001 (a config the compiler refuses)
+            print(f"config {c}: {exc!r:.80}")
+    return times, min(times, key=times.get)
+
+
 def sweep_fp8(k: int, n: int, ms: list[int]) -> list[dict]:
     """The W8A16 kernel's time at its own config and at each of FP8_CONFIGS."""
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5
@@ -136,16 +148,10 @@ def sweep_fp8(k: int, n: int, ms: list[int]) -> list[dict]:
     for m in ms:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         own = fp8_config(m, n, k)
-        times = {}
-        for c in [own[1:], *FP8_CONFIGS]:
-            config = (own[0], *c)
-            try:
-                times[str(config)] = 1e3 * graph_time(
-                    [lambda i=i, x=x, c=config: fp8_linear(x, ours8[i % len(ours8)], config=c)
-                     for i in range(16)])
-            except Exception as exc:  # noqa: BLE001 (a config the compiler refuses)
-                print(f"config {config}: {exc!r:.80}")
-        best = min(times, key=times.get)
+        times, best = time_configs(
+            [(own[0], *c) for c in [own[1:], *FP8_CONFIGS]],
+            lambda c, x=x: [lambda i=i: fp8_linear(x, ours8[i % len(ours8)], config=c)
+                            for i in range(16)])
         r = {"K": k, "N": n, "M": m, "config": str(own), "us": times[str(own)],
              "best_config": best, "best_us": times[best]}
         rows.append(r)
@@ -161,15 +167,10 @@ def sweep_w8a8(k: int, n: int, ms: list[int], gated: bool = False) -> list[dict]
     for m in ms:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         own = w8a8_config(m, n // 2 if gated else n, k, gated)
-        times = {}
-        for c in [own, *W8A8_CONFIGS]:
-            try:
-                times[str(c)] = 1e3 * graph_time(
-                    [lambda i=i, x=x, c=c: w8a8_linear(x, ours[i % len(ours)], gated=gated,
-                                                       config=c) for i in range(16)])
-            except Exception as exc:  # noqa: BLE001 (a config the compiler refuses)
-                print(f"config {c}: {exc!r:.80}")
-        best = min(times, key=times.get)
+        times, best = time_configs(
+            [own, *W8A8_CONFIGS],
+            lambda c, x=x: [lambda i=i: w8a8_linear(x, ours[i % len(ours)], gated=gated,
+                                                    config=c) for i in range(16)])
         r = {"K": k, "N": n, "M": m, "gated": gated, "config": str(own), "us": times[str(own)],
              "best_config": best, "best_us": times[best], "times": times}
         rows.append(r)
@@ -224,22 +225,16 @@ def main() -> None:
             name = f"{r['K']}×{r['N']}" + (" gate_up" if r["gated"] else "")
             print(f"| {name} | {r['M']} | {tuple(r['config'])} | {r['ones_us']:.2f} | "
                   f"{r['centered_us']:.2f} | {r['speedup']:.2f}x |")
-        if a.output:
-            with open(a.output, "w") as f:
-                json.dump(rows, f, indent=1)
+        save(rows, a.output)
         return
     if a.sweep_w8a8:
         rows = [r for k, n in SHAPES for r in sweep_w8a8(k, n, ms)]
         rows += sweep_w8a8(*GATE_UP, ms, gated=True)
-        if a.output:
-            with open(a.output, "w") as f:
-                json.dump(rows, f, indent=1)
+        save(rows, a.output)
         return
     if a.sweep_fp8:
         rows = [r for k, n in SHAPES for r in sweep_fp8(k, n, ms)]
-        if a.output:
-            with open(a.output, "w") as f:
-                json.dump(rows, f, indent=1)
+        save(rows, a.output)
         return
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | CUDA-graph replay "
           "medians | W4A16 group 128 symmetric, FP8 per-tensor\n")
@@ -257,8 +252,13 @@ def main() -> None:
               f"{nbytes / r['int4_us'] / 1e6:.2f} | {r['fp8_us'] / r['int4_us']:.2f}x | "
               f"{r['bf16_us'] / r['int4_us']:.2f}x | {r['ours_fp8_us']:.1f} | "
               f"{r['w8a8_us']:.1f} | {r['fp8_us'] / r['w8a8_us']:.2f}x |")
-    if a.output:
-        with open(a.output, "w") as f:
+    save(rows, a.output)
+
+
+def save(rows: list[dict], path: str | None) -> None:
+    """All rows as JSON at path (none: nothing written)."""
+    if path:
+        with open(path, "w") as f:
             json.dump(rows, f, indent=1)
 
 
