@@ -9,7 +9,8 @@ fp8_w8a8) against, in the same run, bf16
 cuBLAS (`F.linear`), FP8 `torch._scaled_mm` (per-tensor scales, M padded to 16, as
 ../shared/tools/gpu_peers.py measures it) and torch's INT4 tinygemm (`_weight_int4pack_mm`), and
 prints µs, the weight-read bandwidth and the ratios (the JSON also has `quantize_x_us`: W8A8's
-per-token quantizing kernel alone, part of its time).
+per-token quantizing kernel alone, part of its time; and `w8a8_fp8_x_us`: our W8A8 matmul from x
+already in FP8, as qkv and gate_up run, their RMSNorm kernel quantizing x).
    python benchmarks/quant_linear.py [--sweep | --sweep-fp8 | --sweep-w8a8 | --centered]
                                      [--m 1,8,16,32,64]
 
@@ -36,7 +37,7 @@ from timing import graph_time
 from frugal.ops.triton.fp8_linear import _config as fp8_config
 from frugal.ops.triton.fp8_linear import fp8_linear
 from frugal.ops.triton.fp8_w8a8 import _config as w8a8_config
-from frugal.ops.triton.fp8_w8a8 import quantize_rows_padded, w8a8_linear
+from frugal.ops.triton.fp8_w8a8 import multiply, quantize_rows_padded, w8a8_linear
 from frugal.ops.triton.int4_linear import _config, int4_linear, repack
 from frugal.ops.triton.launch import set_default
 from frugal.quant.fp8 import quantize_fp8
@@ -101,23 +102,21 @@ def bench_shape(k: int, n: int, ms: list[int], sweep: bool, gated: bool = False)
                                                                       gated=gated)
                                           for i in range(16)])
         r["quantize_x_us"] = 1e3 * graph_time([lambda x=x: quantize_rows_padded(x)] * 16)
+        if m <= 64:  # qkv and gate_up as served: x quantized by the RMSNorm before them
+            qx, sx = quantize_rows_padded(x)
+            r["w8a8_fp8_x_us"] = 1e3 * graph_time([lambda i=i, qx=qx, sx=sx, m=m: multiply(
+                qx, sx, m, ours8a8[i % len(ours8a8)], torch.bfloat16, gated=gated)
+                for i in range(16)])
         r["config"] = _config(m, n // 2 if gated else n, k, gated)
         if sweep:
-            best = (r["int4_us"], r["config"])
-            for c in CONFIGS:
-                blocks = -(-(n // 2 if gated else n) // c[0])
-                if c[1] * 2 > k // 128 or not 64 <= blocks * c[1] <= 1200:
-                    continue
-                try:
-                    calls = [lambda i=i, x=x, c=c: int4_linear(x, tiles[i % copies], gated=gated,
-                                                               config=c)
-                             for i in range(16)]
-                    t = 1e3 * graph_time(calls)
-                except Exception as exc:  # noqa: BLE001 (a config the compiler refuses)
-                    print(f"config {c}: {exc!r:.80}")
-                    continue
-                best = min(best, (t, c))
-            r["best_us"], r["best_config"] = best
+            blocks = lambda c: -(-(n // 2 if gated else n) // c[0])  # noqa: E731
+            configs = [c for c in CONFIGS
+                       if c[1] * 2 <= k // 128 and 64 <= blocks(c) * c[1] <= 1200]
+            times, best = time_configs(
+                [tuple(r["config"]), *configs],
+                lambda c, x=x: [lambda i=i: int4_linear(x, tiles[i % copies], gated=gated,
+                                                        config=c) for i in range(16)])
+            r["best_us"], r["best_config"], r["times"] = times[best], best, times
         ref = F.linear(x, dense)
         if gated:
             ref = F.silu(ref[:, :n // 2]) * ref[:, n // 2:]
@@ -242,8 +241,9 @@ def main() -> None:
     rows += bench_shape(*GATE_UP, ms, a.sweep, gated=True)
     print("\n| K×N | M | bf16 cuBLAS µs | FP8 _scaled_mm µs | tinygemm INT4 µs | frugal INT4 µs | "
           "INT4 TB/s | INT4 speed-up over FP8 | over bf16 | frugal W8A16 µs | "
-          "frugal W8A8 (served) µs | served / _scaled_mm speed |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "frugal W8A8 (served) µs | served / _scaled_mm speed | W8A8 from FP8 x µs | "
+          "from FP8 x / _scaled_mm speed |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         nbytes = r["K"] * r["N"] / 2 + r["K"] * r["N"] / 128 * 4
         name = f"{r['K']}×{r['N']}" + (" gate_up" if r["gated"] else "")
@@ -251,7 +251,9 @@ def main() -> None:
               f"{r.get('tinygemm_us', float('nan')):.1f} | {r['int4_us']:.1f} | "
               f"{nbytes / r['int4_us'] / 1e6:.2f} | {r['fp8_us'] / r['int4_us']:.2f}x | "
               f"{r['bf16_us'] / r['int4_us']:.2f}x | {r['ours_fp8_us']:.1f} | "
-              f"{r['w8a8_us']:.1f} | {r['fp8_us'] / r['w8a8_us']:.2f}x |")
+              f"{r['w8a8_us']:.1f} | {r['fp8_us'] / r['w8a8_us']:.2f}x | "
+              f"{r.get('w8a8_fp8_x_us', float('nan')):.1f} | "
+              f"{r['fp8_us'] / r.get('w8a8_fp8_x_us', float('nan')):.2f}x |")
     save(rows, a.output)
 
 

@@ -89,3 +89,27 @@ def test_fp8_linear_gpu(dtype, m):
     run(m, 1024, 4096, None, dtype, seed=m)
     run(m, 512, 1536, 128, dtype, gated=True, residual=True, seed=m + 1)
     run(m, 576, 576, None, dtype, bias=True, seed=m + 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 17, 64, 200])
+def test_linear_w8a8_with_norm_gpu(dtype, m):
+    """ops.triton.linear with an RMSNorm before a W8A8 weight (qkv, gate_up): the norm runs in the
+    kernel that quantizes x; against torch_ref.linear on torch_ref.rms_norm's output in x's
+    dtype (what is quantized: rounded to e4m3 from there, not from fp32)."""
+    from frugal.ops.triton.linear import linear
+
+    g = torch.Generator().manual_seed(m)
+    for n, k, gated in ((1024, 4096, False), (512, 1536, True)):
+        q = quantize_fp8(torch.randn(2 * n if gated else n, k, generator=g) * k ** -0.5,
+                         w8a8=True)
+        x = (torch.randn(m, k, generator=g) * 3).to(dtype)
+        norm = (torch.rand(k, generator=g) + 0.5).to(dtype)
+        ref = torch_ref.linear(torch_ref.rms_norm(x, norm, 1e-5).float(), q, gated=gated)
+        got = linear(x.cuda(), q.to("cuda"), norm=norm.cuda(), eps=1e-5, gated=gated)
+        assert got.shape == (m, n) and got.dtype == dtype
+        tol = {torch.bfloat16: 3e-2, torch.float16: 1e-2}[dtype]  # (a norm an ulp apart can
+        # move an e4m3 rounding)
+        torch.testing.assert_close(got.float().cpu(), ref, atol=tol * ref.abs().max().item(),
+                                   rtol=tol)

@@ -104,3 +104,28 @@ def test_quantize_rows_kernel():
     assert bool(want_q.float().abs().amax(1)[[0, 1, 2, 4]].eq(448).all())
     if DEVICE == "cuda":  # the GPU's conversion is exact
         assert torch.equal(q[:5].view(torch.uint8), want_q.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_rows_kernel_with_norm(dtype):
+    """With a norm, the quantizing kernel gives the codes and scales of elementwise.rms_norm and
+    then the plain quantizing kernel, exactly; against quantize_rows of torch_ref.rms_norm,
+    scales within the norm's rounding (an ulp of x's dtype at the row's largest value) and
+    codes within half their value (the interpreter's e4m3 conversion)."""
+    from frugal.ops.triton.elementwise import rms_norm
+
+    g = torch.Generator().manual_seed(7)
+    x = (torch.randn(3, 576, generator=g) * torch.tensor([1e-2, 1.0, 40.0])[:, None]).to(dtype)
+    norm = (torch.rand(576, generator=g) + 0.5).to(dtype)
+    x, dnorm = x.to(DEVICE), norm.to(DEVICE)
+    q, scales = w8a8.quantize_rows_padded(x, dnorm, 1e-6)
+    two_q, two_scales = w8a8.quantize_rows_padded(rms_norm(x, dnorm, 1e-6))
+    assert q.shape == (16, 576) and scales.shape == (16, 1)
+    assert torch.equal(scales, two_scales)
+    assert torch.equal(q.view(torch.uint8), two_q.view(torch.uint8))
+    assert bool((q[3:].float() == 0).all())
+    want_q, want_scales = quantize_rows(torch_ref.rms_norm(x.cpu(), norm, 1e-6).float())
+    ulp = 1e-6 if dtype == torch.float32 else 2 ** -7
+    torch.testing.assert_close(scales[:3].cpu(), want_scales, rtol=2 * ulp, atol=0)
+    got, want = q[:3].float().cpu(), want_q.float()
+    assert bool(((got - want).abs() <= want.abs() / 2 + 2 ** -9).all())

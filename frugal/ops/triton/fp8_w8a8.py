@@ -2,7 +2,8 @@
 weights, products on FP8 tensor cores.
 
 One kernel turns x into e4m3 with one scale per row (its amax / 448, as
-quant.fp8.quantize_rows), rows padded to 16. Then, up to SMALL_M rows (decode batches),
+quant.fp8.quantize_rows), rows padded to 16; where an RMSNorm comes first (qkv, gate_up), the
+same kernel normalizes the row before quantizing it. Then, up to SMALL_M rows (decode batches),
 `_kernel` multiplies: the product is computed transposed, outᵀ = W · xᵀ, so the weight's rows
 fill the FP8 MMA's 64-row side and x's rows its narrow one; both operands are read as stored
 (K-contiguous, as FP8 MMAs want them); each 128-input tile's products are added into the fp32
@@ -104,31 +105,41 @@ def _config(m: int, n: int, k: int, gated: bool) -> tuple[int, int, int, int]:
 
 
 @triton.jit(do_not_specialize=["M"])
-def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """Row m of q = x[m] · (1 / s[m]) saturated to e4m3, s[m] = max(max|x[m]|, 1e-12) / 448, as
-    quant.fp8.quantize_rows; rows M.. (padding) get codes 0."""
+def _quantize_rows_kernel(x_ptr, g_ptr, q_ptr, s_ptr, M, K, eps, NORM: tl.constexpr,
+                          BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """Row m of q = y[m] · (1 / s[m]) saturated to e4m3, s[m] = max(max|y[m]|, 1e-12) / 448, as
+    quant.fp8.quantize_rows; rows M.. (padding) get codes 0. y = x, or with NORM its RMSNorm
+    times g, rounded to x's dtype as elementwise.rms_norm returns it (the same codes as that
+    kernel and then this one)."""
     enter(PDL)
     m = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < K
     x = tl.load(x_ptr + m.to(tl.int64) * K + offs, mask=mask & (m < M), other=0.0)
-    x = x.to(tl.float32)
-    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12), 448.0)  # (FP8_MAX)
+    y = x.to(tl.float32)
+    if NORM:
+        inv = 1.0 / tl.sqrt(tl.sum(y * y, 0) / K + eps)
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        y = (g * (y * inv).to(x.dtype).to(tl.float32)).to(x.dtype).to(tl.float32)
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(y), axis=0), 1e-12), 448.0)  # (FP8_MAX)
     # (one reciprocal a row: a division per element made the kernel compute-bound)
-    q = tl.clamp(x * tl.math.div_rn(1.0, scale), -448.0, 448.0)
+    q = tl.clamp(y * tl.math.div_rn(1.0, scale), -448.0, 448.0)
     tl.store(q_ptr + m.to(tl.int64) * K + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + m, scale)
 
 
-def quantize_rows_padded(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (q [M16, K] e4m3, scales [M16, 1] fp32), M16 = M rounded up to 16."""
+def quantize_rows_padded(x: torch.Tensor, norm: torch.Tensor | None = None, eps: float = 0.0
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (q [M16, K] e4m3, scales [M16, 1] fp32), M16 = M rounded up to 16; with
+    norm ([K]), rms_norm(x, norm, eps) is what is quantized (one kernel, one pass over x)."""
     m, k = x.shape
     rows = -(-m // 16) * 16
     q = torch.empty(rows, k, dtype=FP8, device=x.device)
     scales = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
     block = triton.next_power_of_2(k)
     launch_pdl = pdl(x.device)
-    _quantize_rows_kernel[(rows,)](x, q, scales, m, k, BLOCK=block, PDL=launch_pdl,
+    _quantize_rows_kernel[(rows,)](x, norm, q, scales, m, k, eps, NORM=norm is not None,
+                                   BLOCK=block, PDL=launch_pdl,
                                    num_warps=8 if block >= 8192 else 4,
                                    launch_pdl=launch_pdl > 0)
     return q, scales
@@ -145,11 +156,15 @@ def w8a8_supported(x: torch.Tensor, w: Fp8Weight) -> bool:
 
 def w8a8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
                 gated: bool = False, residual: torch.Tensor | None = None,
-                config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+                config: tuple[int, int, int, int] | None = None,
+                norm: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
     """x: [M, K] bf16/fp16 (w8a8_supported); w: [N (2N if gated), K] -> [M, N] in x's dtype,
-    x rounded to FP8 per token: x @ wᵀ (+ bias), silu(gate) · up if gated, + residual."""
-    m = x.shape[0]
-    q, scales = quantize_rows_padded(x.contiguous())
+    x (or rms_norm(x, norm, eps), normalized by the quantizing kernel) rounded to FP8 per
+    token: x @ wᵀ (+ bias), silu(gate) · up if gated, + residual."""
+    m, k = x.shape
+    if k != w.shape[1]:
+        raise ValueError(f"w8a8_linear: x has {k} inputs, the weight {w.shape[1]}")
+    q, scales = quantize_rows_padded(x.contiguous(), norm, eps)
     if m <= SMALL_M:
         return multiply(q, scales, m, w, x.dtype, bias, gated, residual, config)
     y = torch._scaled_mm(q, w.data.t(), scale_a=scales, scale_b=w.scales.t(),

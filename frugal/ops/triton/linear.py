@@ -9,7 +9,8 @@ attention; cuBLAS at one row also adds a split-K reduction kernel per matmul.
 Quantized weights take their own kernels up to 64 tokens (the RMSNorm, if any, as its own kernel
 first): INT4 (repacked by pack_weight into int4_linear's layout) and FP8 (fp8_linear); beyond,
 the weight is dequantized for the step and the matmul is cuBLAS's. W8A8 FP8 weights run
-fp8_linear at any number of tokens (beyond 64, FP8 _scaled_mm).
+fp8_w8a8 at any number of tokens (beyond 64, FP8 _scaled_mm), the RMSNorm done by the kernel
+that quantizes x per token.
 
 A decode batch (2..64 tokens): gate_up runs as a Triton tensor-core kernel with SiLU·mul as its
 epilogue (one program holds all the rows, so there is no split-K to reduce first); the other
@@ -29,6 +30,7 @@ import triton.language as tl
 from frugal.ops.triton.elementwise import rms_norm, silu_and_mul
 from frugal.ops.triton.fp8_linear import BLOCK_K as FP8_TILE_K
 from frugal.ops.triton.fp8_linear import fp8_linear
+from frugal.ops.triton.fp8_w8a8 import w8a8_linear, w8a8_supported
 from frugal.ops.triton.int4_linear import Int4Tiles, int4_linear, repack
 from frugal.ops.triton.int4_linear import dequantize as dequantize_int4
 from frugal.ops.triton.launch import enter, pdl
@@ -221,6 +223,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Int4Tiles | Fp8Weight,
     if isinstance(weight, (Int4Tiles, Fp8Weight)):
         int4 = isinstance(weight, Int4Tiles)
         if m > 0 and (m <= SMALL_M_MAX or (not int4 and weight.w8a8)):
+            if not int4 and w8a8_supported(x, weight):  # (the norm in the quantizing kernel)
+                return w8a8_linear(x.contiguous(), weight, bias, gated, residual, norm=norm,
+                                   eps=eps)
             if norm is not None:
                 x = rms_norm(x, norm, eps)
             return (int4_linear if int4 else fp8_linear)(x, weight, bias, gated, residual)
