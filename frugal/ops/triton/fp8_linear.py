@@ -24,7 +24,7 @@ import triton.language as tl
 
 from frugal.ops.triton.fp8_w8a8 import w8a8_linear, w8a8_supported
 from frugal.ops.triton.launch import enter, pdl
-from frugal.ops.triton.split_k import counters, finish, grid, partials, tile_range
+from frugal.ops.triton.split_k import counters, finish, grid, load_tile, partials, tile_range
 from frugal.quant.fp8 import Fp8Weight, round_rows
 
 BLOCK_K = 128
@@ -56,13 +56,9 @@ def _fp8_kernel(x_ptr, w_ptr, s_ptr, b_ptr, r_ptr, out_ptr, part_ptr, count_ptr,
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for t in tl.range(first, last):
         k0 = t * 128
-        if EVEN_K:
-            x = tl.load(x_ptrs + k0, mask=m_mask[:, None], other=0.0)
-            w = tl.load(w_ptrs + k0, mask=n_mask[None, :], other=0.0)
-        else:
-            k_mask = (k0 + offs_k) < K
-            x = tl.load(x_ptrs + k0, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            w = tl.load(w_ptrs + k0, mask=n_mask[None, :] & k_mask[:, None], other=0.0)
+        k_mask = (k0 + offs_k) < K
+        x = load_tile(x_ptrs + k0, m_mask[:, None], k_mask[None, :], EVEN_K)
+        w = load_tile(w_ptrs + k0, n_mask[None, :], k_mask[:, None], EVEN_K)
         x = _widen_x(x, DOT_F32)
         part = tl.dot(x, _widen_w(w, DOT_F32), input_precision="ieee" if DOT_F32 else "tf32")
         if SCALE_BLOCK:
@@ -72,11 +68,7 @@ def _fp8_kernel(x_ptr, w_ptr, s_ptr, b_ptr, r_ptr, out_ptr, part_ptr, count_ptr,
         else:
             acc += part
         if GATED:
-            if EVEN_K:
-                w_up = tl.load(w_ptrs + N * K + k0, mask=n_mask[None, :], other=0.0)
-            else:
-                w_up = tl.load(w_ptrs + N * K + k0, mask=n_mask[None, :] & k_mask[:, None],
-                               other=0.0)
+            w_up = load_tile(w_ptrs + N * K + k0, n_mask[None, :], k_mask[:, None], EVEN_K)
             part = tl.dot(x, _widen_w(w_up, DOT_F32),
                           input_precision="ieee" if DOT_F32 else "tf32")
             if SCALE_BLOCK:

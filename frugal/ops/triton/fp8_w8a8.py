@@ -24,7 +24,7 @@ import triton.language as tl
 
 from frugal.ops.triton.elementwise import silu_and_mul
 from frugal.ops.triton.launch import enter, pdl
-from frugal.ops.triton.split_k import counters, finish, grid, partials, tile_range
+from frugal.ops.triton.split_k import counters, finish, grid, load_tile, partials, tile_range
 from frugal.quant.fp8 import FP8, Fp8Weight
 
 SMALL_M = 64  # most rows _kernel takes (one block of rows); beyond, _scaled_mm
@@ -54,23 +54,15 @@ def _kernel(q_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, r_ptr, out_ptr, part_ptr, count
     acc_up = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     for t in tl.range(first, last):
         k0 = t * 128
-        if EVEN_K:
-            q = tl.load(q_ptrs + k0, mask=m_mask[:, None], other=0.0)
-            w = tl.load(w_ptrs + k0, mask=n_mask[:, None], other=0.0)
-        else:
-            k_mask = (k0 + offs_k) < K
-            q = tl.load(q_ptrs + k0, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            w = tl.load(w_ptrs + k0, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        k_mask = (k0 + offs_k)[None, :] < K
+        q = load_tile(q_ptrs + k0, m_mask[:, None], k_mask, EVEN_K)
+        w = load_tile(w_ptrs + k0, n_mask[:, None], k_mask, EVEN_K)
         qt = tl.trans(q)  # [128, BLOCK_M]
         if DOT_F32:
             qt = qt.to(tl.float32)
         acc = _dot(w, qt, acc, DOT_F32)
         if GATED:
-            if EVEN_K:
-                w_up = tl.load(w_ptrs + N * K + k0, mask=n_mask[:, None], other=0.0)
-            else:
-                w_up = tl.load(w_ptrs + N * K + k0, mask=n_mask[:, None] & k_mask[None, :],
-                               other=0.0)
+            w_up = load_tile(w_ptrs + N * K + k0, n_mask[:, None], k_mask, EVEN_K)
             acc_up = _dot(w_up, qt, acc_up, DOT_F32)
     xs = tl.load(xs_ptr + offs_m, mask=m_mask, other=0.0)[None, :]
     acc *= tl.load(ws_ptr + offs_n, mask=n_mask, other=0.0)[:, None] * xs

@@ -47,6 +47,15 @@ def tile_range(tiles, SPLIT_K: tl.constexpr):
 
 
 @triton.jit
+def load_tile(ptrs, mask, k_mask, EVEN_K: tl.constexpr):
+    """tl.load of one tile of 128 inputs, 0 where masked: mask (rows or outputs) and, unless
+    EVEN_K (every tile whole), k_mask (the inputs before K), broadcast together."""
+    if not EVEN_K:
+        mask = mask & k_mask
+    return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
 def finish(acc, acc_up, offs_m, offs_n, m_mask, n_mask, M, N, part_ptr, count_ptr, b_ptr, r_ptr,
            out_ptr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
            SPLIT_K: tl.constexpr):
