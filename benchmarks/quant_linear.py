@@ -109,9 +109,9 @@ def bench_shape(k: int, n: int, ms: list[int], sweep: bool, gated: bool = False)
                 for i in range(16)])
         r["config"] = _config(m, n // 2 if gated else n, k, gated)
         if sweep:
-            blocks = lambda c: -(-(n // 2 if gated else n) // c[0])  # noqa: E731
+            outputs = n // 2 if gated else n
             configs = [c for c in CONFIGS
-                       if c[1] * 2 <= k // 128 and 64 <= blocks(c) * c[1] <= 1200]
+                       if c[1] * 2 <= k // 128 and 64 <= -(-outputs // c[0]) * c[1] <= 1200]
             times, best = time_configs(
                 [tuple(r["config"]), *configs],
                 lambda c, x=x: [lambda i=i: int4_linear(x, tiles[i % copies], gated=gated,
