@@ -9,7 +9,7 @@ from tqdm import tqdm
 
 from frugal.config import CacheConfig, EngineConfig, SchedulerConfig
 from frugal.engine.llm_engine import LLMEngine
-from frugal.request import RequestOutput, SamplingParams
+from frugal.request import RequestOutput, SamplingParams, join
 from frugal.tokenizer import Conversation, Tokenizer
 
 Prompt = str | list[int] | dict[str, Any]
@@ -90,16 +90,16 @@ class LLM:
                 self.engine.abort_request(request_id)
             raise
         pending = set(ids)
-        final: dict[str, RequestOutput] = {}
+        joined: dict[str, RequestOutput] = {}
         try:
             with tqdm(total=len(ids), desc="generate", disable=not use_tqdm) as bar:
                 while pending:
                     for output in self.engine.step():
-                        if output.finished and output.request_id in pending:
+                        if output.request_id in pending and join(joined, output).finished:
                             pending.discard(output.request_id)
-                            final[output.request_id] = output
                             bar.update(1)
         finally:  # an error or Ctrl-C must not leave requests holding pages in the engine
             for request_id in pending:
                 self.engine.abort_request(request_id)
-        return [final[i] for i in ids]
+        self.engine.check_integrity()
+        return [joined[i] for i in ids]

@@ -100,7 +100,9 @@ class TokenLogprob:
 
 @dataclass
 class CompletionOutput:
-    """One completion. text is cumulative; token_ids include a final EOS/stop token if any."""
+    """One completion's progress since the previous output of its request (the engine's outputs
+    are deltas; RequestOutput.add joins them): new text, new token ids (a final EOS/stop token
+    included), their log-probabilities. finish_reason is set on the last one."""
 
     index: int
     text: str
@@ -117,7 +119,9 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """What the engine reports for a request after a step (cumulative, like vLLM)."""
+    """What the engine reports for a request after a step: what is new since its previous
+    output (see CompletionOutput). Prompt scores come in one output, once all are computed.
+    LLM.generate returns the outputs of each request joined into one (add)."""
 
     request_id: str
     prompt: str | None
@@ -127,6 +131,32 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None  # [None, lp(token 1), ...] if asked
     # [num_prompt_tokens - 1, vocab] log-probabilities of prompt tokens 1.. (prompt_logprobs_tensor)
     prompt_logprobs_tensor: torch.Tensor | None = None
+
+    def add(self, later: RequestOutput) -> RequestOutput:
+        """Append a later output of the same request to this one (in place); returns self.
+        Costs O(what later carries), so joining a request's outputs is linear in its length."""
+        mine, theirs = self.outputs[0], later.outputs[0]
+        mine.text += theirs.text
+        mine.token_ids += theirs.token_ids
+        if theirs.logprobs is not None:
+            if mine.logprobs is None:
+                mine.logprobs = []
+            mine.logprobs += theirs.logprobs
+        mine.finish_reason, mine.stop_reason = theirs.finish_reason, theirs.stop_reason
+        mine.error = theirs.error
+        self.finished = later.finished
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = later.prompt_logprobs
+        if self.prompt_logprobs_tensor is None:
+            self.prompt_logprobs_tensor = later.prompt_logprobs_tensor
+        return self
+
+
+def join(joined: dict[str, RequestOutput], output: RequestOutput) -> RequestOutput:
+    """Add an engine output to the joined output of its request in `joined` (the first output
+    of a request becomes it); returns the joined output."""
+    first = joined.setdefault(output.request_id, output)
+    return first if first is output else first.add(output)
 
 
 class RequestStatus(enum.Enum):
@@ -165,6 +195,8 @@ class Request:
     prompt_logprobs_rows: list[torch.Tensor] = field(default_factory=list)
     num_prompt_scored: int = 0  # prompt tokens 1..num_prompt_scored have their scores recorded
     error: str | None = None  # set with FinishReason.ERROR
+    num_sent: int = 0  # output tokens (and their log-probabilities) already in an output
+    prompt_scores_sent: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:

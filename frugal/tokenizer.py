@@ -47,9 +47,14 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of text; a BOS is prepended when the model wants one and add_special_tokens."""
-        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+    def encode(self, text: str, add_special_tokens: bool = True,
+               field: str = "prompt") -> list[int]:
+        """Token ids of text; a BOS is prepended when the model wants one and add_special_tokens.
+        Text that is not valid Unicode (a lone surrogate) raises ValueError naming `field`.
+        Releases the GIL while it runs (encode_batch does; encode does not), so a long text
+        tokenized on a worker thread does not stall the server's event loop."""
+        check_unicode(text, field)
+        ids = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         if add_special_tokens and self.add_bos and self.bos_token_id is not None:
             if not ids or ids[0] != self.bos_token_id:
                 ids = [self.bos_token_id, *ids]
@@ -82,7 +87,7 @@ class Tokenizer:
                     add_generation_prompt: bool = True) -> list[int]:
         """Token ids of a rendered conversation (the template writes any BOS itself)."""
         return self.encode(self.apply_chat_template(conversation, add_generation_prompt),
-                           add_special_tokens=False)
+                           add_special_tokens=False, field="messages")
 
     def _token_text(self, token_id: int | None) -> str:
         return "" if token_id is None else (self._tok.id_to_token(token_id) or "")
@@ -153,6 +158,25 @@ class Tokenizer:
         # tokenizer.json's post-processor already adds BOS where the model wants one.
         return cls(tok, bos_token_id=token_id("bos_token"), eos_token_ids=eos,
                    chat_template=template, add_bos=False)
+
+
+def check_unicode(text: str, field: str) -> None:
+    """Raise ValueError naming `field` when text holds a lone surrogate (JSON allows "\ud800";
+    UTF-8 and the tokenizer do not)."""
+    at = lone_surrogate(text)
+    if at is not None:
+        raise ValueError(f"{field}: not valid Unicode (a lone surrogate at character {at})")
+
+
+def lone_surrogate(text: str) -> int | None:
+    """Index of the first lone surrogate in text, if any."""
+    if text.isascii():
+        return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return e.start
+    return None
 
 
 def _raise_template_error(message: str) -> None:

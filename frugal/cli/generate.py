@@ -15,14 +15,13 @@ from frugal.request import SamplingParams
 def stream(engine: LLMEngine, prompt: str | list[int], params: SamplingParams) -> Iterator[str]:
     """Text pieces of one request as they are produced; aborts it if the consumer stops early."""
     request_id = engine.add_request(prompt, params)
-    shown, finished = 0, False
+    finished = False
     try:
         while not finished:
             for output in engine.step():
                 if output.request_id == request_id:
-                    text = output.outputs[0].text
-                    yield text[shown:]
-                    shown, finished = len(text), output.finished
+                    yield output.outputs[0].text
+                    finished = output.finished
     finally:
         if not finished:
             engine.abort_request(request_id)

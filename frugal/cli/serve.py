@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import os
@@ -13,6 +14,7 @@ from frugal.cli.args import add_engine_args, engine_config
 
 logger = logging.getLogger("frugal")
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
+FLUSH_S = 5.0  # after the shutdown timeout, what the error events get to reach their clients
 
 
 def add_serve_parser(subparsers) -> None:
@@ -20,43 +22,92 @@ def add_serve_parser(subparsers) -> None:
     add_engine_args(p)
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--port", type=_port, default=8000)
     g.add_argument("--api-key", default=os.environ.get("FRUGAL_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 (default: $FRUGAL_API_KEY)")
     g.add_argument("--served-model-name", default=None,
                    help="the name clients pass as 'model' (default: the model argument)")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="seconds in-flight requests get to finish after SIGTERM")
+                   help="seconds in-flight requests get to finish after SIGTERM; then each "
+                        "gets an error (streams: an error event, then [DONE])")
+    g.add_argument("--max-request-bytes", type=int, default=16 * 2**20,
+                   help="larger bodies get a 413 before they are read (default 16 MiB)")
+    g.add_argument("--max-queued-requests", type=int, default=None,
+                   help="requests waiting for a place in the batch beyond this get a 429 "
+                        "(default: no limit)")
+    g.add_argument("--step-timeout", type=float, default=120.0,
+                   help="a step that has not returned after this many seconds marks the "
+                        "engine dead: every request gets an error and the server exits 1")
     p.set_defaults(func=run_serve)
 
 
+def _port(text: str) -> int:
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a TCP port (0-65535)")
+    return port
+
+
 def run_serve(args: argparse.Namespace) -> int:
+    """Serve until SIGTERM/SIGINT (exit 0) or until the engine dies (exit 1)."""
     import uvicorn
 
-    from frugal.engine.async_engine import AsyncEngine
+    from frugal.engine.async_engine import AsyncEngine, EngineDeadError
     from frugal.engine.llm_engine import LLMEngine
-    from frugal.server.metrics import Metrics
+    from frugal.metrics import Metrics
     from frugal.server.openai_api import build_app
 
     name = args.served_model_name or args.model or DEFAULT_SERVED_NAME
-    engine = LLMEngine(engine_config(args))
     metrics = Metrics(name)
-    app = build_app(AsyncEngine(engine, metrics), name, args.api_key, metrics)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
-                            timeout_graceful_shutdown=args.shutdown_timeout)
+    engine = AsyncEngine(LLMEngine(engine_config(args)), metrics, args.step_timeout)
+    app = build_app(engine, name, args.api_key, metrics, args.max_request_bytes,
+                    args.max_queued_requests)
+    config = uvicorn.Config(app, host=args.host, port=args.port,
+                            log_level=args.log_level.lower(),
+                            timeout_graceful_shutdown=args.shutdown_timeout + FLUSH_S)
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets)
+            if self.started:  # bound: now the request can work
+                print(ready_message(name, args), flush=True)
+
+        async def shutdown(self, sockets=None) -> None:
+            async def cut_off() -> None:
+                await asyncio.sleep(args.shutdown_timeout)
+                logger.warning("shutdown timeout: failing the requests still in flight")
+                engine.fail_all(EngineDeadError("the server is shutting down"))
+
+            timer = asyncio.create_task(cut_off())
+            try:
+                await super().shutdown(sockets)
+            finally:
+                timer.cancel()
+
+    server = Server(config)
+
+    def on_dead(reason: str) -> None:
+        server.should_exit = True
+
+    engine.on_dead = on_dead
     # uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown; a handler of ours turns that
     # into a normal return, so a stopped server exits 0.
     signal.signal(signal.SIGTERM, lambda *_: None)
-    print(ready_message(name, args), flush=True)
-    uvicorn.Server(config).run()
+    server.run()
+    if engine.dead is not None:
+        logger.critical("server stopped: the engine died (%s)", engine.dead)
+        return 1
     logger.info("server stopped")
-    return 0
+    return 0 if server.started else 1
 
 
 def ready_message(name: str, args: argparse.Namespace) -> str:
     body = json.dumps({"model": name, "messages": [
         {"role": "user", "content": "What is the capital of France?"}], "max_tokens": 64})
-    auth = " -H 'Authorization: Bearer $FRUGAL_API_KEY'" if args.api_key else ""
+    auth = ""
+    if args.api_key:  # double quotes, so the shell expands the variable
+        from_env = args.api_key == os.environ.get("FRUGAL_API_KEY")
+        auth = f' -H "Authorization: Bearer {"$FRUGAL_API_KEY" if from_env else "<api key>"}"'
     url = f"http://{args.host}:{args.port}/v1/chat/completions"
     return (f"frugal: serving '{name}' on http://{args.host}:{args.port} (OpenAI API under /v1, "
             f"Prometheus at /metrics). Try:\n  curl {url} -H 'Content-Type: application/json'"

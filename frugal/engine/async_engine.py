@@ -1,7 +1,14 @@
 """The engine loop on its own thread, fed from asyncio: the HTTP side never blocks a step.
 
-Callers submit through a thread-safe inbox and receive each request's outputs on an asyncio queue
-of their own event loop, so a slow client only ever delays its own queue.
+Callers submit through a thread-safe inbox. Each step's outputs reach each caller's event loop in
+one batch, and a request's outputs wait there joined into one (RequestOutput.add), so a client
+that stops reading holds only what it has not read, and only its own request waits.
+
+The loop survives any one request's failure: a rejected add, an abort or a token that raises
+errors that request alone; a step that raises errors the requests in flight and the loop goes on.
+It dies only when the device does (a step raises and the device fails a probe, or a step has not
+returned within step_timeout): every waiting caller gets EngineDeadError at once, `alive` turns
+False and on_dead is called, so the server can exit for a supervisor to restart it.
 """
 
 from __future__ import annotations
@@ -11,42 +18,59 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from frugal.engine.llm_engine import LLMEngine
-from frugal.kv_cache.page_allocator import IntegrityError
+from frugal.engine.output_stream import OutputStream, send
+from frugal.metrics import Metrics
 from frugal.request import RequestOutput, SamplingParams
-from frugal.server.metrics import Metrics
 
 logger = logging.getLogger("frugal")
+
+_TOTALS = ("num_preemptions", "num_integrity_failures", "num_bookkeeping_errors")  # LLMEngine's
+IDLE_CHECK_S = 1.0  # idle this long before check_integrity (never in the way of a next request)
 
 
 class EngineDeadError(RuntimeError):
     """The engine loop stopped; no request can be served."""
 
 
+class RequestFailedError(RuntimeError):
+    """The engine failed this request (its KV pages failed the integrity check, or a bug)."""
+
+
 @dataclass
-class _Sink:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
-    arrival: float = field(default_factory=time.monotonic)
-    last_token: float | None = None
-    num_prompt_tokens: int = 0
+class _Counts:
+    """Counters written by one thread each and read by the other."""
+
+    submitted: int = 0  # adds put in the inbox (event loop side)
+    drained: int = 0  # adds taken out of it (engine side)
+    waiting: int = 0  # the scheduler's waiting queue after the last step
+    seen: dict[str, int] = field(default_factory=dict)  # engine totals already in metrics
 
 
 class AsyncEngine:
-    """Owns an LLMEngine and the one thread that calls it."""
+    """Owns an LLMEngine and the one thread that calls it (plus a watchdog thread)."""
 
-    def __init__(self, engine: LLMEngine, metrics: Metrics | None = None) -> None:
+    def __init__(self, engine: LLMEngine, metrics: Metrics | None = None,
+                 step_timeout: float | None = None,
+                 on_dead: Callable[[str], None] | None = None) -> None:
         self.engine = engine
         self.metrics = metrics
+        self.step_timeout = step_timeout
+        self.on_dead = on_dead
+        self.dead: str | None = None  # why the engine died
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
-        self._sinks: dict[str, _Sink] = {}
+        self._lock = threading.Lock()  # guards _streams (the watchdog fails them too)
+        self._streams: dict[str, OutputStream] = {}
         self._stop = threading.Event()
-        self._preemptions_seen = 0
+        self._counts = _Counts(seen={name: getattr(engine, name) for name in _TOTALS})
+        self._step_started: float | None = None
         self._thread = threading.Thread(target=self._loop, name="frugal-engine", daemon=True)
+        self._watchdog = threading.Thread(target=self._watch, name="frugal-watchdog",
+                                          daemon=True)
         if metrics is not None:
             pool = engine.runner.pool
             metrics.pages_total.set(pool.num_pages)
@@ -56,153 +80,252 @@ class AsyncEngine:
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive() and not self._stop.is_set()
+        return self.dead is None and self._thread.is_alive() and not self._stop.is_set()
+
+    @property
+    def num_queued(self) -> int:
+        """Requests accepted and not yet running (in the inbox or the waiting queue)."""
+        c = self._counts
+        return c.submitted - c.drained + c.waiting
 
     def start(self) -> None:
         self._thread.start()
+        if self.step_timeout is not None:
+            self._watchdog.start()
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Abort what is left, stop the loop and wait for it."""
+        """Stop the loop (what is left gets EngineDeadError) and wait for it."""
         self._stop.set()
         self._wakeup.set()
-        self._thread.join(timeout)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def fail_all(self, error: BaseException) -> None:
+        """Error every request in flight (e.g. a shutdown past its grace time); the loop goes on."""
+        self._put(("fail_all", error))
 
     async def generate(self, prompt: list[int], params: SamplingParams,
                        request_id: str) -> AsyncIterator[RequestOutput]:
-        """Outputs of one request until it finishes. Closing the iterator early aborts it."""
-        sink = _Sink(asyncio.get_running_loop(), asyncio.Queue(), num_prompt_tokens=len(prompt))
-        self._inbox.put(("add", request_id, prompt, params, sink))
-        self._wakeup.set()
+        """Outputs of one request until it finishes: each holds what is new since the previous
+        one (several steps' worth when the caller was slow). Closing the iterator early, or
+        cancelling it, aborts the request."""
+        stream = OutputStream(asyncio.get_running_loop(), len(prompt))
+        self._counts.submitted += 1
+        self._put(("add", request_id, prompt, params, stream))
         if not self.alive:  # checked after queueing: a loop dying later still answers the add
-            raise EngineDeadError("the engine is not running")
+            raise EngineDeadError(self.dead or "the engine is not running")
         finished = False
         try:
-            while True:
-                item = await sink.queue.get()
-                if isinstance(item, BaseException):
-                    finished = True  # the engine side already dropped it
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
+            while not finished:
+                try:
+                    output = await stream.get()
+                except Exception:  # its terminal error: the engine side already dropped it
+                    finished = True
+                    raise
+                finished = output.finished
+                yield output
         finally:
             if not finished:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        self._inbox.put(("abort", request_id))
+        self._put(("abort", request_id))
+
+    def _put(self, command: tuple) -> None:
+        self._inbox.put(command)
         self._wakeup.set()
 
     # -- engine thread ----------------------------------------------------------------------
 
     def _loop(self) -> None:
+        idle_since, checked = time.monotonic(), False
         try:
             while not self._stop.is_set():
                 if self._drain_inbox():
                     self._update_gauges()  # an abort frees pages at once: show it
                 if not self.engine.has_unfinished_requests():
+                    if idle_since is None:
+                        idle_since = time.monotonic()
+                    elif not checked and time.monotonic() - idle_since > IDLE_CHECK_S:
+                        self._check_integrity()
+                        checked = True
                     self._wakeup.wait(0.1)
                     self._wakeup.clear()
                     continue
+                idle_since, checked = None, False
+                self._step_started = time.monotonic()
                 try:
                     outputs = self.engine.step()
-                except Exception as e:  # a bug: fail what is in flight, keep serving
-                    logger.exception("engine step failed; aborting %d requests", len(self._sinks))
-                    self._fail_all(RuntimeError(f"engine error: {e}"))
+                except Exception as e:
+                    self._step_started = None
+                    self._step_failed(e)
                     continue
-                now = time.monotonic()
-                for output in outputs:
-                    self._deliver(output, now)
+                self._step_started = None
+                if self._stop.is_set():  # the watchdog gave up on this step meanwhile
+                    break
+                self._deliver(outputs)
                 self._update_gauges()
+        except BaseException as e:  # a bug in the loop itself
+            logger.exception("the engine loop crashed")
+            self._die(f"the engine loop crashed: {e!r}")
         finally:
             self._stop.set()
-            dead = EngineDeadError("the engine has stopped")
-            self._fail_all(dead)
+            error = EngineDeadError(self.dead or "the engine has stopped")
+            if self.dead is None:  # a clean stop leaves the engine empty, its pages free
+                try:
+                    self.engine.fail_all(str(error))
+                except Exception:
+                    logger.exception("emptying the engine at shutdown failed")
+            self._fail_streams(error)
             while True:  # adds queued behind the last step get the same answer
                 try:
-                    command, _, *rest = self._inbox.get_nowait()
+                    command, *rest = self._inbox.get_nowait()
                 except queue.Empty:
                     break
                 if command == "add":
-                    self._send(rest[2], dead)
+                    send([(rest[3], EngineDeadError(self.dead or "the engine has stopped"))])
 
     def _drain_inbox(self) -> bool:
-        """Apply queued adds and aborts; True when there were any."""
+        """Apply queued adds, aborts and fail_alls; True when there were any."""
         changed = False
         while True:
             try:
-                command, request_id, *rest = self._inbox.get_nowait()
+                command, *rest = self._inbox.get_nowait()
             except queue.Empty:
                 return changed
             changed = True
             if command == "add":
-                prompt, params, sink = rest
-                try:
-                    self.engine.add_request(prompt, params, request_id)
-                except ValueError as e:
-                    self._send(sink, e)
-                    continue
-                self._sinks[request_id] = sink
-            elif request_id in self._sinks:
-                output = self.engine.abort_request(request_id)
-                sink = self._sinks.pop(request_id)
-                if self.metrics is not None:
-                    self.metrics.aborted.inc()
-                if output is not None:
-                    self._send(sink, output)
-
-    def _deliver(self, output: RequestOutput, now: float) -> None:
-        sink = self._sinks.get(output.request_id)
-        if sink is None:
-            return
-        m = self.metrics
-        completion = output.outputs[0]
-        if completion.finish_reason == "error":  # the server's fault: a 500 or an error event
-            del self._sinks[output.request_id]
-            if m is not None:
-                m.errored.inc()
-                m.kv_integrity_failures.inc()
-            self._send(sink, IntegrityError(completion.error))
-            return
-        if m is not None:
-            if sink.last_token is None:
-                m.ttft.observe(now - sink.arrival)
+                self._add(*rest)
+            elif command == "abort":
+                self._abort(rest[0])
             else:
-                m.itl.observe(now - sink.last_token)
-            m.generation_tokens.inc()
-            if output.finished:
-                m.e2e.observe(now - sink.arrival)
-                m.prompt_tokens.inc(sink.num_prompt_tokens)
-                m.finished(output.outputs[0].finish_reason)
-        sink.last_token = now
-        if output.finished:
-            del self._sinks[output.request_id]
-        self._send(sink, output)
+                self._fail_all(rest[0])
+
+    def _add(self, request_id: str, prompt: list[int], params: SamplingParams,
+             stream: OutputStream) -> None:
+        self._counts.drained += 1
+        try:
+            self.engine.add_request(prompt, params, request_id)
+        except ValueError as e:  # the client's fault: a 400
+            send([(stream, e)])
+            return
+        except Exception as e:  # a bug, but this request's alone
+            logger.exception("adding request %s failed", request_id)
+            self._count_error()
+            send([(stream, RequestFailedError(f"engine error: {e}"))])
+            return
+        with self._lock:
+            self._streams[request_id] = stream
+
+    def _abort(self, request_id: str) -> None:
+        with self._lock:
+            stream = self._streams.pop(request_id, None)
+        if stream is None:
+            return
+        if self.metrics is not None:
+            self.metrics.aborted.inc()
+        try:
+            output = self.engine.abort_request(request_id)
+        except Exception:  # the caller is gone anyway; the request ends when it ends
+            logger.exception("aborting request %s failed", request_id)
+            return
+        if output is not None:
+            send([(stream, output)])
+
+    def _step_failed(self, error: Exception) -> None:
+        if not self.engine.runner.device_ok():
+            logger.exception("engine step failed and the device does not answer")
+            self._die(f"the device failed: {error!r}")
+            return
+        logger.exception("engine step failed; failing the %d requests in flight",
+                         len(self._streams))
+        self._fail_all(RequestFailedError(f"engine error: {error!r}"))
 
     def _fail_all(self, error: BaseException) -> None:
-        for request_id, sink in list(self._sinks.items()):
-            self.engine.abort_request(request_id)
-            if self.metrics is not None:
-                self.metrics.errored.inc()
-            self._send(sink, error)
-        self._sinks.clear()
+        try:
+            self.engine.fail_all(str(error))
+        except Exception as e:  # the engine cannot even be emptied: nothing can be trusted
+            logger.exception("failing the requests in flight failed")
+            self._die(f"the engine could not recover from an error: {e!r}")
+            return
+        self._fail_streams(error)
         self._update_gauges()
 
+    def _fail_streams(self, error: BaseException) -> None:
+        with self._lock:
+            streams, self._streams = list(self._streams.values()), {}
+        for _ in streams:
+            self._count_error()
+        send([(s, error) for s in streams])
+
+    def _die(self, reason: str) -> None:
+        """(either thread) Mark the engine dead and answer every caller at once."""
+        if self.dead is not None:
+            return
+        self.dead = reason
+        self._stop.set()
+        self._wakeup.set()
+        logger.critical("engine dead: %s", reason)
+        self._fail_streams(EngineDeadError(f"engine dead: {reason}"))
+        if self.on_dead is not None:
+            self.on_dead(reason)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(min(1.0, self.step_timeout / 4)):
+            started = self._step_started
+            if started is not None and time.monotonic() - started > self.step_timeout:
+                self._die(f"a step has not returned in {self.step_timeout:g} s")
+
+    def _check_integrity(self) -> None:
+        self.engine.check_integrity()
+        if self.metrics is not None:
+            self.metrics.bookkeeping_checks.inc()
+        self._update_gauges()
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        now, m, batch = time.monotonic(), self.metrics, []
+        with self._lock:
+            for output in outputs:
+                stream = self._streams.get(output.request_id)
+                if stream is None:
+                    continue
+                completion = output.outputs[0]
+                if output.finished:
+                    del self._streams[output.request_id]
+                if completion.finish_reason == "error":  # the server's: a 500 or an error event
+                    self._count_error()
+                    batch.append((stream, RequestFailedError(completion.error)))
+                    continue
+                if m is not None and completion.token_ids:
+                    if stream.last_token is None:
+                        m.ttft.observe(now - stream.arrival)
+                    else:
+                        m.itl.observe(now - stream.last_token)
+                    m.generation_tokens.inc(len(completion.token_ids))
+                    if output.finished:
+                        m.e2e.observe(now - stream.arrival)
+                        m.prompt_tokens.inc(stream.num_prompt_tokens)
+                        m.finished(completion.finish_reason)
+                stream.last_token = now
+                batch.append((stream, output))
+        send(batch)
+
+    def _count_error(self) -> None:
+        if self.metrics is not None:
+            self.metrics.errored.inc()
+
     def _update_gauges(self) -> None:
+        scheduler = self.engine.scheduler
+        self._counts.waiting = len(scheduler.waiting)
         m = self.metrics
         if m is None:
             return
-        scheduler = self.engine.scheduler
         m.running.set(len(scheduler.running))
         m.waiting.set(len(scheduler.waiting))
         m.pages_used.set(scheduler.allocator.num_used)
-        m.preemptions.inc(self.engine.num_preemptions - self._preemptions_seen)
-        self._preemptions_seen = self.engine.num_preemptions
-
-    @staticmethod
-    def _send(sink: _Sink, item: object) -> None:
-        try:
-            sink.loop.call_soon_threadsafe(sink.queue.put_nowait, item)
-        except RuntimeError:  # the caller's event loop is gone (shutdown)
-            pass
+        seen = self._counts.seen
+        for name, counter in zip(_TOTALS, (m.preemptions, m.kv_integrity_failures,
+                                           m.bookkeeping_errors)):
+            total = getattr(self.engine, name)
+            counter.inc(total - seen[name])
+            seen[name] = total

@@ -8,10 +8,11 @@ import logging
 import torch
 
 from frugal.config import EngineConfig
-from frugal.engine.detokenizer import IncrementalDetokenizer, find_stop
+from frugal.engine.detokenizer import IncrementalDetokenizer
 from frugal.engine.model_runner import ModelRunner
 from frugal.engine.scheduler import Scheduler
 from frugal.engine.step import Launched, StepResult
+from frugal.kv_cache.page_allocator import IntegrityError
 from frugal.loader import open_checkpoint
 from frugal.request import (
     CompletionOutput,
@@ -52,6 +53,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.num_preemptions = 0  # total, for metrics
         self.num_integrity_failures = 0  # requests failed by the KV-cache integrity check
+        self.num_bookkeeping_errors = 0  # contradictions found by check_integrity
         self.overlap = config.overlap_schedule
         self._inflight: Launched | None = None  # a step launched ahead (see step)
 
@@ -82,8 +84,8 @@ class LLMEngine:
             request.generator = self.runner.sampler.make_generator(params.seed)
         self._requests[request_id] = request
         if self.tokenizer is not None:
-            self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer,
-                                                                     params.skip_special_tokens)
+            self._detokenizers[request_id] = IncrementalDetokenizer(
+                self.tokenizer, params.skip_special_tokens, params.stop)
         self.scheduler.add(request)
         return request_id
 
@@ -107,12 +109,34 @@ class LLMEngine:
         return list(prompt)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Finish a request with reason 'abort' and free its pages now."""
+        """Finish a request with reason 'abort' and free its pages now; None if there is no
+        such unfinished request. Safe at any time between steps, and idempotent."""
         request = self._requests.get(request_id)
         if request is None:
             return None
-        self.scheduler.finish(request, FinishReason.ABORT)
-        return self._release(request)
+        return self._end(request, FinishReason.ABORT)
+
+    def fail_all(self, message: str) -> list[RequestOutput]:
+        """Finish every request with reason 'error' (after a step raised: what it launched is
+        forgotten), leaving the engine idle and whole."""
+        self._inflight = None
+        self.runner.forget_unread()
+        return [self._end(r, FinishReason.ERROR, message) for r in list(self._requests.values())]
+
+    def check_integrity(self) -> bool:
+        """Walk the scheduler's bookkeeping (cheap between steps: the server does it whenever
+        the engine is idle). A contradiction is a bug: it is logged as an error, the pages are
+        recounted from the live page tables, and False is returned."""
+        try:
+            self.scheduler.check_integrity()
+            return True
+        except IntegrityError as e:
+            self.num_bookkeeping_errors += 1
+            freed = self.scheduler.allocator.rebuild(r.page_table
+                                                     for r in self.scheduler.running)
+            logger.error("KV cache bookkeeping is inconsistent: %s (%d pages back in the free "
+                         "list after a recount)", e, freed)
+            return False
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -161,10 +185,12 @@ class LLMEngine:
         return step
 
     def _apply(self, step: Launched, result: StepResult) -> list[RequestOutput]:
-        """Record a finished step's tokens in its requests (skipping those finished meanwhile)."""
+        """Record a finished step's tokens in its requests (skipping those finished meanwhile).
+        A request whose handling raises is failed alone (reason 'error')."""
         out = step.out
-        outputs = [self._fail(request, message) for request, message in result.failures
-                   if not request.finished]
+        outputs = [self._end(request, FinishReason.ERROR, message, trusted=False)
+                   for request, message in result.failures if not request.finished]
+        self.num_integrity_failures += len(outputs)
         for i, scores in result.prompt_logprobs.items():
             out.requests[i].record_prompt_scores(scores.first, scores.entries, scores.tensor)
         for j, (i, token) in enumerate(zip(result.sampled, result.tokens)):
@@ -172,26 +198,18 @@ class LLMEngine:
             request.num_pending -= 1
             if request.finished:
                 continue
-            request.output_token_ids.append(token)
-            if j in result.logprobs:
-                request.logprobs.append(result.logprobs[j])
-            reason = self._check_stop(request, token)
-            if reason is None:
-                outputs.append(self._output(request))
-            else:
-                self.scheduler.finish(request, reason)
-                outputs.append(self._release(request))
+            try:
+                request.output_token_ids.append(token)
+                if j in result.logprobs:
+                    request.logprobs.append(result.logprobs[j])
+                reason = self._check_stop(request, token)
+                outputs.append(self._output(request) if reason is None
+                               else self._end(request, reason))
+            except Exception as e:  # a bug in one request's bookkeeping: fail it, not the step
+                logger.exception("request %s failed while recording its token",
+                                 request.request_id)
+                outputs.append(self._end(request, FinishReason.ERROR, f"engine error: {e}"))
         return outputs
-
-    def _fail(self, request: Request, message: str) -> RequestOutput:
-        """Abort a request whose pages failed the integrity check; nothing else is touched."""
-        pages = [ref.page_id for ref in request.page_table]
-        freed = self.scheduler.fail(request)
-        request.error = message
-        self.num_integrity_failures += 1
-        logger.error("request %s failed: %s (its pages: %s; %d pages back in the free list)",
-                     request.request_id, message, pages, freed)
-        return self._release(request)
 
     def _check_stop(self, request: Request, token: int) -> FinishReason | None:
         params = request.params
@@ -199,10 +217,9 @@ class LLMEngine:
         delta = detok.update(request.output_token_ids) if detok is not None else ""
         if len(request.output_token_ids) >= params.min_tokens:
             if params.stop and delta:
-                hit = find_stop(detok.text, len(delta), params.stop)
-                if hit is not None:
-                    detok.text = detok.text[:hit[0]]
-                    request.stop_reason = hit[1]
+                stop = detok.find_stop(len(delta))
+                if stop is not None:
+                    request.stop_reason = stop
                     return FinishReason.STOP
             if not params.ignore_eos and token in self.eos_token_ids:
                 return FinishReason.STOP
@@ -213,8 +230,18 @@ class LLMEngine:
             return FinishReason.LENGTH
         return None
 
-    def _release(self, request: Request) -> RequestOutput:
-        """Final output of a finished request; forget it."""
+    def _end(self, request: Request, reason: FinishReason, error: str | None = None,
+             trusted: bool = True) -> RequestOutput:
+        """Finish a request (pages freed; see Scheduler.finish), its last output; forget it.
+        error: why, for reason 'error' (trusted False: its pages failed the integrity check)."""
+        pages = [ref.page_id for ref in request.page_table]
+        problem = self.scheduler.finish(request, reason, trusted)
+        request.error = error
+        if problem is not None and trusted:  # freeing found what no check had caught
+            self.num_bookkeeping_errors += 1
+        if error is not None or problem is not None:
+            logger.error("request %s ended (%s): %s; its pages: %s", request.request_id, reason,
+                         "; ".join(m for m in (error, problem) if m), pages)
         detok = self._detokenizers.get(request.request_id)
         if detok is not None and not isinstance(request.stop_reason, str):
             detok.update(request.output_token_ids, final=True)  # flush a trailing partial char
@@ -224,24 +251,24 @@ class LLMEngine:
         return output
 
     def _output(self, request: Request) -> RequestOutput:
+        """What is new for the request since its previous output (see CompletionOutput)."""
         detok = self._detokenizers.get(request.request_id)
-        text = detok.text if detok is not None else ""
-        if not request.finished and request.params.stop:
-            # hold back what could still become a stop string, so no part of one is ever shown
-            hold = max(len(s) for s in request.params.stop) - 1
-            text = text[:max(0, len(text) - hold)]
-        params = request.params
+        text = detok.take(final=request.finished) if detok is not None else ""
+        params, sent = request.params, request.num_sent
+        request.num_sent = len(request.output_token_ids)
         completion = CompletionOutput(
-            0, text, list(request.output_token_ids),
+            0, text, request.output_token_ids[sent:],
             str(request.finish_reason) if request.finished else None, request.stop_reason,
-            list(request.logprobs) if params.logprobs is not None else None, request.error)
+            request.logprobs[sent:] if params.logprobs is not None else None, request.error)
         prompt_logprobs = prompt_tensor = None
-        if request.num_prompt_scored == request.num_prompt_tokens - 1:
+        if (not request.prompt_scores_sent
+                and request.num_prompt_scored == request.num_prompt_tokens - 1):
+            request.prompt_scores_sent = True
             if params.prompt_logprobs is not None:
-                prompt_logprobs = list(request.prompt_logprobs)
+                prompt_logprobs = request.prompt_logprobs
             if params.prompt_logprobs_tensor and request.prompt_logprobs_rows:
                 prompt_tensor = torch.cat(request.prompt_logprobs_rows)
-                request.prompt_logprobs_rows = [prompt_tensor]
+            request.prompt_logprobs, request.prompt_logprobs_rows = [None], []
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
                              [completion], request.finished, prompt_logprobs, prompt_tensor)
 

@@ -221,6 +221,22 @@ class ModelRunner:
         return all(r.params.logprobs is None and not scores_prompt(r, start)
                    for r, start in zip(step.out.requests, step.starts))
 
+    def device_ok(self) -> bool:
+        """Whether the device still runs work (after a step raised: a sticky CUDA error, such
+        as an illegal address or a device-side assert, fails every later call)."""
+        if not self.device.startswith("cuda"):
+            return True
+        try:
+            torch.cuda.synchronize(self.device)
+            return torch.ones(1, device=self.device).add_(1).item() == 2.0
+        except Exception:
+            return False
+
+    def forget_unread(self) -> None:
+        """Drop the launched steps whose integrity status was never read (their requests were
+        all finished after a step failed)."""
+        self._unread = []
+
     @torch.inference_mode()
     def finish(self, step: Launched) -> StepResult:
         """Wait for a launched step's tokens; compute the log-probabilities it asked for."""

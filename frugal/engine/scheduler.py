@@ -111,29 +111,32 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
 
-    def finish(self, request: Request, reason: FinishReason) -> None:
-        """Take the request out of the queues and free its pages at once."""
-        if request.status is RequestStatus.RUNNING:
-            self.running.remove(request)
-        elif request.status is RequestStatus.WAITING:
-            self.waiting.remove(request)
-        self.allocator.free(request.page_table)
-        request.page_table = []
+    def finish(self, request: Request, reason: FinishReason, trusted: bool = True) -> str | None:
+        """Take the request out of the queues and free its pages at once. Safe in any state and
+        idempotent: a finished request stays as it is.
+
+        trusted False (its pages failed the integrity check), or a free that finds a stale
+        entry in its page table: instead of freeing that table, the allocator recounts every
+        page from the other live tables (see PageAllocator.rebuild). Returns None when the
+        table was freed as it is, else what was wrong with it."""
+        if request.finished:
+            return None
+        for queue in (self.running, self.waiting):
+            if request in queue:
+                queue.remove(request)
+        table, request.page_table = request.page_table, []
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
-
-    def fail(self, request: Request) -> int:
-        """Finish a request whose pages failed the integrity check. Its page table cannot be
-        trusted, so instead of freeing it the allocator recounts every page from the other
-        live tables (see PageAllocator.rebuild). Returns how many pages became free."""
-        if request.status is RequestStatus.RUNNING:
-            self.running.remove(request)
-        elif request.status is RequestStatus.WAITING:
-            self.waiting.remove(request)
-        request.page_table = []
-        request.status = RequestStatus.FINISHED
-        request.finish_reason = FinishReason.ERROR
-        return self.allocator.rebuild(r.page_table for r in self.running)
+        problem = None if trusted else "its pages failed the integrity check"
+        if trusted:
+            try:
+                self.allocator.free(table)
+            except IntegrityError as e:
+                problem = str(e)
+        if problem is not None:
+            freed = self.allocator.rebuild(r.page_table for r in self.running)
+            problem += f" ({freed} pages back in the free list after a recount)"
+        return problem
 
     def check_integrity(self) -> None:
         """Walk all bookkeeping between steps; raises IntegrityError on the first contradiction."""

@@ -6,7 +6,6 @@ nothing a client sends reaches the engine thread unvalidated.
 
 from __future__ import annotations
 
-import hmac
 import logging
 import time
 from contextlib import asynccontextmanager
@@ -15,12 +14,15 @@ from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import Request as HTTPRequest
 
 from frugal.engine.async_engine import AsyncEngine
-from frugal.server.metrics import Metrics
+from frugal.metrics import Metrics
+from frugal.server.gate import Gate
 from frugal.server.protocol import (
+    ERROR_RESPONSES,
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -28,14 +30,18 @@ from frugal.server.protocol import (
     TokenizeRequest,
     conversation,
 )
-from frugal.server.serving import Job, Serving, encode_chat
+from frugal.server.serving import Serving, encode_chat
 
 logger = logging.getLogger("frugal")
 
 
 def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
-              metrics: Metrics | None = None) -> FastAPI:
-    """An app serving `engine` as `model_name`. The engine thread starts and stops with the app."""
+              metrics: Metrics | None = None, max_request_bytes: int | None = None,
+              max_queued_requests: int | None = None) -> FastAPI:
+    """An app serving `engine` as `model_name`. The engine thread starts and stops with the app.
+
+    max_request_bytes: bodies over it get a 413 before anything reads them; max_queued_requests:
+    requests beyond that many accepted and not yet running get a 429."""
     serving = Serving(engine, model_name)
     tokenizer = engine.engine.tokenizer
     created = int(time.time())
@@ -46,16 +52,8 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         yield
         engine.shutdown()
 
-    app = FastAPI(title="frugal", lifespan=lifespan)
-
-    @app.middleware("http")
-    async def require_api_key(request: HTTPRequest, call_next):
-        if api_key is not None and request.url.path.startswith("/v1"):
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                return _error(APIError("invalid or missing API key", status=401,
-                                       code="invalid_api_key"))
-        return await call_next(request)
+    app = FastAPI(title="frugal", lifespan=lifespan, responses=ERROR_RESPONSES)
+    app.add_middleware(Gate, api_key=api_key, max_request_bytes=max_request_bytes)
 
     @app.exception_handler(APIError)
     async def api_error(request: HTTPRequest, e: APIError):
@@ -83,9 +81,19 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             raise APIError(f"model: '{name}' does not exist (this server serves "
                            f"'{model_name}')", "model", status=404, code="model_not_found")
 
-    async def run(job: Job, stream: bool, http: HTTPRequest):
+    async def run(build, req, http: HTTPRequest):
+        """Validate and tokenize on a worker thread (the event loop stays free), admit, run."""
+        check_model(req.model)
+        job = await run_in_threadpool(build, req)
         if not engine.alive:
-            raise APIError("the engine is not running", status=503, kind="server_error")
+            raise APIError(f"the engine is not running: {engine.dead or 'stopped'}",
+                           status=503, kind="server_error")
+        if (max_queued_requests is not None
+                and engine.num_queued + len(job.params) > max_queued_requests):
+            raise APIError(f"the server's queue is full ({engine.num_queued} requests waiting, "
+                           f"--max-queued-requests {max_queued_requests}); retry later",
+                           status=429, code="rate_limit_exceeded", kind="rate_limit_error")
+        stream = req.stream
         if stream:
             return StreamingResponse(serving.stream(job), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
@@ -93,13 +101,11 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, http: HTTPRequest):
-        check_model(req.model)
-        return await run(serving.completion_job(req), req.stream, http)
+        return await run(serving.completion_job, req, http)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, http: HTTPRequest):
-        check_model(req.model)
-        return await run(serving.chat_job(req), req.stream, http)
+        return await run(serving.chat_job, req, http)
 
     @app.get("/v1/models")
     async def models():
@@ -110,7 +116,8 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     @app.get("/health")
     async def health():
         if not engine.alive:
-            return JSONResponse({"status": "engine stopped"}, status_code=503)
+            state = f"engine dead: {engine.dead}" if engine.dead else "engine stopped"
+            return JSONResponse({"status": state}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -127,9 +134,9 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         if (req.prompt is None) == (req.messages is None):
             raise APIError("prompt: give exactly one of prompt and messages", "prompt")
         if req.messages is not None:
-            ids = encode_chat(tokenizer, conversation(req.messages))
+            ids = await run_in_threadpool(encode_chat, tokenizer, conversation(req.messages))
         else:
-            ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            ids = await run_in_threadpool(tokenizer.encode, req.prompt, req.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": serving.max_model_len}
 
     @app.post("/detokenize")

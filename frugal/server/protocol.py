@@ -7,13 +7,29 @@ request never silently means something else.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic_core import PydanticCustomError
 
 from frugal.request import SamplingParams
+from frugal.tokenizer import lone_surrogate
 
 MAX_N = 64
+MAX_PROMPTS = 1024  # prompts in one /v1/completions request
+MAX_STOP = 16  # stop strings in one request
+
+
+def _valid_unicode(text: str) -> str:
+    at = lone_surrogate(text)
+    if at is not None:
+        raise PydanticCustomError(
+            "invalid_unicode", "not valid Unicode (a lone surrogate at character {at})",
+            {"at": at})
+    return text
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]  # every string a client sends
 
 
 class APIError(Exception):
@@ -37,6 +53,27 @@ class APIError(Exception):
                           "code": self.code}}
 
 
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorBody(BaseModel):
+    """The body of every 4xx and 5xx answer (as OpenAI sends it)."""
+
+    error: ErrorDetail
+
+
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorBody, "description": what} for status, what in (
+        (400, "Invalid request: `error.param` names the field"),
+        (401, "Missing or wrong API key"), (404, "Unknown model"),
+        (413, "Body over --max-request-bytes"), (429, "Queue full (--max-queued-requests)"),
+        (500, "The engine failed this request"), (503, "The engine is not running"))}
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
@@ -46,11 +83,11 @@ class _Common(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    model: str
+    model: Text
     temperature: float | None = None
     top_p: float | None = None
     n: int = 1
-    stop: str | list[str] | None = None
+    stop: Text | Annotated[list[Text], Field(max_length=MAX_STOP)] | None = None
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -96,12 +133,12 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Text | list[Text] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
     best_of: int | None = None
-    suffix: str | None = None
+    suffix: Text | None = None
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -109,6 +146,9 @@ class CompletionRequest(_Common):
             return [p]
         if not p:
             raise APIError("prompt: must not be empty", "prompt")
+        if len(p) > MAX_PROMPTS:
+            raise APIError(f"prompt: {len(p)} prompts in one request, at most {MAX_PROMPTS}",
+                           "prompt")
         return list(p)
 
     def check(self) -> None:
@@ -121,14 +161,14 @@ class CompletionRequest(_Common):
 
 class TextPart(BaseModel):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: Text | list[TextPart] | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -166,7 +206,7 @@ def conversation(messages: list[ChatMessage]) -> list[dict[str, str]]:
 class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    prompt: str | None = None
+    prompt: Text | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from starlette.requests import Request as HTTPRequest
 
 from frugal.engine.async_engine import AsyncEngine
-from frugal.request import RequestOutput, SamplingParams
+from frugal.request import RequestOutput, SamplingParams, join
 from frugal.server import logprobs as lp
 from frugal.server.protocol import (
     APIError,
@@ -115,12 +115,13 @@ class Serving:
 
     async def respond(self, job: Job, http: HTTPRequest) -> dict:
         """Run every choice to the end; give up (aborting all) if the client goes away."""
-        finals: dict[int, RequestOutput] = {}
+        joined: dict[str, RequestOutput] = {}
+        index: dict[str, int] = {}
 
         async def consume() -> None:
             async for i, out in merge(self._streams(job)):
-                if out.finished:
-                    finals[i] = out
+                index[out.request_id] = i
+                join(joined, out)
 
         task = asyncio.create_task(consume())
         while True:
@@ -132,10 +133,11 @@ class Serving:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
                 raise APIError("client disconnected", status=499)
-        outputs = [finals[i] for i in range(len(job.params))]
+        outputs = sorted(joined.values(), key=lambda out: index[out.request_id])
         choices = [self._choice(job, i, out) for i, out in enumerate(outputs)]
+        completion_tokens = sum(len(out.outputs[0].token_ids) for out in outputs)
         return {"id": job.id, "object": job.object, "created": int(time.time()),
-                "model": job.model, "choices": choices, "usage": _usage(job, outputs)}
+                "model": job.model, "choices": choices, "usage": _usage(job, completion_tokens)}
 
     def _choice(self, job: Job, index: int, out: RequestOutput) -> dict:
         c = out.outputs[0]
@@ -165,9 +167,7 @@ class Serving:
         created = int(time.time())
         head = {"id": job.id, "object": f"{job.object}.chunk" if job.kind == "chat"
                 else job.object, "created": created, "model": job.model}
-        sent_text = [0] * len(job.params)
-        sent_logprobs = [0] * len(job.params)
-        finals: dict[int, RequestOutput] = {}
+        completion_tokens = 0
         usage = {"usage": None} if job.include_usage else {}
         try:
             for i in range(len(job.params)):
@@ -180,20 +180,14 @@ class Serving:
                                                      "finish_reason": None}], **usage})
             async for i, out in merge(self._streams(job)):
                 c = out.outputs[0]
-                delta, sent_text[i] = c.text[sent_text[i]:], len(c.text)
-                ids, new = c.token_ids[sent_logprobs[i]:], None
-                if c.logprobs is not None:
-                    new = c.logprobs[sent_logprobs[i]:]
-                    if job.echo and sent_logprobs[i] == 0:  # the prompt's, with its first chunk
-                        ids, new = out.prompt_token_ids + ids, out.prompt_logprobs + new
-                sent_logprobs[i] = len(c.token_ids)
-                if out.finished:
-                    finals[i] = out
-                choice = self._chunk_choice(job, i, delta, ids, new, c.finish_reason)
+                ids, new = c.token_ids, c.logprobs
+                if new is not None and job.echo and out.prompt_logprobs is not None:
+                    ids, new = out.prompt_token_ids + ids, out.prompt_logprobs + new  # once
+                completion_tokens += len(c.token_ids)
+                choice = self._chunk_choice(job, i, c.text, ids, new, c.finish_reason)
                 yield _sse({**head, "choices": [choice], **usage})
             if job.include_usage:
-                outputs = [finals[i] for i in range(len(job.params))]
-                yield _sse({**head, "choices": [], "usage": _usage(job, outputs)})
+                yield _sse({**head, "choices": [], "usage": _usage(job, completion_tokens)})
         except Exception as e:  # an error after the headers went out: say so, then end
             yield _sse(_api_error(e).body())
         yield "data: [DONE]\n\n"
@@ -240,11 +234,10 @@ def _raise_as_api_error(task: asyncio.Task) -> None:
         raise _api_error(e) from e
 
 
-def _usage(job: Job, outputs: list[RequestOutput]) -> dict:
+def _usage(job: Job, completion_tokens: int) -> dict:
     prompt = sum(len(p) for p in job.prompts)
-    completion = sum(len(o.outputs[0].token_ids) for o in outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
+            "total_tokens": prompt + completion_tokens}
 
 
 def _sse(obj: dict) -> str:
@@ -253,14 +246,19 @@ def _sse(obj: dict) -> str:
 
 async def merge(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:
     """Items of several async iterators as they arrive, tagged with the iterator's index.
-    Leaving early cancels every iterator (which aborts its engine request)."""
+    Leaving early cancels every iterator (which aborts its engine request). Each iterator is
+    read one item ahead at most, so a consumer that stops reading stops them all, and what
+    piles up meanwhile waits joined in each request's OutputStream."""
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
+    slots = [asyncio.Semaphore(1) for _ in streams]  # taken while an item waits in the queue
 
     async def pump(i: int, stream: AsyncIterator) -> None:
         try:
+            await slots[i].acquire()
             async for item in stream:
                 queue.put_nowait((i, item))
+                await slots[i].acquire()
         except Exception as e:
             queue.put_nowait((i, e))
         finally:
@@ -276,6 +274,7 @@ async def merge(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, object
             elif isinstance(item, Exception):
                 raise item
             else:
+                slots[i].release()
                 yield i, item
     finally:
         for task in tasks:

@@ -12,8 +12,9 @@ def test_incremental_equals_full_decode_and_never_splits_a_character(llm):
     assert any("\ufffd" in tok.decode([i]) for i in ids)
     detok = IncrementalDetokenizer(tok)
     deltas = [detok.update(ids[:n]) for n in range(1, len(ids) + 1)]
-    assert "".join(deltas) == TEXT == detok.text
+    assert "".join(deltas) == TEXT == detok.take(final=False)
     assert not any("\ufffd" in d for d in deltas)
+    assert detok.unsent == ""  # what was taken is not kept
 
 
 def test_final_flush_keeps_a_trailing_partial_character(llm):
@@ -23,9 +24,10 @@ def test_final_flush_keeps_a_trailing_partial_character(llm):
     detok = IncrementalDetokenizer(tok)
     for n in range(1, cut + 1):
         detok.update(ids[:n])
-    assert "\ufffd" not in detok.text
+    shown = detok.take(final=False)
+    assert "\ufffd" not in shown
     detok.update(ids[:cut], final=True)
-    assert detok.text == tok.decode(ids[:cut])
+    assert shown + detok.take(final=True) == tok.decode(ids[:cut])
 
 
 def test_special_tokens_skipped(llm):
@@ -34,7 +36,25 @@ def test_special_tokens_skipped(llm):
     detok = IncrementalDetokenizer(tok)
     for n in range(1, len(ids) + 1):
         detok.update(ids[:n])
-    assert detok.text == "Hello"
+    assert detok.take(final=True) == "Hello"
+
+
+def test_stop_strings_are_held_back_and_cut(llm):
+    tok = llm.get_tokenizer()
+    text = "one two three STOP four"
+    ids = tok.encode(text)
+    detok = IncrementalDetokenizer(tok, stops=["STOP", "xyz"])
+    shown, stop = "", None
+    for n in range(1, len(ids) + 1):
+        delta = detok.update(ids[:n])
+        stop = detok.find_stop(len(delta)) if delta else None
+        if stop is not None:
+            break
+        shown += detok.take(final=False)
+        assert not shown.endswith(("S", "ST", "STO"))  # no part of a stop string shown
+        assert len(detok.unsent) <= 3
+    assert stop == "STOP"
+    assert shown + detok.take(final=True) == "one two three "
 
 
 def test_find_stop():

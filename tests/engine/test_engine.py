@@ -8,6 +8,7 @@ from frugal import LLM, SamplingParams
 from frugal.engine.llm_engine import LLMEngine
 from frugal.engine.memory import warm_up
 from frugal.kv_cache.pool import KVPool
+from frugal.request import join
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 PROMPTS = [
@@ -26,15 +27,15 @@ PROMPTS = [
 def drive(engine: LLMEngine, prompts, params) -> dict[str, list[int]]:
     """Run to completion, checking the bookkeeping after every step."""
     ids = [engine.add_request(p, params) for p in prompts]
-    tokens = {}
+    joined = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
-            if out.finished:
-                tokens[out.request_id] = out.outputs[0].token_ids
+            join(joined, out)
         engine.scheduler.check_integrity()
     alloc = engine.scheduler.allocator
     assert alloc.num_free == alloc.num_pages, "pages leaked"
-    return [tokens[i] for i in ids]
+    assert all(joined[i].finished for i in ids)
+    return [joined[i].outputs[0].token_ids for i in ids]
 
 
 @pytest.fixture(scope="module")
@@ -66,16 +67,18 @@ def test_abort_frees_pages_and_others_continue(llm, reference):
     engine = llm.engine
     keep = engine.add_request(PROMPTS[1], GREEDY)
     victim = engine.add_request(PROMPTS[4], SamplingParams(temperature=0, max_tokens=200))
+    done = {}
     for _ in range(3):
-        engine.step()
+        for o in engine.step():
+            join(done, o)
     held = engine.scheduler.allocator.num_used
     out = engine.abort_request(victim)
     assert out.finished and out.outputs[0].finish_reason == "abort"
     assert engine.scheduler.allocator.num_used < held
     engine.scheduler.check_integrity()
-    done = {}
     while engine.has_unfinished_requests():
-        done.update({o.request_id: o for o in engine.step() if o.finished})
+        for o in engine.step():
+            join(done, o)
     assert done[keep].outputs[0].token_ids == reference[1]
     assert engine.abort_request(victim) is None  # already gone
     assert engine.scheduler.allocator.num_free == engine.runner.pool.num_pages
@@ -90,12 +93,14 @@ def test_abort_frees_pages_and_others_continue(llm, reference):
 def test_bad_prompt_rejected_without_disturbing_others(llm, reference, prompt, params, field):
     engine = llm.engine
     keep = engine.add_request(PROMPTS[0], GREEDY)
-    engine.step()
+    done = {}
+    for o in engine.step():
+        join(done, o)
     with pytest.raises(ValueError, match=field):
         engine.add_request(prompt, params)
-    done = {}
     while engine.has_unfinished_requests():
-        done.update({o.request_id: o for o in engine.step() if o.finished})
+        for o in engine.step():
+            join(done, o)
     assert done[keep].outputs[0].token_ids == reference[0]
 
 
@@ -181,9 +186,12 @@ def test_streamed_text_never_shows_part_of_a_stop_string(llm):
     stop = full[20:26]
     engine = llm.engine
     rid = engine.add_request(PROMPTS[1], SamplingParams(temperature=0, max_tokens=24, stop=[stop]))
-    seen = []
+    seen, text = [], ""
     while engine.has_unfinished_requests():
-        seen += [o.outputs[0].text for o in engine.step() if o.request_id == rid]
+        for o in engine.step():
+            if o.request_id == rid:
+                text += o.outputs[0].text
+                seen.append(text)
     assert all(full.startswith(t) and len(t) <= 20 for t in seen)
     assert seen[-1] == full[:20]
 

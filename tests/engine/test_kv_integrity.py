@@ -10,6 +10,7 @@ import torch
 
 from frugal import LLM, SamplingParams
 from frugal.kv_cache import faults
+from frugal.request import join
 
 PROMPTS = ["The capital of France is", "Write a haiku about the sea.",
            "Explain in two sentences why the sky is blue.", "List three uses of a paperclip.",
@@ -43,18 +44,17 @@ def run(engine, fault=None):
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     for i, p in enumerate(PROMPTS):
         engine.add_request(p, params, request_id=str(i))
-    results, steps = {}, 0
+    joined, steps = {}, 0
     while engine.has_unfinished_requests():
         if steps == INJECT_AT:
             if fault is not None:
                 fault(engine, engine._requests)
             engine.add_request(LATE, params, request_id="late")
         for out in engine.step():
-            if out.finished:
-                c = out.outputs[0]
-                results[out.request_id] = (c.token_ids, c.finish_reason, c.error)
+            join(joined, out)
         steps += 1
-    return results
+    return {rid: (out.outputs[0].token_ids, out.outputs[0].finish_reason, out.outputs[0].error)
+            for rid, out in joined.items()}
 
 
 ENGINES = ["cpu", "cpu-fp8", pytest.param("cuda", marks=pytest.mark.gpu),
@@ -138,10 +138,11 @@ def test_a_step_that_fails_to_launch_loses_no_tag_updates(monkeypatch):
     engine.add_request(PROMPTS[0], params, request_id="a")
     with pytest.raises(RuntimeError, match="injected"):
         engine.step()
-    done = []
+    joined = {}
     while engine.has_unfinished_requests():
-        done += [out for out in engine.step() if out.finished]
-    got = done[0].outputs[0]
+        for out in engine.step():
+            join(joined, out)
+    got = joined["a"].outputs[0]
     assert got.error is None and got.token_ids == want.token_ids
     runner = engine.runner
     assert runner.pool.tags.tolist() == runner.allocator.tags

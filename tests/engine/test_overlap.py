@@ -6,6 +6,7 @@ import pytest
 from frugal import LLM, SamplingParams
 from frugal.config import CacheConfig, EngineConfig, SchedulerConfig
 from frugal.kv_cache.page_allocator import IntegrityError
+from frugal.request import join
 
 
 def _engine(overlap: bool):
@@ -22,11 +23,10 @@ def _run(engine, requests, abort_after=None):
     while engine.has_unfinished_requests():
         for out in engine.step():
             seen[out.request_id] = seen.get(out.request_id, 0) + 1
-            if out.finished:
-                final[out.request_id] = out
-            elif abort_after and out.request_id == ids[abort_after[0]] \
-                    and seen[out.request_id] == abort_after[1]:
-                final[out.request_id] = engine.abort_request(out.request_id)
+            join(final, out)
+            if (abort_after and out.request_id == ids[abort_after[0]] and not out.finished
+                    and seen[out.request_id] == abort_after[1]):
+                join(final, engine.abort_request(out.request_id))
         engine.scheduler.check_integrity()
     pool = engine.runner.pool
     assert engine.scheduler.allocator.num_free == pool.num_pages
@@ -100,7 +100,7 @@ def test_overlap_goes_on_through_prompt_chunks():
         tokens, unfollowed, mixed = {}, 0, 0
         while e.has_unfinished_requests():
             for out in e.step():
-                tokens[out.request_id] = out.outputs[0].token_ids
+                tokens.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
             e.scheduler.check_integrity()
             unfollowed += e.has_unfinished_requests() and e._inflight is None
             inflight = e._inflight

@@ -108,3 +108,53 @@ def test_abort_of_waiting_and_running_frees_pages():
     s.finish(a, FinishReason.ABORT)  # running, holds pages
     assert s.allocator.num_free == 16 and not s.num_unfinished
     s.check_integrity()
+
+
+def test_finish_is_idempotent_in_every_state():
+    s = Scheduler(PageAllocator(16), page_size=4, max_num_seqs=8, max_num_batched_tokens=64)
+    running, waiting, never_added = make_request(0, 6, 4), make_request(1, 6, 4), \
+        make_request(2, 3, 1)
+    s.add(running)
+    s.schedule()
+    s.add(waiting)
+    for r in (running, waiting, never_added):
+        assert s.finish(r, FinishReason.ABORT) is None
+        assert s.finish(r, FinishReason.ABORT) is None  # again: nothing happens
+        assert r.finished and r.finish_reason is FinishReason.ABORT and not r.page_table
+    assert not s.num_unfinished and s.allocator.num_free == 16
+    s.check_integrity()
+
+
+def test_finish_with_a_stale_page_table_recounts_instead_of_raising():
+    from frugal.kv_cache import faults
+
+    s = Scheduler(PageAllocator(8), page_size=4, max_num_seqs=8, max_num_batched_tokens=64)
+    victim, other = make_request(0, 8, 4), make_request(1, 4, 4)
+    s.add(victim)
+    s.schedule()
+    victim.num_computed_tokens = 8
+    faults.reuse_while_held(s.allocator, victim.page_table[0])  # the page is free and held
+    s.add(other)
+    s.schedule()  # other's prefill gets that page again, with a new tag
+    other.num_computed_tokens = 4
+    assert other.page_table[0].page_id == victim.page_table[0].page_id
+    problem = s.finish(victim, FinishReason.ABORT)
+    assert problem is not None and "tag" in problem and "recount" in problem
+    assert victim.finished and victim not in s.running
+    s.check_integrity()  # other keeps its page; victim's other page is free again
+    assert s.allocator.num_free == 7
+    assert s.finish(victim, FinishReason.ABORT) is None
+    s.finish(other, FinishReason.STOP)
+    assert s.allocator.num_free == 8
+
+
+def test_finish_untrusted_never_frees_the_table():
+    s = Scheduler(PageAllocator(8), page_size=4, max_num_seqs=8, max_num_batched_tokens=64)
+    a, b = make_request(0, 4, 4), make_request(1, 4, 4)
+    s.add(a)
+    s.add(b)
+    s.schedule()
+    a.num_computed_tokens = b.num_computed_tokens = 4
+    assert s.finish(a, FinishReason.ERROR, trusted=False) is not None
+    s.check_integrity()
+    assert s.allocator.num_free == 7 and b.page_table

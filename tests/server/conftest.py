@@ -12,6 +12,7 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -23,6 +24,10 @@ MODEL = "SmolLM2-135M-Instruct"
 class Server:
     url: str
     process: subprocess.Popen
+    log: Path
+
+    def output(self) -> str:
+        return self.log.read_text()
 
     def request(self, method: str, path: str, body: bytes | dict | None = None,
                 key: str | None = API_KEY) -> tuple[int, dict | str]:
@@ -49,33 +54,44 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
-def server():
+def start_server(log: Path, *flags: str, env: dict[str, str] | None = None) -> Server:
+    """`frugal serve` on a free port with the default model, its output going to `log` (a
+    pipe nobody reads would block the server once full); returns once /health answers."""
     port = free_port()
-    env = {**os.environ, "FRUGAL_API_KEY": API_KEY}
+    out = log.open("w")
     process = subprocess.Popen(
-        [sys.executable, "-m", "frugal.cli.main", "serve", "--port", str(port), "--dtype",
-         "float32", "--kv-cache-memory", "128MiB", "--log-level", "WARNING"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    s = Server(f"http://127.0.0.1:{port}", process)
+        [sys.executable, "-m", "frugal.cli.main", "serve", "--port", str(port), *flags],
+        env={**os.environ, **(env or {})}, stdout=out, stderr=subprocess.STDOUT, text=True)
+    s = Server(f"http://127.0.0.1:{port}", process, log)
     deadline = time.time() + 120
     while time.time() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"server exited: {process.stdout.read()}")
+            raise RuntimeError(f"server exited: {s.output()}")
         try:
             if s.request("GET", "/health")[0] == 200:
-                break
+                return s
         except OSError:
             pass
         time.sleep(0.5)
-    else:
-        process.kill()
-        raise RuntimeError("server did not become healthy")
+    process.kill()
+    raise RuntimeError(f"server did not become healthy: {s.output()}")
+
+
+def stop_server(s: Server) -> int:
+    """SIGTERM, then the exit code."""
+    if s.process.poll() is None:
+        s.process.send_signal(signal.SIGTERM)
+        s.process.wait(timeout=60)
+    return s.process.returncode
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory):
+    s = start_server(tmp_path_factory.mktemp("server") / "serve.log", "--dtype", "float32",
+                     "--kv-cache-memory", "128MiB", "--log-level", "WARNING",
+                     env={"FRUGAL_API_KEY": API_KEY})
     yield s
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        process.wait(timeout=60)
-    assert process.returncode == 0, process.stdout.read()
+    assert stop_server(s) == 0, s.output()
 
 
 @pytest.fixture(scope="session")

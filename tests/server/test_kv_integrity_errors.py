@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from frugal.engine.async_engine import AsyncEngine
 from frugal.kv_cache import faults
 from frugal.kv_cache.page_allocator import PageRef
-from frugal.server.metrics import Metrics
+from frugal.metrics import Metrics
 from frugal.server.openai_api import build_app
 from tests.server.conftest import MODEL, free_port
 

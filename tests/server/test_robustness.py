@@ -5,15 +5,13 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import subprocess
-import sys
 import time
 import urllib.request
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server.conftest import API_KEY, MODEL, free_port
+from tests.server.conftest import API_KEY, MODEL, start_server
 
 
 def metrics(server) -> dict[str, float]:
@@ -73,7 +71,7 @@ def test_16_streams_complete_while_one_disconnects(server, async_client, llm):
     assert walked == 3
     tok = llm.get_tokenizer()
     for (pieces, completion_tokens, prompt_tokens), prompt in zip(results, prompts):
-        assert completion_tokens == 24 and pieces == 24
+        assert completion_tokens == 24 and 1 <= pieces <= 24  # a chunk may carry several tokens
         assert prompt_tokens == len(tok.encode(prompt))
     # the walked-away request was aborted and its pages are back
     assert wait_for(lambda: metrics(server)["frugal_requests_aborted_total"]
@@ -175,27 +173,15 @@ def test_unknown_route_is_openai_shaped_404(server):
 
 
 def test_sigterm_finishes_in_flight_request_and_exits_0(tmp_path):
-    port = free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "frugal.cli.main", "serve", "--port", str(port),
-         "--kv-cache-memory", "64MiB", "--log-level", "WARNING"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    assert wait_for(lambda: _healthy(url), timeout=120), "server did not start"
-    req = urllib.request.Request(url + "/v1/completions", method="POST", data=json.dumps({
+    s = start_server(tmp_path / "serve.log", "--kv-cache-memory", "64MiB", "--log-level",
+                     "WARNING")
+    req = urllib.request.Request(s.url + "/v1/completions", method="POST", data=json.dumps({
         "model": MODEL, "prompt": "Count:", "max_tokens": 40, "stream": True,
         "ignore_eos": True}).encode(), headers={"Content-Type": "application/json"})
     resp = urllib.request.urlopen(req, timeout=60)
     resp.readline()
-    process.send_signal(signal.SIGTERM)
+    s.process.send_signal(signal.SIGTERM)
     rest = resp.read().decode()
     assert rest.rstrip().endswith("data: [DONE]")  # the stream was allowed to finish
-    assert process.wait(timeout=60) == 0
-
-
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url + "/health", timeout=2) as r:
-            return r.status == 200
-    except OSError:
-        return False
+    assert 'data: {"error"' not in rest
+    assert s.process.wait(timeout=60) == 0

@@ -45,6 +45,12 @@ class Metrics:
         self.kv_integrity_failures = counter(
             "frugal_kv_integrity_failures",
             "Requests aborted because their KV pages failed the integrity check")
+        self.bookkeeping_checks = counter(
+            "frugal_kv_bookkeeping_checks",
+            "Walks of the page bookkeeping (free + used == total, refcounts, tags) when idle")
+        self.bookkeeping_errors = counter(
+            "frugal_kv_bookkeeping_errors",
+            "Contradictions those walks or a page free found (a bug; the pages were recounted)")
         self.ttft = histogram("frugal_time_to_first_token_seconds", "Time to first token")
         self.itl = histogram("frugal_inter_token_latency_seconds", "Time between output tokens")
         self.e2e = histogram("frugal_e2e_request_latency_seconds", "Arrival to last token")
