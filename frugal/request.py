@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from frugal.kv_cache.page_allocator import PageRef
+from frugal.kv_cache.page_table import PageTable
 
 
 class FinishReason(str, enum.Enum):
@@ -184,7 +184,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_pending: int = 0
-    page_table: list[PageRef] = field(default_factory=list)
+    page_table: PageTable = field(default_factory=PageTable)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None

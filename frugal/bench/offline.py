@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 from frugal.bench.roofline import Device, ModelCost, bound, measure_device
 from frugal.bench.serve import add_serve_parser
+from frugal.bench.soak import add_soak_parser
 from frugal.cli.args import add_engine_args, command_line, engine_config
 from frugal.engine.llm_engine import LLMEngine
 from frugal.request import SamplingParams
@@ -72,6 +73,7 @@ def add_bench_parser(subparsers) -> None:
     o.add_argument("--plot", default=None, help="write a PNG of output tok/s by concurrency")
     o.set_defaults(func=run_offline)
     add_serve_parser(sub)
+    add_soak_parser(sub)
     g = sub.add_parser("plot", help="draw the PNG of `bench offline --output` JSONs (several: "
                                     "one line each, named after the file)")
     g.add_argument("results", nargs="+", help="JSON written by bench offline --output")

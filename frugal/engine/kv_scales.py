@@ -20,6 +20,7 @@ import torch
 from frugal.config import ModelConfig
 from frugal.engine.scheduler import SchedulerOutput
 from frugal.kv_cache.page_allocator import PageRef
+from frugal.kv_cache.page_table import PageTable
 from frugal.kv_cache.pool import KVPool
 from frugal.ops.torch_ref.attention import FP8_MAX
 from frugal.request import Request, SamplingParams
@@ -146,7 +147,7 @@ def calibrate(runner: ModelRunner, prompts: list[list[int]], generate: int,
     lengths = [len(p) + generate for p in prompts]
     pages = [-(-n // page_size) for n in lengths]
     pool = KVPool(mc.num_layers, sum(pages), page_size, mc.num_kv_heads, mc.head_dim,
-                  runner.dtype, runner.device, zeroed=True)
+                  runner.dtype, runner.device)
     saved_pool, saved_graphs = getattr(runner, "pool", None), runner.graphs
     runner.pool, runner.graphs = pool, None
     runner.bind_cache(pool)
@@ -155,7 +156,7 @@ def calibrate(runner: ModelRunner, prompts: list[list[int]], generate: int,
         params = SamplingParams(max_tokens=generate, temperature=0.0, ignore_eos=True)
         for i, (ids, n) in enumerate(zip(prompts, pages)):
             request = Request(f"calibrate-{i}", None, list(ids), params, len(ids) + generate)
-            request.page_table = [PageRef(p, 0) for p in range(first, first + n)]
+            request.page_table = PageTable(PageRef(p, 0) for p in range(first, first + n))
             requests.append(request)
             first += n
         todo = [len(ids) for ids in prompts]

@@ -15,6 +15,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from frugal.kv_cache.page_allocator import IntegrityError, PageAllocator
+from frugal.kv_cache.page_table import PageTable
 from frugal.request import FinishReason, Request, RequestStatus
 
 
@@ -105,7 +106,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.allocator.free(request.page_table)
-        request.page_table = []
+        request.page_table = PageTable()
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING
@@ -124,7 +125,7 @@ class Scheduler:
         for queue in (self.running, self.waiting):
             if request in queue:
                 queue.remove(request)
-        table, request.page_table = request.page_table, []
+        table, request.page_table = request.page_table, PageTable()
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         problem = None if trusted else "its pages failed the integrity check"

@@ -5,7 +5,6 @@ from __future__ import annotations
 import array
 import functools
 from dataclasses import dataclass
-from operator import itemgetter
 
 import torch
 
@@ -79,10 +78,9 @@ def prepare(out: SchedulerOutput, page_size: int, device: str, pending: Pending 
     # tags start 16-byte aligned (at `seg`)
     seg = -(-len(out.requests) * width // 4) * 4
     tables = array.array("i")
-    for part in (0, 1) if check else (0,):
-        field = itemgetter(part)
+    for part, name in enumerate(("ids", "tags") if check else ("ids",)):
         for r in out.requests:
-            tables.extend(map(field, r.page_table))
+            tables.extend(getattr(r.page_table, name))  # a memcpy, however long the request
             tables.extend(_zeros(width - len(r.page_table)))
         tables.extend(_zeros(seg * (part + 1) - len(tables)))
     updates = tag_updates or {}
@@ -90,7 +88,7 @@ def prepare(out: SchedulerOutput, page_size: int, device: str, pending: Pending 
         start = request.num_computed_tokens
         end = start + n
         known = request.num_tokens
-        table = request.page_table
+        table = request.page_table.ids
         ids += request.token_ids(start, min(end, known))
         if end > known:  # the pending token (only ever the last new one)
             if pending is None or request not in pending.index or end != known + 1:
@@ -100,7 +98,7 @@ def prepare(out: SchedulerOutput, page_size: int, device: str, pending: Pending 
             gather_from.append(pending.index[request])
             ids.append(0)
         positions += range(start, end)
-        slots += [table[p // page_size][0] * page_size + p % page_size
+        slots += [table[p // page_size] * page_size + p % page_size
                   for p in range(start, end)]
         cu_seqlens.append(cu_seqlens[-1] + n)
         seq_lens.append(end)

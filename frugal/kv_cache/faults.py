@@ -8,6 +8,7 @@ ops.check_kv_pages) catches each class and that only the victim request is affec
 from __future__ import annotations
 
 from frugal.kv_cache.page_allocator import PageAllocator, PageRef
+from frugal.kv_cache.page_table import PageTable
 
 
 def reuse_while_held(allocator: PageAllocator, ref: PageRef) -> None:
@@ -17,7 +18,7 @@ def reuse_while_held(allocator: PageAllocator, ref: PageRef) -> None:
     allocator._free.appendleft(ref.page_id)
 
 
-def redirect(page_table: list[PageRef], index: int, target: PageRef) -> None:
+def redirect(page_table: PageTable, index: int, target: PageRef) -> None:
     """A page-table entry overwritten to point at another request's page (the entry keeps the
     tag it had: what the request believes it holds)."""
     page_table[index] = PageRef(target.page_id, page_table[index].tag)

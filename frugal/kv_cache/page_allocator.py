@@ -90,7 +90,7 @@ class PageAllocator:
     def tags(self) -> list[int]:
         return list(self._tag)
 
-    def rebuild(self, page_tables: Iterable[list[PageRef]]) -> int:
+    def rebuild(self, page_tables: Iterable[Iterable[PageRef]]) -> int:
         """Recount every page from the live page tables after an integrity failure, whatever
         corrupted the bookkeeping (a page freed twice, a table entry pointing elsewhere, a page
         handed out while still held): a page is used by the live entries that carry its current
@@ -125,7 +125,7 @@ class PageAllocator:
                 f"{what} of page {ref.page_id} with tag {ref.tag}: page has tag "
                 f"{self._tag[ref.page_id]} and refcount {self._refcount[ref.page_id]}")
 
-    def check(self, page_tables: Iterable[list[PageRef]]) -> None:
+    def check(self, page_tables: Iterable[Iterable[PageRef]]) -> None:
         """Integrity walk over every live page table; raises IntegrityError on the first fault.
 
         free + used == total; no page free twice; each live entry's tag is the page's current tag;

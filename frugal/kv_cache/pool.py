@@ -17,7 +17,7 @@ class KVPool:
     k[layer], v[layer]: [num_pages, page_size, num_kv_heads, head_dim] of `dtype` (an FP8 v:
     key-minor, [num_pages, num_kv_heads, head_dim, page_size], see torch_ref.v_key_minor). A
     token's slot is page_id * page_size + offset; `k[layer].view(-1, num_kv_heads,
-    head_dim)[slot]` is its key. On the GPU the pool starts zeroed, and FP8 stores saturate
+    head_dim)[slot]` is its key. The pool starts zeroed, and FP8 stores saturate
     (NaN included), so no page ever holds a NaN: kernels may read a whole last page.
     An FP8 pool also has scales: [num_layers, 2, num_kv_heads] fp32 (K, V), set by its owner
     before use, and scales_source saying where they came from. tags: [num_pages] int32, each
@@ -25,14 +25,14 @@ class KVPool:
     """
 
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: str, zeroed: bool = False) -> None:
+                 head_dim: int, dtype: torch.dtype, device: str) -> None:
         self.num_pages = num_pages
         self.page_size = page_size
         shape = (num_layers, 2, num_pages, page_size, num_kv_heads, head_dim)
-        # The CPU path reads only slots it wrote, and touching gigabytes up front costs seconds;
-        # GPU kernels load whole pages under masks, so there no stale NaN may sit in the pool.
-        alloc = torch.empty if torch.device(device).type == "cpu" and not zeroed else torch.zeros
-        self._storage = alloc(shape, dtype=dtype, device=device)
+        # Zeroed, so every page's memory is taken now (a server's footprint does not creep up
+        # as pages are first written), and GPU kernels, which load whole pages under masks,
+        # never meet a stale NaN.
+        self._storage = torch.zeros(shape, dtype=dtype, device=device)
         self.k = [self._storage[i, 0] for i in range(num_layers)]
         v_shape = ((num_pages, num_kv_heads, head_dim, page_size) if v_key_minor(dtype)
                    else shape[2:])

@@ -12,7 +12,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
@@ -61,12 +61,13 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: HTTPRequest, e: RequestValidationError):
-        first = e.errors()[0] if e.errors() else {}
-        loc = []
-        for part in first.get("loc", ())[1:]:  # past "body"; stop at a union's type tag
-            if isinstance(part, str) and (part in _TYPE_TAGS or "[" in part or "-" in part):
-                break
-            loc.append(str(part))
+        errors = e.errors()
+        # a union reports every member; a member whose type matched says what is wrong
+        first = next((x for x in errors if not x.get("type", "").endswith("_type")),
+                     errors[0] if errors else {})
+        loc = [str(part) for part in first.get("loc", ())[1:]  # past "body", without the
+               if not (isinstance(part, str)  # union members' type tags
+                       and (part in _TYPE_TAGS or "[" in part or "-" in part))]
         if first.get("type") == "json_invalid":
             return _error(APIError("request body is not valid JSON", code="invalid_json"))
         param = ".".join(loc) or None
@@ -74,7 +75,9 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
 
     @app.exception_handler(HTTPException)
     async def http_error(request: HTTPRequest, e: HTTPException):
-        return _error(APIError(str(e.detail), status=e.status_code))
+        response = _error(APIError(str(e.detail), status=e.status_code))
+        response.headers.update(e.headers or {})  # a 405's Allow
+        return response
 
     def check_model(name: str) -> None:
         if name != model_name:
@@ -99,11 +102,11 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                                      headers={"Cache-Control": "no-cache"})
         return JSONResponse(await serving.respond(job, http))
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=_STREAMED)
     async def completions(req: CompletionRequest, http: HTTPRequest):
         return await run(serving.completion_job, req, http)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=_STREAMED)
     async def chat_completions(req: ChatCompletionRequest, http: HTTPRequest):
         return await run(serving.chat_job, req, http)
 
@@ -120,7 +123,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             return JSONResponse({"status": state}, status_code=503)
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus():
         if metrics is None:
             raise APIError("metrics are off", status=404)
@@ -159,9 +162,22 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                 "pad_token": None, "chat_template": tokenizer.chat_template,
                 "model_max_length": serving.max_model_len}
 
+    def openapi() -> dict:
+        """FastAPI's schema, which also says the one model name this server takes."""
+        if app.openapi_schema is None:
+            schema = FastAPI.openapi(app)
+            for name in ("CompletionRequest", "ChatCompletionRequest"):
+                schema["components"]["schemas"][name]["properties"]["model"]["enum"] = [
+                    model_name]
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
     return app
 
 
+_STREAMED = {200: {"description": "The completion, or with stream=true its Server-Sent Events",
+                   "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
 _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
 
 

@@ -30,6 +30,9 @@ def _valid_unicode(text: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_valid_unicode)]  # every string a client sends
+# Unknown fields are ignored (clients send many); known ones take their own JSON type only
+# (no "1" for 1, no false for 0), so a request never quietly means something else.
+_STRICT = ConfigDict(extra="ignore", strict=True)
 
 
 class APIError(Exception):
@@ -75,13 +78,15 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 
 
 class StreamOptions(BaseModel):
+    model_config = _STRICT
+
     include_usage: bool = False
 
 
 class _Common(BaseModel):
     """Sampling fields shared by both endpoints (OpenAI names, vLLM extras)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
 
     model: Text
     temperature: float | None = None
@@ -160,12 +165,14 @@ class CompletionRequest(_Common):
 
 
 class TextPart(BaseModel):
+    model_config = _STRICT
+
     type: Literal["text"]
     text: Text
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
@@ -204,7 +211,7 @@ def conversation(messages: list[ChatMessage]) -> list[dict[str, str]]:
 
 
 class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
 
     prompt: Text | None = None
     messages: list[ChatMessage] | None = None
@@ -212,6 +219,6 @@ class TokenizeRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
 
     tokens: list[int]

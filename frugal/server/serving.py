@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from starlette.requests import Request as HTTPRequest
 
-from frugal.engine.async_engine import AsyncEngine
+from frugal.engine.async_engine import AsyncEngine, EngineDeadError
 from frugal.request import RequestOutput, SamplingParams, join
 from frugal.server import logprobs as lp
 from frugal.server.protocol import (
@@ -224,6 +224,8 @@ def _api_error(e: Exception) -> APIError:
         return e
     if isinstance(e, ValueError):
         return APIError.from_value_error(e)
+    if isinstance(e, EngineDeadError):
+        return APIError(str(e), status=503, kind="server_error")
     return APIError(f"engine error: {e}", status=500, kind="server_error")
 
 

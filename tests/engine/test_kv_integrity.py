@@ -79,6 +79,7 @@ def baseline(engine):
 @pytest.mark.parametrize("kind", list(FAULTS))
 def test_fault_fails_only_its_victim(engine, baseline, kind):
     allocator, runner = engine.scheduler.allocator, engine.runner
+    assert engine.overlap  # (on the GPU the next step runs while the fault is found)
     failures = engine.num_integrity_failures
     got = run(engine, FAULTS[kind])
     failed = [rid for rid, (_, reason, _) in got.items() if reason == "error"]

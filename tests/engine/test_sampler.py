@@ -4,6 +4,8 @@ import pytest
 import torch
 
 from frugal.engine.sampler import Sampler, apply_top_k_top_p, token_logprobs
+from frugal.kv_cache.page_allocator import PageRef
+from frugal.kv_cache.page_table import PageTable
 from frugal.request import Request, SamplingParams
 
 
@@ -119,7 +121,7 @@ def test_sampling_and_step_inputs_leave_the_device_queue_alone():
               SamplingParams(temperature=0), SamplingParams(temperature=1.0)]
     requests = reqs(params)
     for i, r in enumerate(requests):
-        r.page_table = [(10 * i + j, 1) for j in range(3)]
+        r.page_table = PageTable(PageRef(10 * i + j, 1) for j in range(3))
     logits = torch.randn(3, 1000, device="cuda")
     sampler = Sampler("cuda", 0, [2])
     out = SchedulerOutput(requests, [1, 1, 1])

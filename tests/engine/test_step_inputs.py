@@ -2,6 +2,8 @@
 
 from frugal.engine.scheduler import SchedulerOutput
 from frugal.engine.step_inputs import prepare
+from frugal.kv_cache.page_allocator import PageRef
+from frugal.kv_cache.page_table import PageTable
 from frugal.request import Request, SamplingParams
 
 
@@ -9,7 +11,7 @@ def request(prompt_len: int, computed: int, first_page: int) -> Request:
     r = Request(f"r{first_page}", None, list(range(1, prompt_len + 1)), SamplingParams(),
                 max_total_tokens=prompt_len + 8)
     r.num_computed_tokens = computed
-    r.page_table = [(first_page + i, 0) for i in range(-(-prompt_len // 4))]
+    r.page_table = PageTable(PageRef(first_page + i, 0) for i in range(-(-prompt_len // 4)))
     return r
 
 
@@ -37,7 +39,8 @@ def test_every_field_starts_16_byte_aligned_and_holds_its_values():
     for sizes in ([1], [3, 1], [5, 1, 1], [2, 7, 1, 1, 3]):
         requests = [request(9 + n, 9, 10 * i) for i, n in enumerate(sizes)]
         for i, r in enumerate(requests):
-            r.page_table = [(10 * i + k, 0) for k in range(1 + i)] + r.page_table
+            r.page_table = PageTable([*(PageRef(10 * i + k, 0) for k in range(1 + i)),
+                                      *r.page_table])
         pending = requests[-1]
         pending.num_pending = 1
         pending.num_computed_tokens = pending.num_tokens  # its next input is still on the device

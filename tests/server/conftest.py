@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 API_KEY = "test-key"
 MODEL = "SmolLM2-135M-Instruct"
@@ -46,6 +47,28 @@ class Server:
             return status, json.loads(raw)
         except json.JSONDecodeError:
             return status, raw
+
+
+def metrics(server) -> dict[str, float]:
+    status, text = server.request("GET", "/metrics", key=None)
+    assert status == 200
+    values = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            key = sample.name
+            if "finish_reason" in sample.labels:
+                key += "{" + sample.labels["finish_reason"] + "}"
+            values[key] = sample.value
+    return values
+
+
+def wait_for(predicate, timeout: float = 30.0) -> bool:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return False
 
 
 def free_port() -> int:

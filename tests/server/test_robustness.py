@@ -5,35 +5,11 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import time
 import urllib.request
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server.conftest import API_KEY, MODEL, start_server
-
-
-def metrics(server) -> dict[str, float]:
-    status, text = server.request("GET", "/metrics", key=None)
-    assert status == 200
-    values = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            key = sample.name
-            if "finish_reason" in sample.labels:
-                key += "{" + sample.labels["finish_reason"] + "}"
-            values[key] = sample.value
-    return values
-
-
-def wait_for(predicate, timeout: float = 30.0) -> bool:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.1)
-    return False
+from tests.server.conftest import API_KEY, MODEL, metrics, start_server, wait_for
 
 
 def test_16_streams_complete_while_one_disconnects(server, async_client, llm):
@@ -125,6 +101,12 @@ BAD = [
     ({"model": MODEL, "prompt": "hi", "seed": 2**64}, 400, "seed"),
     (b'{"model": "SmolLM2-135M-Instruct", "prompt": "hi", "temperature": NaN}', 400,
      "temperature"),
+    ({"model": MODEL, "prompt": "\ud800 x"}, 400, "prompt"),
+    ({"model": MODEL, "prompt": ["ok", "a\udfff"]}, 400, "prompt.1"),
+    ({"model": "\ud800", "prompt": "hi"}, 400, "model"),
+    ({"model": MODEL, "prompt": "hi", "stop": ["\ud800"]}, 400, "stop.0"),
+    ({"model": MODEL, "prompt": "hi", "stop": [f"s{i}" for i in range(17)]}, 400, "stop"),
+    ({"model": MODEL, "prompt": ["hi"] * 1025}, 400, "prompt"),
 ]
 
 
@@ -151,11 +133,24 @@ def test_bad_completion_input_is_4xx_and_harmless(server, body, status, param):
      "tools"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
       "max_completion_tokens": 0}, "max_tokens"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "\ud800"}]},
+     "messages.0.content"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "x\udc00"}]}]}, "messages.0.content.0.text"),
 ])
 def test_bad_chat_input_is_400(server, body, param):
     got, err = server.request("POST", "/v1/chat/completions", body)
     assert got == 400, err
     assert err["error"]["param"] == param
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "\ud800 x"}, "prompt"),
+    ({"messages": [{"role": "user", "content": "\ud800"}]}, "messages.0.content"),
+])
+def test_tokenize_refuses_invalid_unicode(server, body, param):
+    got, err = server.request("POST", "/tokenize", body, key=None)
+    assert got == 400 and err["error"]["param"] == param, err
 
 
 def test_tokenize_messages_counts_what_chat_sends(server):
