@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+if TYPE_CHECKING:
+    from frugal.engine.llm_engine import EngineStats
+    from frugal.request import RequestOutput
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0)
 
@@ -55,5 +61,45 @@ class Metrics:
         self.itl = histogram("frugal_inter_token_latency_seconds", "Time between output tokens")
         self.e2e = histogram("frugal_e2e_request_latency_seconds", "Arrival to last token")
 
-    def finished(self, reason: str) -> None:
-        self._finished.labels(model_name=self.model_name, finish_reason=reason).inc()
+    def watch(self, stats: EngineStats) -> None:
+        """Start from an engine's snapshot: the pool's size, and its totals so far (which
+        count as already seen)."""
+        self.pages_total.set(stats.num_pages)
+        self.kv_tokens.set(stats.capacity_tokens)
+        self.kv_ratio.set(stats.kv_capacity_ratio)
+        self.kv_info.labels(model_name=self.model_name, **stats.kv_cache).set(1)
+        self._seen = {name: getattr(stats, name) for name, _ in self._totals()}
+        self.update(stats)
+
+    def update(self, stats: EngineStats) -> None:
+        """Gauges from a snapshot; the counters of engine totals by what they grew since."""
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.pages_used.set(stats.num_pages_used)
+        for name, counter in self._totals():
+            total = getattr(stats, name)
+            counter.inc(total - self._seen[name])
+            self._seen[name] = total
+
+    def _totals(self) -> list[tuple[str, Counter]]:
+        return [("num_preemptions", self.preemptions),
+                ("num_integrity_failures", self.kv_integrity_failures),
+                ("num_bookkeeping_errors", self.bookkeeping_errors)]
+
+    def observe(self, output: RequestOutput, arrival: float, last_token: float | None,
+                now: float, num_prompt_tokens: int) -> None:
+        """A request's output (new tokens) handed over at `now`; last_token: when its previous
+        one was, None before its first."""
+        completion = output.outputs[0]
+        if not completion.token_ids:
+            return
+        if last_token is None:
+            self.ttft.observe(now - arrival)
+        else:
+            self.itl.observe(now - last_token)
+        self.generation_tokens.inc(len(completion.token_ids))
+        if output.finished:
+            self.e2e.observe(now - arrival)
+            self.prompt_tokens.inc(num_prompt_tokens)
+            self._finished.labels(model_name=self.model_name,
+                                  finish_reason=completion.finish_reason).inc()

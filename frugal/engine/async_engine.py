@@ -19,7 +19,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from frugal.engine.llm_engine import LLMEngine
 from frugal.engine.output_stream import OutputStream, send
@@ -28,7 +28,6 @@ from frugal.request import RequestOutput, SamplingParams
 
 logger = logging.getLogger("frugal")
 
-_TOTALS = ("num_preemptions", "num_integrity_failures", "num_bookkeeping_errors")  # LLMEngine's
 IDLE_CHECK_S = 1.0  # idle this long before check_integrity (never in the way of a next request)
 
 
@@ -47,7 +46,6 @@ class _Counts:
     submitted: int = 0  # adds put in the inbox (event loop side)
     drained: int = 0  # adds taken out of it (engine side)
     waiting: int = 0  # the scheduler's waiting queue after the last step
-    seen: dict[str, int] = field(default_factory=dict)  # engine totals already in metrics
 
 
 class AsyncEngine:
@@ -66,17 +64,13 @@ class AsyncEngine:
         self._lock = threading.Lock()  # guards _streams (the watchdog fails them too)
         self._streams: dict[str, OutputStream] = {}
         self._stop = threading.Event()
-        self._counts = _Counts(seen={name: getattr(engine, name) for name in _TOTALS})
+        self._counts = _Counts()
         self._step_started: float | None = None
         self._thread = threading.Thread(target=self._loop, name="frugal-engine", daemon=True)
         self._watchdog = threading.Thread(target=self._watch, name="frugal-watchdog",
                                           daemon=True)
         if metrics is not None:
-            pool = engine.runner.pool
-            metrics.pages_total.set(pool.num_pages)
-            metrics.kv_tokens.set(pool.capacity_tokens)
-            metrics.kv_ratio.set(engine.runner.kv_capacity_ratio)
-            metrics.kv_info.labels(model_name=metrics.model_name, **pool.describe()).set(1)
+            metrics.watch(engine.stats())
 
     @property
     def alive(self) -> bool:
@@ -183,7 +177,7 @@ class AsyncEngine:
                 except queue.Empty:
                     break
                 if command == "add":
-                    send([(rest[3], EngineDeadError(self.dead or "the engine has stopped"))])
+                    send([(rest[3], error)])
 
     def _drain_inbox(self) -> bool:
         """Apply queued adds, aborts and fail_alls; True when there were any."""
@@ -296,16 +290,9 @@ class AsyncEngine:
                     self._count_error()
                     batch.append((stream, RequestFailedError(completion.error)))
                     continue
-                if m is not None and completion.token_ids:
-                    if stream.last_token is None:
-                        m.ttft.observe(now - stream.arrival)
-                    else:
-                        m.itl.observe(now - stream.last_token)
-                    m.generation_tokens.inc(len(completion.token_ids))
-                    if output.finished:
-                        m.e2e.observe(now - stream.arrival)
-                        m.prompt_tokens.inc(stream.num_prompt_tokens)
-                        m.finished(completion.finish_reason)
+                if m is not None:
+                    m.observe(output, stream.arrival, stream.last_token, now,
+                              stream.num_prompt_tokens)
                 stream.last_token = now
                 batch.append((stream, output))
         send(batch)
@@ -315,17 +302,7 @@ class AsyncEngine:
             self.metrics.errored.inc()
 
     def _update_gauges(self) -> None:
-        scheduler = self.engine.scheduler
-        self._counts.waiting = len(scheduler.waiting)
-        m = self.metrics
-        if m is None:
-            return
-        m.running.set(len(scheduler.running))
-        m.waiting.set(len(scheduler.waiting))
-        m.pages_used.set(scheduler.allocator.num_used)
-        seen = self._counts.seen
-        for name, counter in zip(_TOTALS, (m.preemptions, m.kv_integrity_failures,
-                                           m.bookkeeping_errors)):
-            total = getattr(self.engine, name)
-            counter.inc(total - seen[name])
-            seen[name] = total
+        stats = self.engine.stats()
+        self._counts.waiting = stats.num_waiting
+        if self.metrics is not None:
+            self.metrics.update(stats)

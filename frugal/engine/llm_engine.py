@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -23,6 +24,23 @@ from frugal.request import (
 )
 
 logger = logging.getLogger("frugal")
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine between steps: what the server's metrics read. The num_*
+    totals only grow."""
+
+    num_running: int
+    num_waiting: int
+    num_pages: int
+    num_pages_used: int
+    capacity_tokens: int  # tokens the KV pool holds
+    kv_capacity_ratio: float  # tokens per byte against a pool in the activation dtype
+    kv_cache: dict[str, str]  # its dtype and FP8 scale source (KVPool.describe)
+    num_preemptions: int
+    num_integrity_failures: int  # requests failed by the KV-cache integrity check
+    num_bookkeeping_errors: int  # contradictions found by check_integrity or a page free
 
 
 class LLMEngine:
@@ -140,6 +158,13 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
+
+    def stats(self) -> EngineStats:
+        scheduler, pool = self.scheduler, self.runner.pool
+        return EngineStats(len(scheduler.running), len(scheduler.waiting), pool.num_pages,
+                           scheduler.allocator.num_used, pool.capacity_tokens,
+                           self.runner.kv_capacity_ratio, pool.describe(), self.num_preemptions,
+                           self.num_integrity_failures, self.num_bookkeeping_errors)
 
     # -- stepping ---------------------------------------------------------------------------
 

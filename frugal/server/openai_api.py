@@ -113,7 +113,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     @app.get("/v1/models")
     async def models():
         card = {"id": model_name, "object": "model", "created": created, "owned_by": "frugal",
-                "max_model_len": serving.max_model_len, **engine.engine.runner.pool.describe()}
+                "max_model_len": serving.max_model_len, **engine.engine.stats().kv_cache}
         return {"object": "list", "data": [card]}
 
     @app.get("/health")

@@ -65,7 +65,7 @@ def drive(llm: LLM, work) -> tuple[dict[str, tuple[list[int], str]], dict[str, i
 
 def test_overlap_under_pressure_changes_no_token():
     work = workload()
-    kwargs = dict(dtype="float32", device="cuda", page_size=16, kv_cache_memory="96MiB",
+    kwargs = dict(dtype="float32", device="cuda", page_size=16, kv_cache_memory="40MiB",
                   max_num_seqs=16, max_num_batched_tokens=512)
     on = LLM(**kwargs)
     assert on.engine.overlap and on.engine.runner.graphs is not None
