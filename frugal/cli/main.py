@@ -1,4 +1,4 @@
-"""`frugal` command line: serve, generate, chat, eval, bench, calibrate-kv, quantize."""
+"""`frugal` command line: serve, generate, chat, eval, bench, calibrate-kv, quantize, env."""
 
 from __future__ import annotations
 
@@ -6,19 +6,20 @@ import argparse
 import logging
 import sys
 
-from frugal import __version__
+from frugal.cli.env import VersionAction
 
 
 def build_parser() -> argparse.ArgumentParser:
     from frugal.bench.offline import add_bench_parser
     from frugal.cli.calibrate import add_calibrate_parser
+    from frugal.cli.env import add_env_parser
     from frugal.cli.eval import add_eval_parser
     from frugal.cli.generate import add_chat_parser, add_generate_parser
     from frugal.cli.quantize import add_quantize_parser
     from frugal.cli.serve import add_serve_parser
 
     parser = argparse.ArgumentParser(prog="frugal", description="frugal: LLM inference engine")
-    parser.add_argument("--version", action="version", version=f"frugal {__version__}")
+    parser.add_argument("--version", action=VersionAction)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     add_serve_parser(sub)
     add_generate_parser(sub)
@@ -27,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(sub)
     add_calibrate_parser(sub)
     add_quantize_parser(sub)
+    add_env_parser(sub)
     return parser
 
 
