@@ -63,6 +63,19 @@ def test_bench_offline_prints_a_table():
     assert "| frugal | 2 |" in r.stdout and "command: frugal bench offline" in r.stdout
 
 
+def test_eval_generate_against_a_reference(tmp_path):
+    out = tmp_path / "out.json"
+    r = frugal("eval", "--generate", "2", "--generate-tokens", "8", "--kv-cache-dtype", "fp8",
+               "--reference", "--dtype float32", "--output", str(out), "--log-level", "WARNING")
+    assert r.returncode == 0, r.stderr
+    assert "| 2 | 8 |" in r.stdout and "identical answers" in r.stdout
+    import json
+
+    report = json.loads(out.read_text())["generate"]
+    assert report["num_prompts"] == 2 and len(report["first_divergence"]) == 2
+    assert frugal("eval", "--generate", "2").returncode == 2  # needs a reference
+
+
 def test_eval_small_run_with_saved_reference(tmp_path):
     items, out = tmp_path / "items.json", tmp_path / "out.json"
     r = frugal("eval", "--tasks", "piqa,boolq", "--limit", "4", "--perplexity", "wiki",

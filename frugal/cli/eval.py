@@ -10,6 +10,7 @@ import shlex
 from dataclasses import asdict
 
 from frugal.cli.args import add_engine_args, command_line, engine_config
+from frugal.eval import generation
 from frugal.eval import multiple_choice as mc
 from frugal.eval.data import TASKS, load_task, wiki_text
 from frugal.eval.perplexity import PerplexityScore, perplexity, windows
@@ -25,6 +26,10 @@ def add_eval_parser(subparsers) -> None:
     g.add_argument("--perplexity", choices=["wiki"], default=None,
                    help="perplexity on the Wikipedia passages of BoolQ")
     g.add_argument("--ctx-len", type=int, default=512, help="tokens per perplexity window")
+    g.add_argument("--generate", type=int, default=None, metavar="N",
+                   help="greedy answers to N chat prompts (questions of the four informative "
+                        "tasks) against --reference: identical answers, first divergence")
+    g.add_argument("--generate-tokens", type=int, default=64, help="tokens per answer")
     g.add_argument("--windows", type=int, default=None, help="at most N perplexity windows")
     g.add_argument("--reference", default=None, metavar="FLAGS",
                    help='engine flags of the reference configuration, e.g. "--dtype float32"')
@@ -62,8 +67,10 @@ def describe(llm: LLM) -> str:
 
 def run_eval(args: argparse.Namespace) -> int:
     tasks = [t for t in (args.tasks or "").split(",") if t]
-    if not tasks and not args.perplexity:
-        raise ValueError("tasks: give --tasks and/or --perplexity wiki")
+    if not tasks and not args.perplexity and not args.generate:
+        raise ValueError("tasks: give --tasks, --perplexity wiki and/or --generate N")
+    if args.generate is not None and (args.generate < 1 or args.reference is None):
+        raise ValueError("generate: needs N >= 1 and a --reference configuration")
     if args.reference is not None and args.reference_items is not None:
         raise ValueError("reference: give --reference or --reference-items, not both")
     if args.items and (args.perplexity or args.reference or args.scorer != "engine"):
@@ -127,6 +134,14 @@ def run_eval(args: argparse.Namespace) -> int:
                 acc = next((f"{s.acc:.2f}" for s in task_table if s.task == p.task), "—")
                 lines.append(f"| {p.task} | {p.num_items} | {ref_acc} | {acc} | {p.diff:+.2f} "
                              f"[{p.ci_low:+.2f}, {p.ci_high:+.2f}] | {p.gained}/{p.lost} |")
+    if args.generate:
+        prompts = generation.questions(args.generate)
+        tok = llm.get_tokenizer()
+        agree = generation.agreement(
+            generation.answers(llm, prompts, args.generate_tokens),
+            generation.answers(reference, prompts, args.generate_tokens), prompts, tok.decode)
+        report["generate"] = asdict(agree)
+        lines += ["", *generation.format_agreement(agree, args.generate_tokens)]
     if args.perplexity:
         wins = windows(llm.get_tokenizer().encode(wiki_text()), args.ctx_len, args.windows)
         ppl = perplexity(llm, wins, reference)
