@@ -8,9 +8,10 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
+
+from frugal.model_config import ModelConfig, MoeConfig  # noqa: F401 (re-exported)
 
 DTYPES = {
     "float32": torch.float32,
@@ -23,92 +24,6 @@ DTYPES = {
 }
 # KV cache dtypes beyond the activation dtypes: FP8 e4m3 with per-layer, per-head scales
 KV_DTYPES = {**DTYPES, "fp8_e4m3": torch.float8_e4m3fn, "fp8": torch.float8_e4m3fn}
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """Shape of a Llama-family decoder (Llama, SmolLM2, Qwen2, Qwen3 dense).
-
-    Flags instead of forks: qkv_bias (Qwen2), o_bias (Llama attention_bias), qk_norm (Qwen3),
-    tie_word_embeddings, rope_scaling (Llama 3.1 'llama3' or 'linear').
-    """
-
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    rope_scaling: dict[str, Any] | None = None
-    max_position_embeddings: int = 4096
-    tie_word_embeddings: bool = False
-    qkv_bias: bool = False
-    o_bias: bool = False
-    qk_norm: bool = False
-    hidden_act: str = "silu"
-    bos_token_id: int | None = None
-    eos_token_ids: tuple[int, ...] = ()
-    dtype: str = "float32"
-
-    def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                     "num_kv_heads", "head_dim"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_kv_heads: {self.num_kv_heads} does not divide num_heads "
-                             f"{self.num_heads}")
-        if self.hidden_act != "silu":
-            raise ValueError(f"hidden_act: only 'silu' is supported, got {self.hidden_act!r}")
-
-    @classmethod
-    def from_hf(cls, hf: dict[str, Any], eos_token_ids: tuple[int, ...] = ()) -> ModelConfig:
-        """Build from a HF `config.json` dict (Llama / Qwen2 / Qwen3 / Mistral conventions)."""
-        archs = hf.get("architectures") or []
-        if not archs:
-            raise ValueError("architectures: missing from config.json")
-        arch = archs[0]
-        num_heads = hf["num_attention_heads"]
-        head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
-        # transformers 5 folds rope_theta/rope_scaling into rope_parameters.
-        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-        theta = rope.pop("rope_theta", None) or hf.get("rope_theta", 10000.0)
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        is_qwen2 = arch.startswith("Qwen2")
-        attention_bias = bool(hf.get("attention_bias", False))
-        if hf.get("use_sliding_window"):
-            raise ValueError("use_sliding_window: sliding-window attention is not supported")
-        if hf.get("mlp_bias"):
-            raise ValueError("mlp_bias: MLP biases are not supported")
-        eos = hf.get("eos_token_id")
-        if not eos_token_ids and eos is not None:
-            eos_token_ids = tuple(eos) if isinstance(eos, list) else (eos,)
-        return cls(
-            architecture=arch,
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
-            num_layers=hf["num_hidden_layers"],
-            num_heads=num_heads,
-            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-            head_dim=head_dim,
-            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            rope_theta=float(theta),
-            rope_scaling=None if rope_type == "default" else rope,
-            max_position_embeddings=hf.get("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=is_qwen2 or attention_bias,
-            o_bias=attention_bias and not is_qwen2,
-            qk_norm=arch.startswith("Qwen3"),
-            hidden_act=hf.get("hidden_act", "silu"),
-            bos_token_id=hf.get("bos_token_id"),
-            eos_token_ids=eos_token_ids,
-            dtype=str(hf.get("dtype") or hf.get("torch_dtype") or "float32"),
-        )
 
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
@@ -235,6 +150,7 @@ class EngineConfig:
     # checkpoint's own quantized weights are kept as they are (GGUF Q4_0/Q4_1 too), the rest
     # rounded to nearest
     quantization: str = "none"
+    num_layers: int | None = None  # run only the model's first N decoder layers
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

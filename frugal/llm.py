@@ -26,11 +26,11 @@ class LLM:
                  kv_scales_path: str | None = None, calibration_file: str | None = None,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
                  max_model_len: int | None = None, enforce_eager: bool = False,
-                 quantization: str = "none") -> None:
+                 quantization: str = "none", num_layers: int | None = None) -> None:
         config = EngineConfig(
             model=model, load_format=load_format, dtype=dtype, device=device,
             ops_backend=ops_backend, seed=seed, enforce_eager=enforce_eager,
-            quantization=quantization,
+            quantization=quantization, num_layers=num_layers,
             cache=CacheConfig(page_size=page_size, kv_cache_memory=kv_cache_memory,
                               gpu_memory_utilization=gpu_memory_utilization,
                               kv_cache_dtype=kv_cache_dtype, kv_scales_path=kv_scales_path,

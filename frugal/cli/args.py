@@ -25,6 +25,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "channel, activations per token (W8A8); weights the checkpoint "
                         "stores quantized (a GGUF's Q4_0/Q4_1, compressed-tensors, FP8 block "
                         "scales) are kept as they are, others rounded to nearest")
+    g.add_argument("--num-layers", type=int, default=None,
+                   help="run only the model's first N decoder layers (a model too large for "
+                        "one GPU at its real per-layer shapes; for benchmarks)")
     g.add_argument("--ops-backend", default="auto", choices=["auto", "torch_ref", "triton"],
                    help="kernels: auto = triton on CUDA, torch_ref (plain PyTorch) on CPU")
     g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
@@ -61,7 +64,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
         ops_backend=args.ops_backend, seed=args.seed, enforce_eager=args.enforce_eager,
-        quantization=args.quantization,
+        quantization=args.quantization, num_layers=args.num_layers,
         cuda_graph_max_bs=args.cuda_graph_max_bs,
         overlap_schedule=not args.disable_overlap_schedule,
         cache=CacheConfig(page_size=args.page_size, kv_cache_memory=args.kv_cache_memory,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -24,6 +25,10 @@ GPTQ_PROMPT_TOKENS = 192  # per built-in prompt, when there is no calibration te
 
 # layer matrices that are quantized; embeddings, norms and the LM head are kept
 _MATRICES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_EXPERT = re.compile(r"\.experts\.\d+\.")  # a routed expert's matrix
+# config.json's ignore entries of an --experts-only checkpoint (compressed-tensors regexes)
+_NOT_EXPERTS = ["re:.*self_attn.*", "re:.*shared_experts.*",
+                r"re:.*mlp\.(gate|up|gate_up|down)_proj.*"]
 
 
 def add_quantize_parser(subparsers) -> None:
@@ -50,6 +55,9 @@ def add_quantize_parser(subparsers) -> None:
                    help="GPTQ calibration text (default: Wikipedia passages of the eval data "
                         "that perplexity is not measured on, else text the model writes)")
     p.add_argument("--device", default="auto", help="where GPTQ runs the model (auto, cpu, cuda)")
+    p.add_argument("--experts-only", action="store_true",
+                   help="quantize the routed experts of an MoE model only (as Kimi K2 ships "
+                        "them: attention, shared experts, dense MLPs and lm_head kept)")
     p.add_argument("--ignore", default="lm_head",
                    help="comma-separated name fragments left unquantized (lm_head is never "
                         "quantized)")
@@ -72,11 +80,14 @@ def run_quantize(args: argparse.Namespace) -> int:
     out = Path(args.output)
     ignore = [s for s in args.ignore.split(",") if s]
     kept = list(dict.fromkeys(["lm_head", *ignore]))  # (config.json's ignore list, no repeats)
+    if args.experts_only:
+        kept += _NOT_EXPERTS
 
     def wanted(name: str) -> bool:
         return (name.endswith(".weight")
                 and name.removesuffix(".weight").rsplit(".", 1)[-1] in _MATRICES
-                and not any(s in name for s in ignore))
+                and not any(s in name for s in ignore)
+                and (not args.experts_only or _EXPERT.search(name) is not None))
 
     def check(name: str, w: torch.Tensor) -> None:
         if wanted(name) and int4 and w.shape[1] % args.group_size:
@@ -84,6 +95,8 @@ def run_quantize(args: argparse.Namespace) -> int:
                              f"{args.group_size}")
 
     if args.method == "gptq":  # (calibrates on the whole model: every matrix in memory)
+        if ckpt.config.moe is not None:
+            raise ValueError("method: gptq does not calibrate MoE experts; use --method rtn")
         names = list(ckpt.weights())
         for name, w in names:
             check(name, w)
@@ -278,7 +291,13 @@ def _calibration(args: argparse.Namespace):
 
 
 def _hf_config(ckpt) -> dict:
-    """config.json of the checkpoint's model (HF field names)."""
+    """config.json of the checkpoint's model (HF field names): a HF directory's own (every
+    field kept: experts, rope scaling...), else built from the model's shape (a GGUF file)."""
+    source = getattr(ckpt, "path", None)
+    if source is not None and (Path(source) / "config.json").is_file():
+        hf = json.loads((Path(source) / "config.json").read_text())
+        hf.pop("quantization_config", None)
+        return hf
     c = ckpt.config
     if c.rope_scaling:
         raise ValueError("quantize: checkpoints with rope scaling are not supported yet")

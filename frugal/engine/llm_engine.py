@@ -15,6 +15,7 @@ from frugal.engine.scheduler import Scheduler
 from frugal.engine.step import Launched, StepResult
 from frugal.kv_cache.page_allocator import IntegrityError
 from frugal.loader import open_checkpoint
+from frugal.model_config import first_layers
 from frugal.request import (
     CompletionOutput,
     FinishReason,
@@ -51,6 +52,8 @@ class LLMEngine:
         checkpoint = open_checkpoint(config.model, config.load_format, config.seed,
                                      config.quantization)
         self.tokenizer = checkpoint.tokenizer
+        if config.num_layers is not None:
+            checkpoint.config = first_layers(checkpoint.config, config.num_layers)
         self.model_config = mc = checkpoint.config
         wanted = config.scheduler.max_model_len or mc.max_position_embeddings
         if wanted > mc.max_position_embeddings:

@@ -20,8 +20,10 @@ from frugal.engine.step_inputs import Pending, StepInputs, prepare
 from frugal.kv_cache.page_allocator import PageAllocator
 from frugal.kv_cache.pool import KVPool
 from frugal.layers.linear import quantize_layers
+from frugal.layers.moe import quantize_moe
 from frugal.loader import Checkpoint
 from frugal.models.registry import model_class
+from frugal.quant.experts import Fp8Experts
 from frugal.quant.fp8 import Fp8Weight
 
 logger = logging.getLogger("frugal")
@@ -56,11 +58,14 @@ class ModelRunner:
         checkpoint.load_into(self.model)
         if config.quantization != "none":
             quantize_layers(self.model, config.quantization)
+            quantize_moe(self.model, config.quantization)
         kinds = set()  # the quantized weights loaded (from the checkpoint or quantized here)
         for module in self.model.modules():  # into the layout the backend's kernels read
             if getattr(module, "qweight", None) is not None:
                 kinds.add("fp8" if isinstance(module.qweight, Fp8Weight) else "int4")
                 module.qweight = self.backend.pack_weight(module.qweight, self.dtype)
+            if getattr(module, "qgate_up", None) is not None:  # routed experts (layers.moe)
+                kinds.add("fp8" if isinstance(module.qgate_up, Fp8Experts) else "int4")
         self.weights_quantization = "+".join(sorted(kinds)) or "none"
         triton_ops = self.backend.__name__.endswith("triton")
         if triton_ops:  # see ops.triton.launch

@@ -24,6 +24,26 @@ PRESETS: dict[str, dict] = {
         "rope_theta": 1000000.0, "max_position_embeddings": 40960, "tie_word_embeddings": False,
         "bos_token_id": 151643, "eos_token_id": 151645, "dtype": "bfloat16",
     },
+    "qwen3-30b-a3b": {
+        "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 151936, "hidden_size": 2048,
+        "intermediate_size": 6144, "num_hidden_layers": 48, "num_attention_heads": 32,
+        "num_key_value_heads": 4, "head_dim": 128, "rms_norm_eps": 1e-6,
+        "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+        "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "rope_theta": 1000000.0, "max_position_embeddings": 40960, "tie_word_embeddings": False,
+        "bos_token_id": 151643, "eos_token_id": 151645, "dtype": "bfloat16",
+    },
+    "glm-4.5-air": {  # 106 B: bf16 needs two GPUs; --num-layers or --quantization for one
+        "architectures": ["Glm4MoeForCausalLM"], "vocab_size": 151552, "hidden_size": 4096,
+        "intermediate_size": 10944, "num_hidden_layers": 46, "num_attention_heads": 96,
+        "num_key_value_heads": 8, "head_dim": 128, "partial_rotary_factor": 0.5,
+        "attention_bias": True, "use_qk_norm": False, "first_k_dense_replace": 1,
+        "n_routed_experts": 128, "n_shared_experts": 1, "num_experts_per_tok": 8,
+        "moe_intermediate_size": 1408, "routed_scaling_factor": 1.0, "n_group": 1,
+        "topk_group": 1, "norm_topk_prob": True, "rms_norm_eps": 1e-5, "rope_theta": 1000000.0,
+        "max_position_embeddings": 131072, "tie_word_embeddings": False,
+        "bos_token_id": 151329, "eos_token_id": [151329, 151336, 151338], "dtype": "bfloat16",
+    },
 }
 
 

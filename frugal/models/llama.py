@@ -1,7 +1,9 @@
-"""The Llama family in one file: Llama 2/3, SmolLM2, Mistral, Qwen2 and Qwen3 dense, via flags.
+"""The Llama family in one file, via flags: Llama 2/3, SmolLM2, Mistral, Qwen2 and Qwen3 dense,
+and with mixture-of-experts layers (layers.moe) Qwen3-MoE and GLM-4.5.
 
 Parameter names follow HF transformers so checkpoints load as they are; q/k/v and gate/up are fused
-into one matmul each and filled shard by shard (packed_modules).
+into one matmul each and filled shard by shard (packed_modules), per-expert tensors into their
+expert's slice of the stacked expert weights.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from torch import nn
 from frugal.config import ModelConfig
 from frugal.layers.attention import Attention, AttentionMetadata
 from frugal.layers.linear import Linear, MergedLinear, load_whole
+from frugal.layers.mlp import GatedMLP
+from frugal.layers.moe import MoE
 from frugal.layers.norm import RMSNorm
 from frugal.layers.rotary import RotaryEmbedding
 from frugal.quant.fp8 import Fp8Weight
@@ -46,32 +50,23 @@ class LlamaAttention(nn.Module):
         return self.o_proj(o.reshape(-1, self.num_heads * self.head_dim), residual=h)
 
 
-class LlamaMLP(nn.Module):
-    def __init__(self, c: ModelConfig) -> None:
-        super().__init__()
-        size = c.intermediate_size
-        self.gate_up_proj = MergedLinear(c.hidden_size, [size, size], [0, 1])
-        self.down_proj = Linear(size, c.hidden_size)
-
-    def forward(self, h: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
-        """h: [num_tokens, hidden], the residual stream -> h + mlp(norm(h))."""
-        return self.down_proj(self.gate_up_proj(h, norm=norm, gated=True), residual=h)
-
-
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, c: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, c: ModelConfig, rotary: RotaryEmbedding, index: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.self_attn = LlamaAttention(c, rotary)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.mlp = LlamaMLP(c)
+        self.mlp = (MoE(c) if c.moe is not None and index in c.moe.layers
+                    else GatedMLP(c.hidden_size, c.intermediate_size))
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """h: [num_tokens, hidden], the residual stream, in and out. Each norm is fused into the
         matmul after it and each residual add into the matmul before it (ops.linear)."""
         h = self.self_attn(h, self.input_layernorm, positions, meta)
-        return self.mlp(h, self.post_attention_layernorm)
+        if isinstance(self.mlp, MoE):
+            return self.mlp(h, self.post_attention_layernorm)
+        return self.mlp(h, self.post_attention_layernorm, residual=h)
 
 
 class LlamaModel(nn.Module):
@@ -79,9 +74,9 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
-        rotary = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta,
-                                 c.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(c, rotary) for _ in range(c.num_layers))
+        rotary = RotaryEmbedding(c.rotary_dim or c.head_dim, c.max_position_embeddings,
+                                 c.rope_theta, c.rope_scaling)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(c, rotary, i) for i in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -94,6 +89,9 @@ class LlamaModel(nn.Module):
 
 # model.layers.N.self_attn.k_scale (compressed-tensors), ...self_attn.k_proj.k_scale (ModelOpt)
 _KV_SCALE = re.compile(r"layers\.(\d+)\.self_attn\.(?:\w+\.)?([kv])_scale$")
+# one routed expert's matrix: model.layers.L.mlp.experts.N.gate_proj.weight
+_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 class LlamaForCausalLM(nn.Module):
@@ -132,8 +130,7 @@ class LlamaForCausalLM(nn.Module):
         """Load HF-named tensors; strict: every parameter (every shard of a fused one) must be
         filled (else: replace just the ones given, as GPTQ does layer by layer)."""
         params = dict(self.named_parameters())
-        pending = {name: set(getattr(self.get_submodule(name.rsplit(".", 1)[0]), "shards", [None]))
-                   for name in params}
+        pending = {name: self._shards(name, param) for name, param in params.items()}
         for name, tensor in weights:
             scale = _KV_SCALE.search(name)
             if scale:
@@ -142,11 +139,20 @@ class LlamaForCausalLM(nn.Module):
             if "rotary_emb" in name or (name == "lm_head.weight"
                                         and self.config.tie_word_embeddings):
                 continue
+            layer = _LAYER.match(name)
+            if layer and int(layer.group(1)) >= self.config.num_layers:
+                continue  # layers past the model's (GLM's multi-token prediction layer)
             target, shard = name, None
-            for ckpt_name, (fused, shard_id) in self.packed_modules.items():
-                if f".{ckpt_name}." in name:
-                    target, shard = name.replace(ckpt_name, fused), shard_id
-                    break
+            expert = _EXPERT.match(name)
+            if expert:
+                prefix, index, part = expert.groups()
+                target = f"{prefix}.{'down' if part == 'down' else 'gate_up'}_proj"
+                shard = (int(index), part)
+            else:
+                for ckpt_name, (fused, shard_id) in self.packed_modules.items():
+                    if f".{ckpt_name}." in name:
+                        target, shard = name.replace(ckpt_name, fused), shard_id
+                        break
             param = params.get(target)
             if param is None:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in "
@@ -159,7 +165,16 @@ class LlamaForCausalLM(nn.Module):
                     loader(param, tensor.to(param.dtype), shard)
             except ValueError as e:
                 raise ValueError(f"checkpoint tensor {name!r}: {e}") from e
-            pending[target].discard(shard)
+            pending[target] = set() if shard is None else pending[target] - {shard, None}
         missing = sorted(name for name, shards in pending.items() if shards)
         if missing and strict:
             raise ValueError(f"checkpoint lacks {len(missing)} parameters, e.g. {missing[:3]}")
+
+    def _shards(self, name: str, param: nn.Parameter) -> set:
+        """What must be loaded into a parameter: its shards (all of a fused one's, or an
+        expert tensor's per-expert slices), else None for the whole tensor. A parameter whose
+        shards include None may instead come whole (stacked experts)."""
+        shards = getattr(param, "shards", None)
+        if shards is None:
+            shards = getattr(self.get_submodule(name.rsplit(".", 1)[0]), "shards", [None])
+        return set(shards)

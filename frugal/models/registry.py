@@ -13,6 +13,8 @@ ARCHITECTURES = {
     "LlamaForCausalLM": _LLAMA,
     "Qwen2ForCausalLM": _LLAMA,
     "Qwen3ForCausalLM": _LLAMA,
+    "Qwen3MoeForCausalLM": _LLAMA,
+    "Glm4MoeForCausalLM": _LLAMA,
 }
 
 

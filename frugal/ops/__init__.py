@@ -15,7 +15,7 @@ from types import ModuleType
 from frugal.ops import torch_ref
 
 OPS = ("linear", "rms_norm", "silu_and_mul", "rotary_store_kv", "paged_attention",
-       "check_kv_pages")
+       "check_kv_pages", "route_experts", "fused_moe")
 BACKENDS = {"torch_ref": "frugal.ops.torch_ref", "triton": "frugal.ops.triton"}
 
 
@@ -44,3 +44,5 @@ silu_and_mul = torch_ref.silu_and_mul
 rotary_store_kv = torch_ref.rotary_store_kv
 paged_attention = torch_ref.paged_attention
 check_kv_pages = torch_ref.check_kv_pages
+route_experts = torch_ref.route_experts
+fused_moe = torch_ref.fused_moe

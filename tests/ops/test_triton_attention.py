@@ -130,9 +130,11 @@ def test_decode_split_counts_agree(splits, min_split, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("qk_norm", [False, True])
-def test_rotary_store_kv_matches_torch_ref(dtype, qk_norm):
+@pytest.mark.parametrize("rotary_dim", [32, 16, 12])
+def test_rotary_store_kv_matches_torch_ref(dtype, qk_norm, rotary_dim):
     """Views of one fused qkv row (as the model passes them), or packed tensors (after qk-norm);
-    a negative slot stores nothing but its q is still rotated."""
+    a negative slot stores nothing but its q is still rotated. rotary_dim < 32: partial rotary
+    (GLM), the other dims pass through."""
     g = torch.Generator().manual_seed(4)
     heads, kv_heads, dim, tokens = 6, 2, 32, 5
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g).to(dtype)
@@ -142,7 +144,7 @@ def test_rotary_store_kv_matches_torch_ref(dtype, qk_norm):
         q, k = q.contiguous(), k.contiguous()
     positions = torch.tensor([0, 7, 300, 5, 1023])
     slots = torch.tensor([3, 0, -1, 9, 12])
-    inv = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+    inv = 1.0 / (10000 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim))
     freqs = torch.arange(1024).float()[:, None] * inv
     cos_sin = torch.cat([freqs.cos(), freqs.sin()], -1)
     ref_k, ref_v = torch.zeros(4, 4, kv_heads, dim, dtype=dtype), torch.zeros(4, 4, kv_heads, dim,
@@ -156,6 +158,10 @@ def test_rotary_store_kv_matches_torch_ref(dtype, qk_norm):
     torch.testing.assert_close(ours.cpu(), ref_q, atol=tol, rtol=tol)
     torch.testing.assert_close(k_cache.cpu(), ref_k, atol=tol, rtol=tol)
     assert torch.equal(v_cache.cpu(), ref_v)
+    # the dims past rotary_dim are q's and k's own
+    assert torch.equal(ref_q[..., rotary_dim:], q[..., rotary_dim:])
+    assert torch.equal(ref_k.view(-1, kv_heads, dim)[slots[1]][..., rotary_dim:],
+                       k[1, :, rotary_dim:])
 
 
 def test_rotary_store_kv_fp8_quantizes_and_saturates():

@@ -8,7 +8,9 @@ import torch
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
                  cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """q: [num_tokens, num_heads, head_dim]; k: [num_tokens, num_kv_heads, head_dim];
-    positions: [num_tokens] int64; cos_sin: [max_positions, head_dim] fp32 as (cos | sin) halves.
+    positions: [num_tokens] int64; cos_sin: [max_positions, rotary_dim] fp32 as (cos | sin)
+    halves. The first rotary_dim dims of each head rotate (rotary_dim < head_dim: partial
+    rotary, as GLM does), the rest pass through.
 
     Returns rotated (q, k) in their input dtype; the rotation itself is computed in fp32.
     """
@@ -17,5 +19,7 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+    rot = 2 * cos.shape[-1]
+    x1, x2 = x[..., :rot].float().chunk(2, dim=-1)
+    rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+    return rotated if rot == x.shape[-1] else torch.cat([rotated, x[..., rot:]], dim=-1)

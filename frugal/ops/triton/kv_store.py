@@ -15,12 +15,14 @@ def _rotary_store_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, slot_ptr, q_
                          k_cache_ptr, v_cache_ptr, scales_ptr, q_stride, k_stride, v_stride,
                          NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                          HEADS_PAD: tl.constexpr, KV_PAD: tl.constexpr, HALF: tl.constexpr,
-                         HALF_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr, FP8: tl.constexpr,
+                         HALF_PAD: tl.constexpr, DIM: tl.constexpr, PASS: tl.constexpr,
+                         PASS_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr, FP8: tl.constexpr,
                          PDL: tl.constexpr):
     """One program per token: rotate its q heads into q_out, rotate its k heads and store them
-    with its v heads at its slot (unless the slot is negative). FP8: divided by the head's scale
-    (scales_ptr: [2, NUM_KV_HEADS], K then V) and saturated; V key-minor ([pages, NUM_KV_HEADS,
-    head_dim, PAGE_SIZE])."""
+    with its v heads at its slot (unless the slot is negative). Each head's first 2 * HALF dims
+    rotate, its last PASS dims (partial rotary; DIM = 2 * HALF + PASS) pass through. FP8:
+    divided by the head's scale (scales_ptr: [2, NUM_KV_HEADS], K then V) and saturated; V
+    key-minor ([pages, NUM_KV_HEADS, DIM, PAGE_SIZE])."""
     enter(PDL)
     t = tl.program_id(0)
     pos = tl.load(pos_ptr + t)
@@ -28,24 +30,30 @@ def _rotary_store_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, slot_ptr, q_
     i_mask = i < HALF
     cos = tl.load(cos_sin_ptr + pos * 2 * HALF + i, mask=i_mask, other=0.0)[None, :]
     sin = tl.load(cos_sin_ptr + pos * 2 * HALF + HALF + i, mask=i_mask, other=0.0)[None, :]
+    p = 2 * HALF + tl.arange(0, PASS_PAD)  # the dims that pass through
     h = tl.arange(0, HEADS_PAD)[:, None]
     mask = (h < NUM_HEADS) & i_mask[None, :]
-    src = q_ptr + t * q_stride + h * 2 * HALF + i[None, :]
+    src = q_ptr + t * q_stride + h * DIM + i[None, :]
     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-    dst = q_out_ptr + (t * NUM_HEADS + h) * 2 * HALF + i[None, :]
+    dst = q_out_ptr + (t * NUM_HEADS + h) * DIM + i[None, :]
     out_ty = q_out_ptr.dtype.element_ty
     tl.store(dst, (x1 * cos - x2 * sin).to(out_ty), mask=mask)
     tl.store(dst + HALF, (x2 * cos + x1 * sin).to(out_ty), mask=mask)
+    if PASS > 0:
+        q_pass = (h < NUM_HEADS) & (p[None, :] < DIM)
+        tl.store(q_out_ptr + (t * NUM_HEADS + h) * DIM + p[None, :],
+                 tl.load(q_ptr + t * q_stride + h * DIM + p[None, :], mask=q_pass, other=0.0),
+                 mask=q_pass)
     slot = tl.load(slot_ptr + t)
     if slot >= 0:  # -1 marks padding (a CUDA graph's unused rows)
         # (names differ from the q block's: Triton needs one shape per variable)
         j = tl.arange(0, KV_PAD)[:, None]
         kv_mask = (j < NUM_KV_HEADS) & i_mask[None, :]
-        k_src = k_ptr + t * k_stride + j * 2 * HALF + i[None, :]
+        k_src = k_ptr + t * k_stride + j * DIM + i[None, :]
         k1 = tl.load(k_src, mask=kv_mask, other=0.0).to(tl.float32)
         k2 = tl.load(k_src + HALF, mask=kv_mask, other=0.0).to(tl.float32)
-        kv_dst = (slot * NUM_KV_HEADS + j) * 2 * HALF + i[None, :]
+        kv_dst = (slot * NUM_KV_HEADS + j) * DIM + i[None, :]
         # round to the activation dtype first, as the unfused path stores a rotated k tensor
         x_ty = k_ptr.dtype.element_ty
         k_scale = 1.0
@@ -56,17 +64,22 @@ def _rotary_store_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, slot_ptr, q_
         _store(k_cache_ptr + kv_dst, (k1 * cos - k2 * sin).to(x_ty), k_scale, kv_mask, FP8)
         _store(k_cache_ptr + kv_dst + HALF, (k2 * cos + k1 * sin).to(x_ty), k_scale, kv_mask,
                FP8)
-        v_src = v_ptr + t * v_stride + j * 2 * HALF + i[None, :]
-        v_dst = kv_dst
-        v_step = HALF
-        if FP8:  # key-minor: element d of head j at ((page * heads + j) * dim + d) * page + offset
-            v_dst = (((slot // PAGE_SIZE) * NUM_KV_HEADS + j) * 2 * HALF + i[None, :]) * PAGE_SIZE
-            v_dst += slot % PAGE_SIZE
-            v_step = HALF * PAGE_SIZE
-        _store(v_cache_ptr + v_dst, tl.load(v_src, mask=kv_mask, other=0.0), v_scale, kv_mask,
-               FP8)
-        _store(v_cache_ptr + v_dst + v_step, tl.load(v_src + HALF, mask=kv_mask, other=0.0),
-               v_scale, kv_mask, FP8)
+        if PASS > 0:
+            kv_pass = (j < NUM_KV_HEADS) & (p[None, :] < DIM)
+            _store(k_cache_ptr + (slot * NUM_KV_HEADS + j) * DIM + p[None, :],
+                   tl.load(k_ptr + t * k_stride + j * DIM + p[None, :], mask=kv_pass,
+                           other=0.0), k_scale, kv_pass, FP8)
+        d = tl.arange(0, 2 * HALF_PAD)  # V's dims, all DIM of them (in two halves' worth)
+        for start in tl.static_range(0, DIM, 2 * HALF_PAD):
+            v_mask = (j < NUM_KV_HEADS) & ((start + d)[None, :] < DIM)
+            x = tl.load(v_ptr + t * v_stride + j * DIM + start + d[None, :], mask=v_mask,
+                        other=0.0)
+            if FP8:  # key-minor: dim e of head j at ((page * heads + j) * DIM + e) * page + off
+                v_dst = (((slot // PAGE_SIZE) * NUM_KV_HEADS + j) * DIM + start + d[None, :]) \
+                    * PAGE_SIZE + slot % PAGE_SIZE
+            else:
+                v_dst = (slot * NUM_KV_HEADS + j) * DIM + start + d[None, :]
+            _store(v_cache_ptr + v_dst, x, v_scale, v_mask, FP8)
 
 
 @triton.jit
@@ -96,7 +109,8 @@ def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
         raise ValueError("an FP8 KV cache needs kv_scales")
     q, k, v = _heads_packed(q), _heads_packed(k), _heads_packed(v)
     num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = k.shape[1]
+    num_kv_heads, half = k.shape[1], cos_sin.shape[1] // 2
+    passed = head_dim - 2 * half
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_tokens == 0:
         return out
@@ -106,7 +120,7 @@ def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
         kv_scales if fp8 else k_cache, q.stride(0),
         k.stride(0), v.stride(0), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
         HEADS_PAD=triton.next_power_of_2(num_heads), KV_PAD=triton.next_power_of_2(num_kv_heads),
-        HALF=head_dim // 2, HALF_PAD=triton.next_power_of_2(head_dim // 2),
-        PAGE_SIZE=k_cache.shape[1], FP8=fp8,
+        HALF=half, HALF_PAD=triton.next_power_of_2(half), DIM=head_dim, PASS=passed,
+        PASS_PAD=triton.next_power_of_2(max(passed, 1)), PAGE_SIZE=k_cache.shape[1], FP8=fp8,
         PDL=launch_pdl, launch_pdl=launch_pdl > 0)
     return out

@@ -1,0 +1,137 @@
+"""A mixture-of-experts block: router, routed experts and shared experts (Qwen3-MoE, GLM-4.5,
+DeepSeek-V3 routing). Parameter names are HF's, so checkpoints load as they are."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from frugal import ops
+from frugal.layers.mlp import GatedMLP
+from frugal.layers.norm import RMSNorm
+from frugal.model_config import ModelConfig
+from frugal.quant.experts import Experts as QuantizedExperts
+from frugal.quant.experts import quantize_experts, stack
+from frugal.quant.fp8 import Fp8Weight
+from frugal.quant.int4 import Int4Weight
+
+
+class Router(nn.Module):
+    """weight: [num_experts, hidden]; e_score_correction_bias: [num_experts] fp32 (sigmoid routing
+    with a bias only), used to choose experts, not to weight them."""
+
+    def __init__(self, num_experts: int, hidden_size: int, correction_bias: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
+        self.e_score_correction_bias = None
+        if correction_bias:
+            self.e_score_correction_bias = nn.Parameter(
+                torch.zeros(num_experts, dtype=torch.float32), requires_grad=False)
+
+
+class Experts(nn.Module):
+    """Every routed expert's weights in one tensor each, as transformers 5 keeps them:
+    gate_up_proj [num_experts, 2 * inter, hidden] (an expert's gate rows, then its up rows),
+    down_proj [num_experts, hidden, inter]. A checkpoint's per-expert tensors
+    (experts.N.gate_proj / up_proj / down_proj) fill their slices (shard (N, part)).
+    Quantized experts (quant.experts) replace the float tensors once every expert's matrix is
+    in: qgate_up and qdown, and the float parameters shrink to nothing."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.qgate_up: QuantizedExperts | None = None
+        self.qdown: QuantizedExperts | None = None
+        self._parts: dict[tuple, Int4Weight | Fp8Weight] = {}
+        self.gate_up_proj = nn.Parameter(
+            torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False)
+        self.down_proj = nn.Parameter(
+            torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
+        for param, parts in ((self.gate_up_proj, ("gate", "up")), (self.down_proj, ("down",))):
+            param.weight_loader = self.load
+            param.shards = [None, *((e, p) for e in range(num_experts) for p in parts)]
+
+    def load(self, param: nn.Parameter, loaded: torch.Tensor, shard: tuple | None = None) -> None:
+        """shard None: the whole tensor (transformers 5's fused layout); (expert, part)."""
+        if shard is None:
+            target = param.data
+        else:
+            expert, part = shard
+            target = param.data[expert]
+            if part != "down":
+                inter = self.intermediate_size
+                target = target[:inter] if part == "gate" else target[inter:]
+        if tuple(target.shape) != tuple(loaded.shape):
+            raise ValueError(f"shape {tuple(loaded.shape)} in checkpoint, model expects "
+                             f"{tuple(target.shape)}")
+        target.copy_(loaded)
+
+    def load_quantized(self, loaded: Int4Weight | Fp8Weight, shard: tuple) -> None:
+        """One expert's quantized matrix (shard (expert, part)); stacked once all are in."""
+        expert, part = shard
+        inter, hidden = self.intermediate_size, self.hidden_size
+        want = (hidden, inter) if part == "down" else (inter, hidden)
+        if tuple(loaded.shape) != want:
+            raise ValueError(f"shape {tuple(loaded.shape)} in checkpoint, model expects {want}")
+        self._parts[shard] = loaded
+        experts = range(self.num_experts)
+        if all((e, "gate") in self._parts and (e, "up") in self._parts for e in experts):
+            self.qgate_up = stack([type(self._parts[e, "gate"]).cat(
+                [self._parts.pop((e, "gate")), self._parts.pop((e, "up"))]) for e in experts]
+            ).to(self.gate_up_proj.device)
+            self.gate_up_proj.data = self.gate_up_proj.data.new_empty(0)
+        if all((e, "down") in self._parts for e in experts):
+            self.qdown = stack([self._parts.pop((e, "down")) for e in experts]).to(
+                self.down_proj.device)
+            self.down_proj.data = self.down_proj.data.new_empty(0)
+
+    def quantize(self, scheme: str) -> None:
+        """Round the float experts in place (quant.experts.quantize_experts), a matrix the
+        checkpoint did not bring quantized."""
+        if self.qgate_up is None:
+            self.qgate_up = quantize_experts(self.gate_up_proj.data, scheme)
+            self.gate_up_proj.data = self.gate_up_proj.data.new_empty(0)
+        if self.qdown is None:
+            self.qdown = quantize_experts(self.down_proj.data, scheme)
+            self.down_proj.data = self.down_proj.data.new_empty(0)
+
+    def weights(self) -> tuple[torch.Tensor | QuantizedExperts, torch.Tensor | QuantizedExperts]:
+        """(gate_up, down) as the MoE ops take them."""
+        return (self.gate_up_proj if self.qgate_up is None else self.qgate_up,
+                self.down_proj if self.qdown is None else self.qdown)
+
+
+class MoE(nn.Module):
+    """h + Σ_k w_k · expert_k(norm(h)) + shared_experts(norm(h)), for h: [num_tokens, hidden]."""
+
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        m = self.config = c.moe
+        self.gate = Router(m.num_experts, c.hidden_size, m.correction_bias)
+        self.experts = Experts(m.num_experts, c.hidden_size, m.intermediate_size)
+        self.shared_experts = (GatedMLP(c.hidden_size, m.shared_intermediate_size)
+                               if m.shared_intermediate_size else None)
+
+    def forward(self, h: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        m = self.config
+        x = norm(h)
+        weights, ids = ops.route_experts(x, self.gate.weight, self.gate.e_score_correction_bias,
+                                         m.top_k, m.scoring, m.norm_topk_prob, m.n_group,
+                                         m.topk_group, m.routed_scaling_factor)
+        y = ops.fused_moe(x, *self.experts.weights(), weights, ids)
+        if self.shared_experts is None:
+            return h + y
+        return self.shared_experts(x, residual=h + y)
+
+
+def quantize_moe(model: nn.Module, scheme: str) -> int:
+    """Quantize the routed experts the checkpoint did not bring quantized (quantize_layers does
+    the other matmuls); returns how many expert layers were rounded."""
+    rounded = 0
+    for module in model.modules():
+        if isinstance(module, Experts) and (module.qgate_up is None or module.qdown is None):
+            module.quantize(scheme)
+            rounded += 1
+    return rounded

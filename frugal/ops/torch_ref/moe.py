@@ -1,0 +1,61 @@
+"""Mixture of experts in plain PyTorch: routing (softmax top-k; grouped sigmoid top-k with a
+correction bias) and the experts' gated MLPs, one expert at a time over the tokens routed to it."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from frugal.quant.experts import Experts, dequantize
+
+
+def route_experts(x: torch.Tensor, router: torch.Tensor, correction_bias: torch.Tensor | None,
+                  top_k: int, scoring: str, renormalize: bool, n_group: int, topk_group: int,
+                  scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's experts and their weights, from fp32 router logits x @ routerᵀ.
+
+    x: [num_tokens, hidden]; router: [num_experts, hidden]; correction_bias: [num_experts] fp32
+    or None. scoring softmax: the top_k probabilities (renormalized: divided by their sum).
+    scoring sigmoid: experts chosen by sigmoid + correction_bias, among the topk_group best of
+    n_group groups (a group scores the sum of its two best), weighted by their sigmoid
+    (renormalized: divided by their sum + 1e-20). Weights are multiplied by scaling.
+    Returns (weights [num_tokens, top_k] fp32, expert ids [num_tokens, top_k] int64).
+    """
+    logits = x.float() @ router.float().t()
+    if scoring == "softmax":
+        weights, ids = logits.softmax(dim=-1).topk(top_k, dim=-1)
+        if renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights * scaling, ids
+    scores = logits.sigmoid()
+    choice = scores if correction_bias is None else scores + correction_bias.float()
+    if n_group > 1:
+        num_tokens, num_experts = choice.shape
+        grouped = choice.view(num_tokens, n_group, num_experts // n_group)
+        best = grouped.topk(2, dim=-1).values.sum(dim=-1).topk(topk_group, dim=-1).indices
+        keep = torch.zeros(num_tokens, n_group, dtype=torch.bool, device=x.device)
+        keep.scatter_(1, best, True)
+        choice = grouped.masked_fill(~keep[:, :, None], float("-inf")).view(num_tokens, -1)
+    ids = choice.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scaling, ids
+
+
+def fused_moe(x: torch.Tensor, gate_up: torch.Tensor | Experts, down: torch.Tensor | Experts,
+              weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Σ over each token's experts of weight · down(silu(gate) · up), in x's dtype.
+
+    x: [num_tokens, hidden]; gate_up: [num_experts, 2 * inter, hidden] (gate rows, then up);
+    down: [num_experts, hidden, inter], either float or quantized (quant.experts: dequantized
+    one expert at a time); weights, ids: [num_tokens, top_k] (route_experts). Each expert's
+    matmuls run in x's dtype; the weighted sum is accumulated in fp32.
+    """
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    for expert in ids.unique().tolist():
+        token, slot = (ids == expert).nonzero(as_tuple=True)
+        gate, up = F.linear(x[token], dequantize(gate_up, expert, x.dtype)).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, dequantize(down, expert, x.dtype))
+        out.index_add_(0, token, y.float() * weights[token, slot, None])
+    return out.to(x.dtype)

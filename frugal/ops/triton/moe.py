@@ -1,0 +1,164 @@
+"""Fused mixture of experts: tokens sorted by expert, then one grouped GEMM per matrix.
+
+`align` lays each token's expert slots out expert by expert, every expert's run padded to a
+multiple of BLOCK_M, so one block of rows belongs to one expert (vLLM's moe_align_block_size).
+Slot s = t · top_k + j is token t's j-th expert. All shapes depend only on the number of tokens,
+so a CUDA graph captures the whole layer: padding slots hold the sentinel S = num_slots and
+blocks past the padded total exit at once.
+
+`_kernel` multiplies a block of rows (gathered through the sorted slots) by its expert's
+matrix, with the expert weights in one of three forms, widened in registers:
+  MODE 0  float [E, N, K] (the activations' dtype);
+  MODE 1  FP8 e4m3 [E, N, K] with fp32 scales per (N / S_BN, K / S_BK) tile (128×128 blocks,
+          or per channel: S_BN 1, S_BK K);
+  MODE 2  INT4 [E, N, K / 8] int32 words (compressed-tensors packing, symmetric: w = (u - 8) ·
+          scale) with scales per (row, K / S_BK group).
+gate_up runs GATED: the gate and up tiles of the same outputs (rows n and n + N of the
+expert's matrix) accumulate side by side and the block stores silu(gate) · up, per slot. down
+runs ROUTED: each slot's output times its routing weight. The top_k outputs of a token are
+summed in fp32 after.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from frugal.quant.experts import Experts, Fp8Experts, Int4Experts
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def align(ids: torch.Tensor, num_experts: int, block_m: int
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ids: [T, top_k] expert of each slot -> (sorted [P] int32: slots expert by expert, each
+    expert's run padded with S = T · top_k to a multiple of block_m; block_expert [P / block_m]
+    int32: the expert of each block (runs past the end: the last expert); total [1] int64: the
+    padded length in use). P = S + min(E, S) · (block_m - 1), rounded up to block_m."""
+    flat = ids.flatten().long()
+    slots = flat.numel()
+    counts = torch.zeros(num_experts, dtype=torch.long, device=ids.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = padded.cumsum(0)
+    order = flat.argsort(stable=True)
+    expert = flat[order]
+    rank = torch.arange(slots, device=ids.device) - (counts.cumsum(0) - counts)[expert]
+    capacity = triton.cdiv(slots + min(num_experts, slots) * (block_m - 1), block_m) * block_m
+    sorted_slots = torch.full((capacity,), slots, dtype=torch.int32, device=ids.device)
+    sorted_slots[(ends - padded)[expert] + rank] = order.int()
+    starts = torch.arange(0, capacity, block_m, device=ids.device)
+    block_expert = torch.searchsorted(ends, starts, right=True).clamp_(max=num_experts - 1)
+    return sorted_slots, block_expert.int(), ends[-1:]
+
+
+@triton.jit
+def _weight_tile(w_ptr, s_ptr, expert, offs_k, offs_n, mask, swe, swn, swk, sse, ssn, ssk,
+                 MODE: tl.constexpr, S_BN: tl.constexpr, S_BK: tl.constexpr):
+    """The expert's weight as a [BLOCK_K, BLOCK_N] tile (wᵀ), widened to fp32 if quantized."""
+    if MODE == 2:
+        words = tl.load(w_ptr + expert * swe + offs_n[None, :] * swn + (offs_k[:, None] // 8) * swk,
+                        mask=mask, other=0)
+        w = (((words >> ((offs_k[:, None] % 8) * 4)) & 0xF) - 8).to(tl.float32)
+    else:
+        w = tl.load(w_ptr + expert * swe + offs_n[None, :] * swn + offs_k[:, None] * swk,
+                    mask=mask, other=0.0)
+    if MODE != 0:
+        s = tl.load(s_ptr + expert * sse + (offs_n[None, :] // S_BN) * ssn
+                    + (offs_k[:, None] // S_BK) * ssk, mask=mask, other=0.0)
+        w = w.to(tl.float32) * s
+    return w
+
+
+@triton.jit
+def _kernel(a_ptr, w_ptr, s_ptr, out_ptr, sorted_ptr, block_expert_ptr, total_ptr, route_ptr,
+            N, K, num_slots, sam, swe, swn, swk, sse, ssn, ssk, som,
+            A_DIV: tl.constexpr, MODE: tl.constexpr, S_BN: tl.constexpr, S_BK: tl.constexpr,
+            GATED: tl.constexpr, ROUTED: tl.constexpr, F32_DOT: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    pid_m = pid // num_n
+    pid_n = pid % num_n
+    if pid_m * BLOCK_M >= tl.load(total_ptr):
+        return
+    expert = tl.load(block_expert_ptr + pid_m)
+    slot = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_ok = slot < num_slots
+    a_row = (slot // A_DIV).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        a = tl.load(a_ptr + a_row[:, None] * sam + offs_k[None, :],
+                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w_mask = k_ok[:, None] & n_ok[None, :]
+        w = _weight_tile(w_ptr, s_ptr, expert, offs_k, offs_n, w_mask, swe, swn, swk, sse, ssn,
+                         ssk, MODE, S_BN, S_BK)
+        if F32_DOT:  # (the interpreter's bf16 dot is wrong)
+            acc += tl.dot(a.to(tl.float32), w.to(tl.float32))
+        else:
+            acc += tl.dot(a, w.to(a.dtype))
+        if GATED:
+            w = _weight_tile(w_ptr, s_ptr, expert, offs_k, offs_n + N, w_mask, swe, swn, swk,
+                             sse, ssn, ssk, MODE, S_BN, S_BK)
+            if F32_DOT:
+                acc_up += tl.dot(a.to(tl.float32), w.to(tl.float32))
+            else:
+                acc_up += tl.dot(a, w.to(a.dtype))
+    if GATED:
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+    if ROUTED:
+        acc = acc * tl.load(route_ptr + slot, mask=row_ok, other=0.0)[:, None]
+    tl.store(out_ptr + slot.to(tl.int64)[:, None] * som + offs_n[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+def _operand(w: torch.Tensor | Experts) -> tuple:
+    """(tensor, scales, MODE, S_BN, S_BK, K) of a stacked expert weight."""
+    if isinstance(w, Fp8Experts):
+        k = w.shape[2]
+        block = (w.block, w.block) if w.block is not None else (1, k)
+        return w.data, w.scales, 1, *block, k
+    if isinstance(w, Int4Experts):
+        return w.packed, w.scales, 2, 1, w.group_size, w.shape[2]
+    return w, w, 0, 1, 1, w.shape[2]
+
+
+def _gemm(a: torch.Tensor, w: torch.Tensor | Experts, out: torch.Tensor, n: int,
+          sorted_slots: torch.Tensor, block_expert: torch.Tensor, total: torch.Tensor,
+          route: torch.Tensor | None, a_div: int, block_m: int) -> None:
+    data, scales, mode, s_bn, s_bk, k = _operand(w)
+    gated = route is None
+    block_n, block_k = (32, 32) if _INTERPRET else (64, 64)
+    grid = (block_expert.numel() * triton.cdiv(n, block_n),)
+    _kernel[grid](a, data, scales, out, sorted_slots, block_expert, total,
+                  route if route is not None else out, n, k, out.shape[0], a.stride(0),
+                  *data.stride(), *scales.stride(), out.stride(0), A_DIV=a_div, MODE=mode,
+                  S_BN=s_bn, S_BK=s_bk, GATED=gated, ROUTED=not gated,
+                  F32_DOT=_INTERPRET or a.dtype == torch.float32, BLOCK_M=block_m,
+                  BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+
+
+def fused_moe(x: torch.Tensor, gate_up: torch.Tensor | Experts, down: torch.Tensor | Experts,
+              weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Σ over each token's experts of weight · down(silu(gate) · up), in x's dtype: the twin
+    of torch_ref.fused_moe (same arguments; x [T, hidden] contiguous)."""
+    tokens, hidden = x.shape
+    top_k = ids.shape[1]
+    num_experts, inter = gate_up.shape[0], down.shape[2]
+    block_m = 16 if tokens * top_k <= 16 * num_experts else 64
+    sorted_slots, block_expert, total = align(ids, num_experts, block_m)
+    slots = tokens * top_k
+    act = torch.empty(slots, inter, dtype=x.dtype, device=x.device)
+    _gemm(x, gate_up, act, inter, sorted_slots, block_expert, total, None, top_k, block_m)
+    out = torch.empty(slots, hidden, dtype=x.dtype, device=x.device)
+    _gemm(act, down, out, hidden, sorted_slots, block_expert, total,
+          weights.flatten().float(), 1, block_m)
+    return out.view(tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)

@@ -1,0 +1,78 @@
+"""Quantized routed experts end to end: `frugal quantize --experts-only` writes a
+compressed-tensors INT4 (group 32, symmetric, as Kimi K2 ships) or a block-scaled FP8 MoE
+checkpoint; frugal loads each expert's matrices stacked (quant.experts) and its logits equal the
+float model's whose experts were rounded in memory the same way; --num-layers and the presets."""
+
+import json
+
+import pytest
+import torch
+
+from frugal import LLM
+from frugal.cli.main import main as cli
+from frugal.layers.moe import Experts, quantize_moe
+from frugal.loader.dummy import PRESETS
+from frugal.model_config import ModelConfig, first_layers
+from frugal.quant.experts import Fp8Experts, Int4Experts
+from tests.models.test_llama_vs_hf import frugal_logits
+from tests.models.test_moe_vs_hf import write_model
+
+pytest.importorskip("transformers")
+KW = dict(dtype="float32", device="cpu", kv_cache_memory="8MiB")
+
+
+def experts_of(llm):
+    return [m for m in llm.engine.runner.model.modules() if isinstance(m, Experts)]
+
+
+@pytest.mark.parametrize("scheme,args,form", [
+    ("int4", ["--scheme", "w4a16", "--group-size", "32"], Int4Experts),
+    ("fp8", ["--scheme", "w8a16", "--weight-block-size", "16"], Fp8Experts)])
+def test_experts_only_checkpoint_loads_stacked(scheme, args, form, tmp_path):
+    src, out = tmp_path / "src", tmp_path / "q"
+    write_model("glm4-moe", src)
+    assert cli(["quantize", str(src), "--output", str(out), "--experts-only", *args]) == 0
+    hf = json.loads((out / "config.json").read_text())
+    assert hf["n_routed_experts"] == 8 and hf["first_k_dense_replace"] == 1  # fields kept
+    q = LLM(str(out), **KW)
+    for e in experts_of(q):
+        assert isinstance(e.qgate_up, form) and isinstance(e.qdown, form)
+        assert e.gate_up_proj.numel() == 0
+    for name, module in q.engine.runner.model.named_modules():  # the rest kept in float
+        if hasattr(module, "qweight"):
+            assert module.qweight is None, name
+    ids = torch.randint(0, 320, (24,), generator=torch.Generator().manual_seed(2)).tolist()
+    ref = LLM(str(src), **KW)
+    full = frugal_logits(ref, ids)
+    if scheme == "int4":  # the same rounding in memory: the same weights, the same logits
+        quantize_moe(ref.engine.runner.model, "int4")
+        torch.testing.assert_close(frugal_logits(q, ids), frugal_logits(ref, ids), atol=1e-4,
+                                   rtol=1e-4)
+    rel = (frugal_logits(q, ids) - full).norm() / full.norm()
+    assert 0 < rel < 0.1, rel
+
+
+def test_quantization_flag_rounds_experts(tmp_path):
+    write_model("qwen3-moe", tmp_path)
+    llm = LLM(str(tmp_path), quantization="fp8", **KW)
+    assert all(isinstance(e.qgate_up, Fp8Experts) for e in experts_of(llm))
+    assert llm.engine.runner.weights_quantization == "fp8"
+
+
+def test_num_layers_cuts_the_model(tmp_path):
+    write_model("glm4-moe", tmp_path)
+    llm = LLM(str(tmp_path), num_layers=2, **KW)
+    mc = llm.engine.model_config
+    assert mc.num_layers == 2 and mc.moe.layers == (1,)
+    assert len(llm.engine.runner.model.model.layers) == 2
+    with pytest.raises(ValueError, match="num_layers"):
+        LLM(str(tmp_path), num_layers=4, **KW)
+
+
+@pytest.mark.parametrize("name,layers,moe_layers", [("qwen3-30b-a3b", 48, 48),
+                                                    ("glm-4.5-air", 46, 45)])
+def test_moe_presets(name, layers, moe_layers):
+    c = ModelConfig.from_hf(PRESETS[name])
+    assert c.num_layers == layers and len(c.moe.layers) == moe_layers
+    assert c.moe.num_experts == 128 and c.moe.top_k == 8
+    assert first_layers(c, 3).moe.layers == ((0, 1, 2) if name.startswith("qwen") else (1, 2))

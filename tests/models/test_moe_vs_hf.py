@@ -1,0 +1,97 @@
+"""Mixture-of-experts models against transformers' own implementation: tiny random
+Qwen3-MoE and GLM-4.5 configs written by transformers, loaded by frugal (per-expert checkpoint
+tensors, shared experts, dense first layers, grouped sigmoid routing with a non-zero correction
+bias, partial rotary), fp32 logits and greedy tokens compared."""
+
+import pytest
+import torch
+
+from frugal import LLM, SamplingParams
+from frugal.ops import torch_ref
+from tests.models.test_llama_vs_hf import frugal_logits
+
+transformers = pytest.importorskip("transformers")
+
+COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+              num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=256, num_experts_per_tok=2, tie_word_embeddings=False)
+CASES = {
+    "qwen3-moe": lambda: transformers.Qwen3MoeConfig(
+        **COMMON, num_experts=8, norm_topk_prob=True, mlp_only_layers=[1], head_dim=32),
+    "qwen3-moe-no-renorm": lambda: transformers.Qwen3MoeConfig(
+        **COMMON, num_experts=6, norm_topk_prob=False),
+    "glm4-moe": lambda: transformers.Glm4MoeConfig(
+        **COMMON, n_routed_experts=8, n_shared_experts=1, first_k_dense_replace=1, n_group=4,
+        topk_group=2, routed_scaling_factor=2.5, head_dim=32, attention_bias=True),
+    "glm4-moe-qk-norm": lambda: transformers.Glm4MoeConfig(
+        **COMMON, n_routed_experts=8, n_shared_experts=2, first_k_dense_replace=2, n_group=1,
+        topk_group=1, norm_topk_prob=False, use_qk_norm=True),
+}
+
+
+def write_model(case: str, path) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(CASES[case](), dtype=torch.float32)
+    with torch.no_grad():  # random, not the default init, so biases, norms and routing matter
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.randn_like(buffer) * 0.1)
+    model.save_pretrained(path)
+    return model.eval()
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_moe_logits_and_greedy_tokens_match_transformers(case, tmp_path):
+    ref_model = write_model(case, tmp_path)
+    llm = LLM(str(tmp_path), dtype="float32", device="cpu", kv_cache_memory="8MiB")
+    moe = llm.engine.model_config.moe
+    assert moe is not None and len(moe.layers) >= 1
+    ids = torch.randint(0, 320, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    ours = frugal_logits(llm, ids)
+    with torch.inference_mode():
+        ref = ref_model(torch.tensor([ids])).logits[0]
+    rel = (ours - ref).norm(dim=-1) / ref.norm(dim=-1)
+    assert rel.max().item() < 1e-3, rel.max()
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+    out = llm.generate(ids, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    ref_model.generation_config.eos_token_id = None  # as ignore_eos
+    with torch.inference_mode():
+        gen = ref_model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)
+    assert out[0].outputs[0].token_ids == gen[0, 40:].tolist()
+
+
+def test_grouped_routing_keeps_to_the_best_groups():
+    """Sigmoid routing with groups: only experts of the topk_group best groups (by the sum of
+    their two best biased scores) are chosen; weights are the unbiased sigmoids, renormalized
+    and scaled."""
+    g = torch.Generator().manual_seed(2)
+    x, router = torch.randn(16, 8, generator=g), torch.randn(12, 8, generator=g)
+    bias = torch.randn(12, generator=g) * 0.3
+    weights, ids = torch_ref.route_experts(x, router, bias, 3, "sigmoid", True, 4, 2, 2.5)
+    scores = (x @ router.t()).sigmoid()
+    groups = (scores + bias).view(16, 4, 3).topk(2, dim=-1).values.sum(-1).topk(2, -1).indices
+    for t in range(16):
+        assert set((ids[t] // 3).tolist()) <= set(groups[t].tolist())
+        w = scores[t, ids[t]]
+        torch.testing.assert_close(weights[t], 2.5 * w / w.sum())
+    soft_w, soft_ids = torch_ref.route_experts(x, router, None, 2, "softmax", False, 1, 1, 1.0)
+    probs = (x @ router.t()).softmax(-1)
+    torch.testing.assert_close(soft_w, probs.topk(2, dim=-1).values)
+    assert torch.equal(soft_ids, probs.topk(2, dim=-1).indices)
+
+
+def test_fused_moe_is_the_weighted_sum_of_each_tokens_experts():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 8, generator=g)
+    gate_up, down = torch.randn(4, 12, 8, generator=g), torch.randn(4, 8, 6, generator=g)
+    ids = torch.tensor([[0, 3], [1, 3], [3, 2], [0, 1], [2, 0]])
+    weights = torch.rand(5, 2, generator=g)
+    out = torch_ref.fused_moe(x, gate_up, down, weights, ids)
+    for t in range(5):
+        want = torch.zeros(8)
+        for k in range(2):
+            gate, up = (gate_up[ids[t, k]] @ x[t]).chunk(2)
+            want += weights[t, k] * (down[ids[t, k]] @ (torch.nn.functional.silu(gate) * up))
+        torch.testing.assert_close(out[t], want, rtol=1e-5, atol=1e-5)

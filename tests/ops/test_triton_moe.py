@@ -1,0 +1,100 @@
+"""The fused MoE kernels (ops.triton.moe) against torch_ref.fused_moe on fresh random inputs:
+float, FP8 block-scaled and INT4 experts; the sort by expert on its own."""
+
+import pytest
+import torch
+
+from frugal.ops import torch_ref
+from frugal.quant.experts import Fp8Experts, Int4Experts, quantize_experts
+from frugal.quant.fp8 import quantize_fp8
+
+tri = pytest.importorskip("frugal.ops.triton.moe")
+GPU = torch.cuda.is_available()
+DEVICE = "cuda" if GPU else "cpu"
+
+
+def routed(tokens, experts, top_k, g):
+    scores = torch.rand(tokens, experts, generator=g)
+    weights, ids = scores.topk(top_k, dim=-1)
+    return weights, ids
+
+
+@pytest.mark.parametrize("tokens,experts,top_k,block_m", [(1, 8, 2, 16), (5, 4, 3, 16),
+                                                          (40, 16, 4, 64), (3, 64, 8, 16)])
+def test_align(tokens, experts, top_k, block_m):
+    g = torch.Generator().manual_seed(tokens)
+    _, ids = routed(tokens, experts, top_k, g)
+    sorted_slots, block_expert, total = tri.align(ids.to(DEVICE), experts, block_m)
+    sorted_slots, block_expert = sorted_slots.cpu(), block_expert.cpu()
+    slots = tokens * top_k
+    used = sorted_slots[: int(total)]
+    assert sorted(used[used < slots].tolist()) == list(range(slots))  # every slot once
+    assert bool((sorted_slots[int(total):] == slots).all())
+    flat = ids.flatten()
+    for b in range(int(total) // block_m):
+        block = sorted_slots[b * block_m:(b + 1) * block_m]
+        real = block[block < slots]
+        assert len(real) > 0  # no block wholly padding below the total
+        assert bool((flat[real.long()] == block_expert[b]).all())
+        assert real.tolist() == sorted(real.tolist())  # stable: slots in token order
+
+
+def make(form, experts, inter, hidden, g):
+    gate_up = torch.randn(experts, 2 * inter, hidden, generator=g) * hidden ** -0.5
+    down = torch.randn(experts, hidden, inter, generator=g) * inter ** -0.5
+    if form == "float":
+        return gate_up, down
+    if form == "fp8_channel":
+        def channel(w):
+            parts = [quantize_fp8(e) for e in w]
+            return Fp8Experts(torch.stack([p.data for p in parts]),
+                              torch.stack([p.scales for p in parts]), None)
+        return channel(gate_up), channel(down)
+    scheme = "int4" if form == "int4" else "fp8"
+    return quantize_experts(gate_up, scheme), quantize_experts(down, scheme)
+
+
+@pytest.mark.parametrize("form", ["float", "fp8", "fp8_channel", "int4"])
+@pytest.mark.parametrize("tokens,experts,top_k", [(1, 8, 2), (7, 4, 2), (70, 8, 3)])
+def test_fused_moe(form, tokens, experts, top_k):
+    g = torch.Generator().manual_seed(tokens * 10 + experts)
+    hidden, inter = 64, 32
+    gate_up, down = make(form, experts, inter, hidden, g)
+    x = torch.randn(tokens, hidden, generator=g)
+    weights, ids = routed(tokens, experts, top_k, g)
+    ref = torch_ref.fused_moe(x, gate_up, down, weights, ids)
+    got = tri.fused_moe(x.to(DEVICE), gate_up.to(DEVICE), down.to(DEVICE), weights.to(DEVICE),
+                        ids.to(DEVICE))
+    assert got.shape == ref.shape and got.dtype == x.dtype
+    torch.testing.assert_close(got.cpu(), ref, atol=1e-4 * ref.abs().max().item(), rtol=1e-4)
+
+
+def test_int4_experts_dequantize_as_kimi():
+    """An INT4 expert's codes dequantize as (u - 8) · scale, groups of 32 (Kimi K2's format)."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(2, 16, 64, generator=g)
+    q = quantize_experts(w, "int4")
+    assert isinstance(q, Int4Experts) and q.group_size == 32 and q.shape == (2, 16, 64)
+    e1 = q.expert(1)
+    u = e1.codes().float().view(16, 2, 32)
+    torch.testing.assert_close(e1.dequantize(), ((u - 8) * q.scales[1][:, :, None]).view(16, 64))
+    assert (e1.dequantize() - w[1]).abs().max() <= q.scales[1].max() * 0.5 + 1e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", ["float", "fp8", "int4"])
+@pytest.mark.parametrize("tokens", [1, 16, 300])
+def test_fused_moe_bf16_gpu(form, tokens):
+    g = torch.Generator().manual_seed(tokens)
+    experts, top_k, hidden, inter = 32, 4, 512, 256
+    gate_up, down = make(form, experts, inter, hidden, g)
+    if form == "float":
+        gate_up, down = gate_up.bfloat16(), down.bfloat16()
+    x = torch.randn(tokens, hidden, generator=g).bfloat16()
+    weights, ids = routed(tokens, experts, top_k, g)
+    ref = torch_ref.fused_moe(x.float(), gate_up.float() if form == "float" else gate_up,
+                              down.float() if form == "float" else down, weights, ids)
+    got = tri.fused_moe(x.cuda(), gate_up.to("cuda"), down.to("cuda"), weights.cuda(),
+                        ids.cuda())
+    torch.testing.assert_close(got.float().cpu(), ref, atol=2e-2 * ref.abs().max().item(),
+                               rtol=2e-2)
