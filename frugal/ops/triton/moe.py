@@ -56,21 +56,35 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int
 
 
 @triton.jit
-def _weight_tile(w_ptr, s_ptr, expert, offs_k, offs_n, mask, swe, swn, swk, sse, ssn, ssk,
-                 MODE: tl.constexpr, S_BN: tl.constexpr, S_BK: tl.constexpr):
-    """The expert's weight as a [BLOCK_K, BLOCK_N] tile (wᵀ), widened to fp32 if quantized."""
-    if MODE == 2:
-        words = tl.load(w_ptr + expert * swe + offs_n[None, :] * swn + (offs_k[:, None] // 8) * swk,
-                        mask=mask, other=0)
-        w = (((words >> ((offs_k[:, None] % 8) * 4)) & 0xF) - 8).to(tl.float32)
+def _weight_tile(w_ptr, s_ptr, expert, k0, K, offs_n, n_ok, swe, swn, swk, sse, ssn, ssk,
+                 MODE: tl.constexpr, S_BN: tl.constexpr, S_BK: tl.constexpr,
+                 BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The expert's weight as a [BLOCK_K, BLOCK_N] tile (wᵀ) from input k0 on, widened to fp32
+    if quantized. A tile lies within one scale's inputs (S_BK a multiple of BLOCK_K, or ≥ K),
+    so its scales are one per output."""
+    if MODE == 2:  # a [BLOCK_K / 8, BLOCK_N] tile of words, each unpacked into 8 inputs
+        word = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        words = tl.load(w_ptr + expert * swe + offs_n[None, :] * swn + word[:, None] * swk,
+                        mask=(word[:, None] < K // 8) & n_ok[None, :], other=0)
+        shifts = tl.arange(0, 8) * 4
+        u = (words[:, None, :] >> shifts[None, :, None]) & 0xF
+        w = tl.reshape(u - 8, (BLOCK_K, BLOCK_N)).to(tl.float32)
     else:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(w_ptr + expert * swe + offs_n[None, :] * swn + offs_k[:, None] * swk,
-                    mask=mask, other=0.0)
+                    mask=(offs_k[:, None] < K) & n_ok[None, :], other=0.0)
     if MODE != 0:
-        s = tl.load(s_ptr + expert * sse + (offs_n[None, :] // S_BN) * ssn
-                    + (offs_k[:, None] // S_BK) * ssk, mask=mask, other=0.0)
-        w = w.to(tl.float32) * s
+        s = tl.load(s_ptr + expert * sse + (offs_n // S_BN) * ssn + (k0 // S_BK) * ssk,
+                    mask=n_ok, other=0.0)
+        w = w.to(tl.float32) * s[None, :]
     return w
+
+
+@triton.jit
+def _dot(a, w, acc, F32_DOT: tl.constexpr):
+    if F32_DOT:  # fp32 activations, and the interpreter (whose bf16 dot is wrong): exact fp32
+        return acc + tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+    return acc + tl.dot(a, w.to(a.dtype))
 
 
 @triton.jit
@@ -98,20 +112,13 @@ def _kernel(a_ptr, w_ptr, s_ptr, out_ptr, sorted_ptr, block_expert_ptr, total_pt
         k_ok = offs_k < K
         a = tl.load(a_ptr + a_row[:, None] * sam + offs_k[None, :],
                     mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w_mask = k_ok[:, None] & n_ok[None, :]
-        w = _weight_tile(w_ptr, s_ptr, expert, offs_k, offs_n, w_mask, swe, swn, swk, sse, ssn,
-                         ssk, MODE, S_BN, S_BK)
-        if F32_DOT:  # (the interpreter's bf16 dot is wrong)
-            acc += tl.dot(a.to(tl.float32), w.to(tl.float32))
-        else:
-            acc += tl.dot(a, w.to(a.dtype))
+        w = _weight_tile(w_ptr, s_ptr, expert, k0, K, offs_n, n_ok, swe, swn, swk, sse, ssn,
+                         ssk, MODE, S_BN, S_BK, BLOCK_K, BLOCK_N)
+        acc = _dot(a, w, acc, F32_DOT)
         if GATED:
-            w = _weight_tile(w_ptr, s_ptr, expert, offs_k, offs_n + N, w_mask, swe, swn, swk,
-                             sse, ssn, ssk, MODE, S_BN, S_BK)
-            if F32_DOT:
-                acc_up += tl.dot(a.to(tl.float32), w.to(tl.float32))
-            else:
-                acc_up += tl.dot(a, w.to(a.dtype))
+            w = _weight_tile(w_ptr, s_ptr, expert, k0, K, offs_n + N, n_ok, swe, swn, swk, sse,
+                             ssn, ssk, MODE, S_BN, S_BK, BLOCK_K, BLOCK_N)
+            acc_up = _dot(a, w, acc_up, F32_DOT)
     if GATED:
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up
     if ROUTED:
@@ -136,7 +143,13 @@ def _gemm(a: torch.Tensor, w: torch.Tensor | Experts, out: torch.Tensor, n: int,
           route: torch.Tensor | None, a_div: int, block_m: int) -> None:
     data, scales, mode, s_bn, s_bk, k = _operand(w)
     gated = route is None
-    block_n, block_k = (32, 32) if _INTERPRET else (64, 64)
+    # (decode: narrower output tiles, more blocks for the GPU's SMs)
+    block_n = 32 if _INTERPRET or block_m == 16 else 64
+    block_k = 32 if _INTERPRET else 64
+    if mode != 0 and s_bk < k:  # a tile within one scale's inputs
+        block_k = min(block_k, s_bk)
+        if s_bk % block_k:
+            raise ValueError(f"fused_moe: scales over {s_bk} inputs need a multiple of 16")
     grid = (block_expert.numel() * triton.cdiv(n, block_n),)
     _kernel[grid](a, data, scales, out, sorted_slots, block_expert, total,
                   route if route is not None else out, n, k, out.shape[0], a.stride(0),
