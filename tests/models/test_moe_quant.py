@@ -76,3 +76,63 @@ def test_moe_presets(name, layers, moe_layers):
     assert c.num_layers == layers and len(c.moe.layers) == moe_layers
     assert c.moe.num_experts == 128 and c.moe.top_k == 8
     assert first_layers(c, 3).moe.layers == ((0, 1, 2) if name.startswith("qwen") else (1, 2))
+
+
+def test_int4_experts_load_bit_identical_and_as_compressed_tensors_reads_them(tmp_path):
+    """Each stacked expert is the file's packed words and scales, bit for bit, and
+    compressed-tensors' own unpacking of the file gives the same dequantized matrix."""
+    ct = pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers")
+    from safetensors.torch import load_file
+
+    src, out = tmp_path / "src", tmp_path / "q"
+    write_model("qwen3-moe", src)
+    assert cli(["quantize", str(src), "--output", str(out), "--experts-only",
+                "--group-size", "32"]) == 0
+    tensors = load_file(out / "model.safetensors")
+    llm = LLM(str(out), **KW)
+    layer = llm.engine.runner.model.model.layers[0]
+    experts = layer.mlp.experts
+    inter = experts.intermediate_size
+    for e in range(experts.num_experts):
+        for part, stacked, rows in (("gate", experts.qgate_up, slice(0, inter)),
+                                    ("up", experts.qgate_up, slice(inter, 2 * inter)),
+                                    ("down", experts.qdown, slice(None))):
+            prefix = f"model.layers.0.mlp.experts.{e}.{part}_proj"
+            packed, scale = tensors[f"{prefix}.weight_packed"], tensors[f"{prefix}.weight_scale"]
+            assert torch.equal(stacked.packed[e][rows], packed)
+            assert torch.equal(stacked.scales[e][rows].to(scale.dtype), scale)
+            shape = torch.Size(tensors[f"{prefix}.weight_shape"].tolist())
+            codes = ct.unpack_from_int32(packed, 4, shape).float()  # signed, as they store
+            theirs = (codes.view(*scale.shape, 32) * scale.float()[..., None]).reshape(shape)
+            assert torch.equal(theirs, stacked.expert(e).dequantize()[rows])
+
+
+def test_stacked_expert_tensors_load_as_per_expert_ones(tmp_path):
+    """transformers 5's in-memory layout as checkpoint tensors (experts.gate_up_proj
+    [E, 2 inter, hidden], experts.down_proj [E, hidden, inter]) loads to the same model."""
+    import re
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src, fused = tmp_path / "src", tmp_path / "fused"
+    write_model("qwen3-moe", src)
+    shutil.copytree(src, fused)
+    tensors = load_file(src / "model.safetensors")
+    out, parts = {}, {}
+    for name, t in tensors.items():
+        m = re.match(r"(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$", name)
+        if m:
+            parts.setdefault(m.group(1), {})[int(m.group(2)), m.group(3)] = t
+        else:
+            out[name] = t
+    for prefix, p in parts.items():
+        n = max(e for e, _ in p) + 1
+        out[f"{prefix}.gate_up_proj"] = torch.stack(
+            [torch.cat([p[e, "gate"], p[e, "up"]]) for e in range(n)])
+        out[f"{prefix}.down_proj"] = torch.stack([p[e, "down"] for e in range(n)])
+    (fused / "model.safetensors").unlink()
+    save_file(out, fused / "model.safetensors")
+    ids = list(range(3, 30))
+    torch.testing.assert_close(frugal_logits(LLM(str(fused), **KW), ids),
+                               frugal_logits(LLM(str(src), **KW), ids), atol=0, rtol=0)
