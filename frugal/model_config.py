@@ -60,18 +60,50 @@ class MoeConfig:
             skip = set(hf.get("mlp_only_layers") or [])
             step = hf.get("decoder_sparse_step", 1)
             layers = [i for i in range(num_layers) if i not in skip and (i + 1) % step == 0]
-        scoring = hf.get("scoring_func", "sigmoid" if "n_routed_experts" in hf else "softmax")
-        method = hf.get("topk_method", "noaux_tc" if scoring == "sigmoid" else "greedy")
+        v2 = (hf.get("architectures") or [""])[0] == "DeepseekV2ForCausalLM"
+        scoring = hf.get("scoring_func") or (
+            "sigmoid" if "n_routed_experts" in hf and not v2 else "softmax")
+        method = hf.get("topk_method") or ("noaux_tc" if scoring == "sigmoid" else "greedy")
         if method not in ("greedy", "noaux_tc"):
             raise ValueError(f"topk_method: {method!r} is not supported (greedy, noaux_tc)")
+        grouped = method == "noaux_tc"  # (greedy ignores n_group and topk_group)
         return cls(num_experts=num, top_k=hf["num_experts_per_tok"],
                    intermediate_size=hf["moe_intermediate_size"], layers=tuple(layers),
                    shared_intermediate_size=hf["moe_intermediate_size"]
                    * hf.get("n_shared_experts", 0),
-                   scoring=scoring, norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
-                   n_group=hf.get("n_group") or 1, topk_group=hf.get("topk_group") or 1,
+                   scoring=scoring,
+                   # (DeepSeek-V2 never renormalizes, whatever its config says)
+                   norm_topk_prob=bool(hf.get("norm_topk_prob", True)) and not v2,
+                   n_group=(hf.get("n_group") or 1) if grouped else 1,
+                   topk_group=(hf.get("topk_group") or 1) if grouped else 1,
                    routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
                    correction_bias=method == "noaux_tc")
+
+
+@dataclass(frozen=True)
+class MlaConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi K2): queries through a low-rank
+    q_lora_rank bottleneck (None: one projection), keys and values from a kv_lora_rank latent
+    per token plus one qk_rope_head_dim rotary key shared by all heads; the cache keeps only
+    those (kv_lora_rank + qk_rope_head_dim values a token and layer). rope_interleave: the
+    rotary dims rotate in adjacent pairs (DeepSeek's layout) instead of two halves."""
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None
+    rope_interleave: bool = True
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> MlaConfig | None:
+        if "kv_lora_rank" not in hf:
+            return None
+        v2 = (hf.get("architectures") or [""])[0] == "DeepseekV2ForCausalLM"
+        return cls(kv_lora_rank=hf["kv_lora_rank"], qk_nope_head_dim=hf["qk_nope_head_dim"],
+                   qk_rope_head_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"],
+                   q_lora_rank=hf.get("q_lora_rank"),
+                   rope_interleave=v2 or bool(hf.get("rope_interleave", True)))
 
 
 @dataclass(frozen=True)
@@ -81,7 +113,8 @@ class ModelConfig:
 
     Flags instead of forks: qkv_bias (Qwen2, GLM attention_bias), o_bias (Llama attention_bias),
     qk_norm (Qwen3), tie_word_embeddings, rope_scaling (Llama 3.1 'llama3' or 'linear'),
-    rotary_dim (GLM: RoPE on the first head_dim * partial_rotary_factor dims of each head), moe.
+    rotary_dim (GLM: RoPE on the first head_dim * partial_rotary_factor dims of each head), moe,
+    mla (DeepSeek-V2/V3: then num_kv_heads 1 and head_dim the latent's size, the cache's shape).
     """
 
     architecture: str
@@ -106,6 +139,12 @@ class ModelConfig:
     dtype: str = "float32"
     rotary_dim: int | None = None  # None: the whole head
     moe: MoeConfig | None = None
+    mla: MlaConfig | None = None
+
+    @property
+    def kv_parts(self) -> int:
+        """Tensors the KV cache keeps per layer: K and V, or MLA's latent alone."""
+        return 1 if self.mla is not None else 2
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -143,6 +182,11 @@ class ModelConfig:
             raise ValueError("use_sliding_window: sliding-window attention is not supported")
         if hf.get("mlp_bias"):
             raise ValueError("mlp_bias: MLP biases are not supported")
+        mla = MlaConfig.from_hf(hf)
+        num_kv_heads = hf.get("num_key_value_heads") or num_heads
+        if mla is not None:  # the cache's one "head": the latent and the rotary key
+            num_kv_heads, head_dim = 1, mla.kv_lora_rank + mla.qk_rope_head_dim
+            partial = mla.qk_rope_head_dim / head_dim
         eos = hf.get("eos_token_id")
         if not eos_token_ids and eos is not None:
             eos_token_ids = tuple(eos) if isinstance(eos, list) else (eos,)
@@ -153,7 +197,7 @@ class ModelConfig:
             intermediate_size=hf["intermediate_size"],
             num_layers=hf["num_hidden_layers"],
             num_heads=num_heads,
-            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            num_kv_heads=num_kv_heads,
             head_dim=head_dim,
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             rope_theta=float(theta),
@@ -167,8 +211,9 @@ class ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_token_ids,
             dtype=str(hf.get("dtype") or hf.get("torch_dtype") or "float32"),
-            rotary_dim=int(head_dim * partial) if partial != 1.0 else None,
+            rotary_dim=round(head_dim * partial) if partial != 1.0 else None,
             moe=MoeConfig.from_hf(hf, hf["num_hidden_layers"]),
+            mla=mla,
         )
 
 

@@ -59,7 +59,7 @@ def profile_step(runner: ModelRunner, config: EngineConfig) -> int:
     mc, tokens = runner.model_config, config.scheduler.max_num_batched_tokens
     page_size = config.cache.page_size
     scratch = KVPool(mc.num_layers, 1, page_size, mc.num_kv_heads, mc.head_dim, runner.dtype,
-                     runner.device)
+                     runner.device, mc.kv_parts)
     runner.bind_cache(scratch)
     device = torch.device(runner.device)
     torch.cuda.synchronize(device)

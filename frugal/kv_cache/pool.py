@@ -12,7 +12,8 @@ logger = logging.getLogger("frugal")
 
 
 class KVPool:
-    """K/V storage for every layer.
+    """K/V storage for every layer (parts 1: one tensor a layer, v[layer] is k[layer]: MLA's
+    latent cache).
 
     k[layer], v[layer]: [num_pages, page_size, num_kv_heads, head_dim] of `dtype` (an FP8 v:
     key-minor, [num_pages, num_kv_heads, head_dim, page_size], see torch_ref.v_key_minor). A
@@ -25,10 +26,10 @@ class KVPool:
     """
 
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: str) -> None:
+                 head_dim: int, dtype: torch.dtype, device: str, parts: int = 2) -> None:
         self.num_pages = num_pages
         self.page_size = page_size
-        shape = (num_layers, 2, num_pages, page_size, num_kv_heads, head_dim)
+        shape = (num_layers, parts, num_pages, page_size, num_kv_heads, head_dim)
         # Zeroed, so every page's memory is taken now (a server's footprint does not creep up
         # as pages are first written), and GPU kernels, which load whole pages under masks,
         # never meet a stale NaN.
@@ -36,7 +37,7 @@ class KVPool:
         self.k = [self._storage[i, 0] for i in range(num_layers)]
         v_shape = ((num_pages, num_kv_heads, head_dim, page_size) if v_key_minor(dtype)
                    else shape[2:])
-        self.v = [self._storage[i, 1].view(v_shape) for i in range(num_layers)]
+        self.v = [self._storage[i, parts - 1].view(v_shape) for i in range(num_layers)]
         self.dtype = dtype
         self.tags = torch.zeros(num_pages, dtype=torch.int32, device=device)
         self.scales: torch.Tensor | None = None
@@ -57,7 +58,7 @@ class KVPool:
 
     @staticmethod
     def page_bytes(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int,
-                   dtype: torch.dtype) -> int:
-        """Bytes one page takes across all layers, K and V."""
+                   dtype: torch.dtype, parts: int = 2) -> int:
+        """Bytes one page takes across all layers, K and V (parts 1: MLA's latent alone)."""
         itemsize = torch.empty((), dtype=dtype).element_size()
-        return num_layers * 2 * page_size * num_kv_heads * head_dim * itemsize
+        return num_layers * parts * page_size * num_kv_heads * head_dim * itemsize

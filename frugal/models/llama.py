@@ -1,5 +1,6 @@
 """The Llama family in one file, via flags: Llama 2/3, SmolLM2, Mistral, Qwen2 and Qwen3 dense,
-and with mixture-of-experts layers (layers.moe) Qwen3-MoE and GLM-4.5.
+with mixture-of-experts layers (layers.moe) Qwen3-MoE and GLM-4.5, and with latent attention
+(layers.mla) DeepSeek-V2/V3 and Kimi K2.
 
 Parameter names follow HF transformers so checkpoints load as they are; q/k/v and gate/up are fused
 into one matmul each and filled shard by shard (packed_modules), per-expert tensors into their
@@ -17,6 +18,7 @@ from torch import nn
 from frugal.config import ModelConfig
 from frugal.layers.attention import Attention, AttentionMetadata
 from frugal.layers.linear import Linear, MergedLinear, load_whole
+from frugal.layers.mla import MlaAttention
 from frugal.layers.mlp import GatedMLP
 from frugal.layers.moe import MoE
 from frugal.layers.norm import RMSNorm
@@ -54,7 +56,8 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, c: ModelConfig, rotary: RotaryEmbedding, index: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = LlamaAttention(c, rotary)
+        self.self_attn = (MlaAttention(c, rotary) if c.mla is not None
+                          else LlamaAttention(c, rotary))
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = (MoE(c) if c.moe is not None and index in c.moe.layers
                     else GatedMLP(c.hidden_size, c.intermediate_size))
@@ -105,6 +108,9 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
+        if config.mla is not None:  # (MLA's q_proj is its own matrix)
+            self.packed_modules = {k: v for k, v in self.packed_modules.items()
+                                   if v[0] == "gate_up_proj"}
         self.model = LlamaModel(config)
         # FP8-KV checkpoints' k_scale / v_scale tensors, (layer, "k" | "v") -> tensor
         self.kv_scales_found: dict[tuple[int, str], torch.Tensor] = {}
@@ -122,8 +128,9 @@ class LlamaForCausalLM(nn.Module):
         logits = self.lm_head(hidden)
         return logits.float() if upcast else logits
 
-    def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
+    def attention_layers(self) -> list[Attention | MlaAttention]:
+        """The modules the model runner binds each layer's cache to."""
+        return [getattr(layer.self_attn, "attn", layer.self_attn) for layer in self.model.layers]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
                      strict: bool = True) -> None:

@@ -15,6 +15,8 @@ ARCHITECTURES = {
     "Qwen3ForCausalLM": _LLAMA,
     "Qwen3MoeForCausalLM": _LLAMA,
     "Glm4MoeForCausalLM": _LLAMA,
+    "DeepseekV2ForCausalLM": _LLAMA,
+    "DeepseekV3ForCausalLM": _LLAMA,
 }
 
 

@@ -15,7 +15,8 @@ from types import ModuleType
 from frugal.ops import torch_ref
 
 OPS = ("linear", "rms_norm", "silu_and_mul", "rotary_store_kv", "paged_attention",
-       "check_kv_pages", "route_experts", "fused_moe")
+       "check_kv_pages", "route_experts", "fused_moe", "apply_rotary", "apply_rotary_pairs",
+       "store_latent", "mla_attention")
 BACKENDS = {"torch_ref": "frugal.ops.torch_ref", "triton": "frugal.ops.triton"}
 
 
@@ -46,3 +47,7 @@ paged_attention = torch_ref.paged_attention
 check_kv_pages = torch_ref.check_kv_pages
 route_experts = torch_ref.route_experts
 fused_moe = torch_ref.fused_moe
+apply_rotary = torch_ref.apply_rotary
+apply_rotary_pairs = torch_ref.apply_rotary_pairs
+store_latent = torch_ref.store_latent
+mla_attention = torch_ref.mla_attention

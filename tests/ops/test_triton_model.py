@@ -47,3 +47,24 @@ def test_triton_backend_runs_a_moe_model_with_partial_rotary(quantization, tmp_p
     prompts = [ids, ids[:17], ids[3:25]]
     assert ([o.outputs[0].token_ids for o in tri.generate(prompts, params)]
             == [o.outputs[0].token_ids for o in ref.generate(prompts, params)])
+
+
+def test_triton_backend_runs_an_mla_model(tmp_path):
+    """DeepSeek-V3-shaped (latent attention, q_lora, grouped sigmoid routing): the Triton
+    backend (its matmuls and fused MoE; MLA's attention as PyTorch ops, no graphs) equals
+    torch_ref."""
+    from tests.models.test_mla_vs_hf import write_model as write_mla
+
+    path = str(tmp_path)
+    write_mla("deepseek-v3", path)
+    kwargs = dict(dtype="float32", device=DEVICE, kv_cache_memory="8MiB", page_size=16)
+    ref = LLM(path, ops_backend="torch_ref", **kwargs)
+    tri = LLM(path, ops_backend="triton", **kwargs)
+    assert tri.engine.runner.graphs is None
+    ids = torch.randint(0, 320, (21,), generator=torch.Generator().manual_seed(5)).tolist()
+    torch.testing.assert_close(frugal_logits(tri, ids), frugal_logits(ref, ids), atol=1e-3,
+                               rtol=1e-3)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    prompts = [ids, ids[:17]]
+    assert ([o.outputs[0].token_ids for o in tri.generate(prompts, params)]
+            == [o.outputs[0].token_ids for o in ref.generate(prompts, params)])

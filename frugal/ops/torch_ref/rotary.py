@@ -18,6 +18,20 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
+def apply_rotary_pairs(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+                       cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """apply_rotary with the dims rotating in adjacent pairs (2i, 2i + 1) by frequency i
+    (DeepSeek's interleaved layout), every dim rotary; the layout is kept."""
+    cos, sin = cos_sin.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        x0, x1 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+        return torch.stack([x0 * cos - x1 * sin, x1 * cos + x0 * sin], dim=-1).flatten(-2).to(
+            x.dtype)
+
+    return rotate(q), rotate(k)
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     rot = 2 * cos.shape[-1]
     x1, x2 = x[..., :rot].float().chunk(2, dim=-1)

@@ -6,8 +6,11 @@ kernels here also cover the decode GEMV with its neighbours fused, attention ove
 cache, the KV store, the small ops between matmuls and the KV-cache integrity check.
 """
 
-# (routing: PyTorch ops on the GPU's tensors, fixed shapes, so CUDA graphs capture them)
+# PyTorch ops on the GPU's tensors: routing (fixed shapes, so CUDA graphs capture it); MLA's
+# rotary, latent store and attention (no Triton kernels yet: MLA models run without graphs)
+from frugal.ops.torch_ref.mla import mla_attention, store_latent
 from frugal.ops.torch_ref.moe import route_experts
+from frugal.ops.torch_ref.rotary import apply_rotary, apply_rotary_pairs
 from frugal.ops.triton.attention import paged_attention
 from frugal.ops.triton.elementwise import rms_norm, silu_and_mul
 from frugal.ops.triton.integrity import check_kv_pages
@@ -15,5 +18,6 @@ from frugal.ops.triton.kv_store import rotary_store_kv
 from frugal.ops.triton.linear import linear, pack_weight
 from frugal.ops.triton.moe import fused_moe
 
-__all__ = ["check_kv_pages", "fused_moe", "linear", "pack_weight", "paged_attention",
-           "rms_norm", "rotary_store_kv", "route_experts", "silu_and_mul"]
+__all__ = ["apply_rotary", "apply_rotary_pairs", "check_kv_pages", "fused_moe", "linear",
+           "mla_attention", "pack_weight", "paged_attention", "rms_norm", "rotary_store_kv",
+           "route_experts", "silu_and_mul", "store_latent"]

@@ -1,0 +1,81 @@
+"""Multi-head latent attention models against transformers' own implementation: tiny random
+DeepSeek-V2 (no q compression, softmax routing, YaRN) and DeepSeek-V3 / Kimi-K2 (q_lora,
+sigmoid routing with a correction bias over groups, shared experts, a dense first layer,
+interleaved and half-split rotary) configs, fp32 logits and greedy tokens compared; the cache
+keeps one latent row per token and layer."""
+
+import pytest
+import torch
+
+from frugal import LLM, SamplingParams
+from tests.models.test_llama_vs_hf import frugal_logits
+
+transformers = pytest.importorskip("transformers")
+
+COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+              num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+              max_position_embeddings=512, num_experts_per_tok=2, tie_word_embeddings=False,
+              kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24,
+              first_k_dense_replace=1, n_shared_experts=1)
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+        "original_max_position_embeddings": 128, "beta_fast": 32, "beta_slow": 1,
+        "mscale": 0.707, "mscale_all_dim": 0.707}
+CASES = {
+    "deepseek-v2-lite": lambda: transformers.DeepseekV2Config(
+        **COMMON, q_lora_rank=None, n_routed_experts=8, topk_method="greedy",
+        routed_scaling_factor=1.5, rope_parameters=YARN),
+    "deepseek-v3": lambda: transformers.DeepseekV3Config(
+        **COMMON, q_lora_rank=24, n_routed_experts=8, n_group=4, topk_group=2,
+        routed_scaling_factor=2.5, norm_topk_prob=True, rope_interleave=True,
+        rope_parameters={**YARN, "mscale": 1.0, "mscale_all_dim": 1.0}),
+    "deepseek-v3-half-rotary": lambda: transformers.DeepseekV3Config(
+        **COMMON, q_lora_rank=24, n_routed_experts=8, n_group=1, topk_group=1,
+        norm_topk_prob=False, rope_interleave=False, attention_bias=True),
+}
+
+
+def write_model(case: str, path) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(CASES[case](), dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.randn_like(buffer) * 0.1)
+    model.save_pretrained(path)
+    return model.eval()
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_mla_logits_and_greedy_tokens_match_transformers(case, tmp_path):
+    ref_model = write_model(case, tmp_path)
+    llm = LLM(str(tmp_path), dtype="float32", device="cpu", kv_cache_memory="8MiB")
+    mc = llm.engine.model_config
+    assert mc.mla is not None and mc.num_kv_heads == 1 and mc.head_dim == 32 + 8
+    assert llm.engine.runner.pool.k[0].shape[-2:] == (1, 40)
+    ids = torch.randint(0, 320, (150,), generator=torch.Generator().manual_seed(1)).tolist()
+    ours = frugal_logits(llm, ids)  # (past the YaRN's original 128 positions)
+    with torch.inference_mode():
+        ref = ref_model(torch.tensor([ids])).logits[0]
+    rel = (ours - ref).norm(dim=-1) / ref.norm(dim=-1)
+    assert rel.max().item() < 1e-3, rel.max()
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+    prompt = ids[:20]
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    ref_model.generation_config.eos_token_id = None
+    with torch.inference_mode():
+        want = ref_model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)
+    assert out[0].outputs[0].token_ids == want[0, len(prompt):].tolist()
+
+
+def test_mla_cache_holds_one_latent_row_per_token(tmp_path):
+    """MLA's cache: one tensor a layer (no V), (kv_lora_rank + rope) values a token."""
+    write_model("deepseek-v3", tmp_path)
+    llm = LLM(str(tmp_path), dtype="float32", device="cpu", kv_cache_memory="8MiB")
+    pool = llm.engine.runner.pool
+    assert pool.v[0].data_ptr() == pool.k[0].data_ptr()
+    assert pool.num_bytes == pool.num_pages * 16 * 3 * 40 * 4  # pages x tokens x layers x row
+    with pytest.raises(ValueError, match="FP8 cache for latent attention"):
+        LLM(str(tmp_path), dtype="float32", device="cpu", kv_cache_memory="8MiB",
+            kv_cache_dtype="fp8")
