@@ -28,6 +28,9 @@ CASES = {
         **COMMON, q_lora_rank=24, n_routed_experts=8, n_group=4, topk_group=2,
         routed_scaling_factor=2.5, norm_topk_prob=True, rope_interleave=True,
         rope_parameters={**YARN, "mscale": 1.0, "mscale_all_dim": 1.0}),
+    "deepseek-v3-rope16": lambda: transformers.DeepseekV3Config(  # (Triton's decode kernel's)
+        **{**COMMON, "qk_rope_head_dim": 16}, q_lora_rank=24, n_routed_experts=8, n_group=2,
+        topk_group=1, routed_scaling_factor=2.5),
     "deepseek-v3-half-rotary": lambda: transformers.DeepseekV3Config(
         **COMMON, q_lora_rank=24, n_routed_experts=8, n_group=1, topk_group=1,
         norm_topk_prob=False, rope_interleave=False, attention_bias=True),
@@ -52,8 +55,9 @@ def test_mla_logits_and_greedy_tokens_match_transformers(case, tmp_path):
     ref_model = write_model(case, tmp_path)
     llm = LLM(str(tmp_path), dtype="float32", device="cpu", kv_cache_memory="8MiB")
     mc = llm.engine.model_config
-    assert mc.mla is not None and mc.num_kv_heads == 1 and mc.head_dim == 32 + 8
-    assert llm.engine.runner.pool.k[0].shape[-2:] == (1, 40)
+    width = 32 + mc.mla.qk_rope_head_dim
+    assert mc.mla is not None and mc.num_kv_heads == 1 and mc.head_dim == width
+    assert llm.engine.runner.pool.k[0].shape[-2:] == (1, width)
     ids = torch.randint(0, 320, (150,), generator=torch.Generator().manual_seed(1)).tolist()
     ours = frugal_logits(llm, ids)  # (past the YaRN's original 128 positions)
     with torch.inference_mode():

@@ -51,12 +51,12 @@ def test_triton_backend_runs_a_moe_model_with_partial_rotary(quantization, tmp_p
 
 def test_triton_backend_runs_an_mla_model(tmp_path):
     """DeepSeek-V3-shaped (latent attention, q_lora, grouped sigmoid routing): the Triton
-    backend (its matmuls and fused MoE; MLA's attention as PyTorch ops, no graphs) equals
-    torch_ref."""
+    backend (its matmuls, fused MoE and MLA decode kernel; prompts' MLA attention as PyTorch
+    ops, no graphs) equals torch_ref."""
     from tests.models.test_mla_vs_hf import write_model as write_mla
 
     path = str(tmp_path)
-    write_mla("deepseek-v3", path)
+    write_mla("deepseek-v3-rope16", path)
     kwargs = dict(dtype="float32", device=DEVICE, kv_cache_memory="8MiB", page_size=16)
     ref = LLM(path, ops_backend="torch_ref", **kwargs)
     tri = LLM(path, ops_backend="triton", **kwargs)

@@ -7,8 +7,8 @@ cache, the KV store, the small ops between matmuls and the KV-cache integrity ch
 """
 
 # PyTorch ops on the GPU's tensors: routing (fixed shapes, so CUDA graphs capture it); MLA's
-# rotary, latent store and attention (no Triton kernels yet: MLA models run without graphs)
-from frugal.ops.torch_ref.mla import mla_attention, store_latent
+# rotary, latent store and prompt attention (host-side shapes: MLA models run without graphs)
+from frugal.ops.torch_ref.mla import store_latent
 from frugal.ops.torch_ref.moe import route_experts
 from frugal.ops.torch_ref.rotary import apply_rotary, apply_rotary_pairs
 from frugal.ops.triton.attention import paged_attention
@@ -16,6 +16,7 @@ from frugal.ops.triton.elementwise import rms_norm, silu_and_mul
 from frugal.ops.triton.integrity import check_kv_pages
 from frugal.ops.triton.kv_store import rotary_store_kv
 from frugal.ops.triton.linear import linear, pack_weight
+from frugal.ops.triton.mla_decode import mla_attention
 from frugal.ops.triton.moe import fused_moe
 
 __all__ = ["apply_rotary", "apply_rotary_pairs", "check_kv_pages", "fused_moe", "linear",

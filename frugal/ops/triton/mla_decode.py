@@ -1,0 +1,128 @@
+"""Paged MLA decode attention, absorbed (as FlashMLA computes it), split over keys.
+
+One program takes a request's next token, BLOCK_H of its heads and one split of its context:
+scores q_latent · c + q_rope · k_rope against each cached row [c | k_rope] of the latent cache,
+an online softmax, and the weighted sum of the latents c. Splits write (partial output, log-sum-
+exp) and `mla_decode` merges them, so a long context at a small batch still fills the GPU.
+The twin is torch_ref.mla_attention (the decode rows of a step).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from frugal.ops import torch_ref
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+BLOCK_H = 16  # heads a program takes (tl.dot needs 16 rows)
+BLOCK_N = 32  # keys an iteration takes
+
+
+@triton.jit
+def _kernel(q_ptr, cache_ptr, page_table_ptr, seq_lens_ptr, out_ptr, lse_ptr, scale,
+            num_heads, keys_per_split, sqt, sqh, spt, sob, sos, soh, slb, sls,
+            PAGE_SIZE: tl.constexpr, LAT: tl.constexpr, ROPE: tl.constexpr,
+            F32_DOT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
+    b = tl.program_id(0)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    split = tl.program_id(2)
+    h_ok = heads < num_heads
+    seq_len = tl.load(seq_lens_ptr + b)
+    start = split * keys_per_split
+    end = tl.minimum(start + keys_per_split, seq_len)
+    lat = tl.arange(0, LAT)
+    rope = tl.arange(0, ROPE)
+    q_row = q_ptr + b * sqt + heads[:, None] * sqh
+    q_lat = tl.load(q_row + lat[None, :], mask=h_ok[:, None], other=0.0)
+    q_rope = tl.load(q_row + LAT + rope[None, :], mask=h_ok[:, None], other=0.0)
+    if F32_DOT:
+        q_lat, q_rope = q_lat.to(tl.float32), q_rope.to(tl.float32)
+    m = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
+    total = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_H, LAT), dtype=tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        ok = pos < end
+        page = tl.load(page_table_ptr + b * spt + pos // PAGE_SIZE, mask=ok, other=0)
+        row = cache_ptr + (page.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE)[:, None] * (LAT + ROPE)
+        c = tl.load(row + lat[None, :], mask=ok[:, None], other=0.0)  # [BLOCK_N, LAT]
+        k_rope = tl.load(row + LAT + rope[None, :], mask=ok[:, None], other=0.0)
+        if F32_DOT:
+            c, k_rope = c.to(tl.float32), k_rope.to(tl.float32)
+            s = (tl.dot(q_lat, tl.trans(c), input_precision="ieee")
+                 + tl.dot(q_rope, tl.trans(k_rope), input_precision="ieee"))
+        else:
+            s = tl.dot(q_lat, tl.trans(c)) + tl.dot(q_rope, tl.trans(k_rope))
+        s = tl.where(ok[None, :], s * scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        total = total * alpha + tl.sum(p, axis=1)
+        if F32_DOT:
+            acc = acc * alpha[:, None] + tl.dot(p, c, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c)
+        m = m_new
+    safe = tl.where(total > 0, total, 1.0)
+    out = acc / safe[:, None]
+    tl.store(out_ptr + b * sob + split * sos + heads[:, None] * soh + lat[None, :], out,
+             mask=h_ok[:, None])
+    lse = tl.where(total > 0, m + tl.log(safe), float("-inf"))
+    tl.store(lse_ptr + b * slb + split * sls + heads, lse, mask=h_ok)
+
+
+def supported(kv_lora_rank: int, rope_dim: int) -> bool:
+    """The kernel's latent and rotary widths: powers of two of at least 16 (tl.dot's)."""
+    return all(d >= 16 and d & (d - 1) == 0 for d in (kv_lora_rank, rope_dim))
+
+
+def mla_decode(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor,
+               seq_lens: torch.Tensor, scale: float, max_seq_len: int,
+               kv_lora_rank: int) -> torch.Tensor:
+    """q: [B, num_heads, kv_lora_rank + rope] absorbed queries, one token of each request;
+    cache: [num_pages, page_size, 1, kv_lora_rank + rope]; page_table [B, max_pages] int32,
+    seq_lens [B] int32 (the token's own row stored). Returns [B, num_heads, kv_lora_rank] in
+    q's dtype (zeros for seq_len 0)."""
+    batch, num_heads, width = q.shape
+    page_size = cache.shape[1]
+    # splits: enough programs for the GPU's SMs at a small batch, each at least 256 keys
+    want = max(1, min(triton.cdiv(max(max_seq_len, 1), 256),
+                      triton.cdiv(264, batch * triton.cdiv(num_heads, BLOCK_H))))
+    keys_per_split = triton.cdiv(triton.cdiv(max(max_seq_len, 1), want), BLOCK_N) * BLOCK_N
+    splits = triton.cdiv(max(max_seq_len, 1), keys_per_split)
+    out = torch.empty(batch, splits, num_heads, kv_lora_rank, dtype=torch.float32,
+                      device=q.device)
+    lse = torch.empty(batch, splits, num_heads, dtype=torch.float32, device=q.device)
+    grid = (batch, triton.cdiv(num_heads, BLOCK_H), splits)
+    _kernel[grid](q, cache, page_table, seq_lens, out, lse, scale, num_heads, keys_per_split,
+                  q.stride(0), q.stride(1), page_table.stride(0), out.stride(0), out.stride(1),
+                  out.stride(2), lse.stride(0), lse.stride(1), PAGE_SIZE=page_size,
+                  LAT=kv_lora_rank, ROPE=width - kv_lora_rank,
+                  F32_DOT=_INTERPRET or q.dtype == torch.float32, BLOCK_H=BLOCK_H,
+                  BLOCK_N=BLOCK_N, num_warps=8 if kv_lora_rank >= 256 else 4)
+    weight = torch.softmax(lse, dim=1).nan_to_num(0.0)  # (a split past the end: lse -inf)
+    return (out * weight[..., None]).sum(dim=1).to(q.dtype)
+
+
+def mla_attention(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor,
+                  cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                  max_query_len: int, max_seq_len: int, kv_lora_rank: int,
+                  num_decodes: int = 0) -> torch.Tensor:
+    """torch_ref.mla_attention's twin: the step's leading decodes through mla_decode, the
+    requests with prompt tokens through the PyTorch op (no Triton prefill kernel yet)."""
+    if num_decodes == 0 or not supported(kv_lora_rank, q.shape[-1] - kv_lora_rank):
+        return torch_ref.mla_attention(q, cache, page_table, cu_seqlens_q, seq_lens, scale,
+                                       max_query_len, max_seq_len, kv_lora_rank, num_decodes)
+    out = torch.empty(*q.shape[:2], kv_lora_rank, dtype=q.dtype, device=q.device)
+    out[:num_decodes] = mla_decode(q[:num_decodes], cache, page_table[:num_decodes],
+                                   seq_lens[:num_decodes], scale, max_seq_len, kv_lora_rank)
+    if num_decodes < seq_lens.shape[0]:
+        cu = cu_seqlens_q[num_decodes:] - num_decodes
+        out[num_decodes:] = torch_ref.mla_attention(
+            q[num_decodes:], cache, page_table[num_decodes:], cu, seq_lens[num_decodes:], scale,
+            max_query_len, max_seq_len, kv_lora_rank)
+    return out
