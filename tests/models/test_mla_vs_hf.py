@@ -9,6 +9,7 @@ import torch
 
 from frugal import LLM, SamplingParams
 from tests.models.test_llama_vs_hf import frugal_logits
+from tests.models.test_moe_vs_hf import save_random
 
 transformers = pytest.importorskip("transformers")
 
@@ -38,16 +39,7 @@ CASES = {
 
 
 def write_model(case: str, path) -> torch.nn.Module:
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(CASES[case](), dtype=torch.float32)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-        for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buffer.copy_(torch.randn_like(buffer) * 0.1)
-    model.save_pretrained(path)
-    return model.eval()
+    return save_random(CASES[case](), path)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

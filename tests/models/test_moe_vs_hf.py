@@ -30,8 +30,13 @@ CASES = {
 
 
 def write_model(case: str, path) -> torch.nn.Module:
+    return save_random(CASES[case](), path)
+
+
+def save_random(config, path) -> torch.nn.Module:
+    """transformers' model of config with random weights, saved to path."""
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(CASES[case](), dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # random, not the default init, so biases, norms and routing matter
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
