@@ -136,3 +136,23 @@ def test_stacked_expert_tensors_load_as_per_expert_ones(tmp_path):
     ids = list(range(3, 30))
     torch.testing.assert_close(frugal_logits(LLM(str(fused), **KW), ids),
                                frugal_logits(LLM(str(src), **KW), ids), atol=0, rtol=0)
+
+
+def test_kimi_style_int4_experts_of_an_mla_model(tmp_path):
+    """A DeepSeek-V3 (Kimi K2) checkpoint with only its routed experts in INT4 (group 32,
+    symmetric), as Kimi K2.x ships: the experts load stacked as stored, attention, shared
+    experts and the dense layer stay float, logits as the in-memory rounding's."""
+    from tests.models.test_mla_vs_hf import write_model as write_mla
+
+    src, out = tmp_path / "src", tmp_path / "q"
+    write_mla("deepseek-v3", src)
+    assert cli(["quantize", str(src), "--output", str(out), "--experts-only",
+                "--group-size", "32"]) == 0
+    q = LLM(str(out), **KW)
+    assert all(isinstance(e.qgate_up, Int4Experts) for e in experts_of(q))
+    assert all(getattr(m, "qweight", None) is None for m in q.engine.runner.model.modules())
+    ref = LLM(str(src), **KW)
+    quantize_moe(ref.engine.runner.model, "int4")
+    ids = list(range(5, 40))
+    torch.testing.assert_close(frugal_logits(q, ids), frugal_logits(ref, ids), atol=1e-4,
+                               rtol=1e-4)
