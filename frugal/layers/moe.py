@@ -44,7 +44,9 @@ class Experts(nn.Module):
         self.intermediate_size = intermediate_size
         self.qgate_up: QuantizedExperts | None = None
         self.qdown: QuantizedExperts | None = None
-        self._parts: dict[tuple, Int4Weight | Fp8Weight] = {}
+        # quantized matrices loaded so far, (expert, part) -> matrix, until all are in
+        self._gate_up: dict[tuple, Int4Weight | Fp8Weight] = {}
+        self._down: dict[tuple, Int4Weight | Fp8Weight] = {}
         self.gate_up_proj = nn.Parameter(
             torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False)
         self.down_proj = nn.Parameter(
@@ -75,16 +77,17 @@ class Experts(nn.Module):
         want = (hidden, inter) if part == "down" else (inter, hidden)
         if tuple(loaded.shape) != want:
             raise ValueError(f"shape {tuple(loaded.shape)} in checkpoint, model expects {want}")
-        self._parts[shard] = loaded
+        parts = self._down if part == "down" else self._gate_up
+        parts[shard] = loaded
         experts = range(self.num_experts)
-        if all((e, "gate") in self._parts and (e, "up") in self._parts for e in experts):
-            self.qgate_up = stack([type(self._parts[e, "gate"]).cat(
-                [self._parts.pop((e, "gate")), self._parts.pop((e, "up"))]) for e in experts]
-            ).to(self.gate_up_proj.device)
+        if part != "down" and len(parts) == 2 * self.num_experts:
+            self.qgate_up = stack([type(parts[e, "gate"]).cat([parts[e, "gate"], parts[e, "up"]])
+                                   for e in experts]).to(self.gate_up_proj.device)
+            parts.clear()
             self.gate_up_proj.data = self.gate_up_proj.data.new_empty(0)
-        if all((e, "down") in self._parts for e in experts):
-            self.qdown = stack([self._parts.pop((e, "down")) for e in experts]).to(
-                self.down_proj.device)
+        if part == "down" and len(parts) == self.num_experts:
+            self.qdown = stack([parts[e, "down"] for e in experts]).to(self.down_proj.device)
+            parts.clear()
             self.down_proj.data = self.down_proj.data.new_empty(0)
 
     def quantize(self, scheme: str) -> None:

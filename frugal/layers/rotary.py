@@ -17,7 +17,7 @@ def inverse_frequencies(head_dim: int, theta: float,
     inv_freq = 1.0 / (theta ** exponents)
     if not scaling:
         return inv_freq
-    kind = scaling.get("rope_type", scaling.get("type"))
+    kind = _kind(scaling)
     if kind == "linear":
         return inv_freq / scaling["factor"]
     if kind == "llama3":
@@ -33,6 +33,11 @@ def inverse_frequencies(head_dim: int, theta: float,
     if kind == "yarn":
         return _yarn(inv_freq, head_dim, theta, scaling)
     raise ValueError(f"rope_scaling: type {kind!r} is not supported (linear, llama3, yarn)")
+
+
+def _kind(scaling: dict[str, Any] | None) -> str | None:
+    """rope_scaling's type (transformers 5 `rope_type`, older `type`)."""
+    return scaling.get("rope_type", scaling.get("type")) if scaling else None
 
 
 def _mscale(factor: float, mscale: float = 1.0) -> float:
@@ -60,7 +65,7 @@ def _yarn(inv_freq: torch.Tensor, dim: int, theta: float, s: dict[str, Any]) -> 
 
 def attention_factor(scaling: dict[str, Any] | None) -> float:
     """What YaRN multiplies cos and sin by (1 for other scalings)."""
-    if not scaling or scaling.get("rope_type", scaling.get("type")) != "yarn":
+    if _kind(scaling) != "yarn":
         return 1.0
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
@@ -73,7 +78,7 @@ def attention_factor(scaling: dict[str, Any] | None) -> float:
 def softmax_mscale(scaling: dict[str, Any] | None) -> float:
     """DeepSeek's factor on the attention softmax scale under YaRN: mscale(factor,
     mscale_all_dim)² (1 without)."""
-    if not scaling or scaling.get("rope_type", scaling.get("type")) != "yarn":
+    if _kind(scaling) != "yarn":
         return 1.0
     m_all = scaling.get("mscale_all_dim") or 0
     return _mscale(scaling["factor"], m_all) ** 2 if m_all else 1.0

@@ -29,12 +29,20 @@ CASES = {
 
 def write_model(case: str, path) -> torch.nn.Module:
     cls, extra = CASES[case]
+    return save_random(cls(**COMMON, **extra), path)
+
+
+def save_random(config, path) -> torch.nn.Module:
+    """transformers' model of config with random weights (not the default init, so biases,
+    norms and an MoE router's correction bias matter), saved to path."""
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cls(**COMMON, **extra),
-                                                          dtype=torch.float32)
-    with torch.no_grad():  # random, not the default init, so biases and norms matter
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.randn_like(buffer) * 0.1)
     model.save_pretrained(path)
     return model.eval()
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from frugal import LLM, SamplingParams
+from tests.loader.test_hf_dir import save_random
 from tests.models.test_llama_vs_hf import frugal_logits
-from tests.models.test_moe_vs_hf import save_random
 
 transformers = pytest.importorskip("transformers")
 

@@ -8,6 +8,7 @@ import torch
 
 from frugal import LLM, SamplingParams
 from frugal.ops import torch_ref
+from tests.loader.test_hf_dir import save_random
 from tests.models.test_llama_vs_hf import frugal_logits
 
 transformers = pytest.importorskip("transformers")
@@ -31,20 +32,6 @@ CASES = {
 
 def write_model(case: str, path) -> torch.nn.Module:
     return save_random(CASES[case](), path)
-
-
-def save_random(config, path) -> torch.nn.Module:
-    """transformers' model of config with random weights, saved to path."""
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():  # random, not the default init, so biases, norms and routing matter
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-        for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buffer.copy_(torch.randn_like(buffer) * 0.1)
-    model.save_pretrained(path)
-    return model.eval()
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
