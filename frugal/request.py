@@ -131,6 +131,8 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None  # [None, lp(token 1), ...] if asked
     # [num_prompt_tokens - 1, vocab] log-probabilities of prompt tokens 1.. (prompt_logprobs_tensor)
     prompt_logprobs_tensor: torch.Tensor | None = None
+    # a prefill for another worker: where its KV is and how to check it (disagg.handoff)
+    kv_transfer_params: dict | None = None
 
     def add(self, later: RequestOutput) -> RequestOutput:
         """Append a later output of the same request to this one (in place); returns self.
@@ -149,6 +151,8 @@ class RequestOutput:
             self.prompt_logprobs = later.prompt_logprobs
         if self.prompt_logprobs_tensor is None:
             self.prompt_logprobs_tensor = later.prompt_logprobs_tensor
+        if self.kv_transfer_params is None:
+            self.kv_transfer_params = later.kv_transfer_params
         return self
 
 
@@ -161,6 +165,7 @@ def join(joined: dict[str, RequestOutput], output: RequestOutput) -> RequestOutp
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    LOADING = "loading"  # its prompt's KV is on its way from another worker
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -197,6 +202,8 @@ class Request:
     error: str | None = None  # set with FinishReason.ERROR
     num_sent: int = 0  # output tokens (and their log-probabilities) already in an output
     prompt_scores_sent: bool = False
+    kv_load: object | None = None  # disagg.KVLoad: where its prompt's KV comes from
+    kv_hold: bool = False  # a prefill for another worker: its pages are held when it ends
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,4 +1,5 @@
-"""`frugal` command line: serve, generate, chat, eval, bench, calibrate-kv, quantize, env."""
+"""`frugal` command line: serve, serve-pd, generate, chat, eval, bench, calibrate-kv, quantize,
+env."""
 
 from __future__ import annotations
 
@@ -17,11 +18,13 @@ def build_parser() -> argparse.ArgumentParser:
     from frugal.cli.generate import add_chat_parser, add_generate_parser
     from frugal.cli.quantize import add_quantize_parser
     from frugal.cli.serve import add_serve_parser
+    from frugal.cli.serve_pd import add_serve_pd_parser
 
     parser = argparse.ArgumentParser(prog="frugal", description="frugal: LLM inference engine")
     parser.add_argument("--version", action=VersionAction)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     add_serve_parser(sub)
+    add_serve_pd_parser(sub)
     add_generate_parser(sub)
     add_chat_parser(sub)
     add_eval_parser(sub)

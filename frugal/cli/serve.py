@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import os
 import shlex
 import signal
+import socket
 
 from frugal.cli.args import add_engine_args, engine_config
 
@@ -38,6 +40,18 @@ def add_serve_parser(subparsers) -> None:
     g.add_argument("--step-timeout", type=float, default=120.0,
                    help="a step that has not returned after this many seconds marks the "
                         "engine dead: every request gets an error and the server exits 1")
+    g = p.add_argument_group("prefill/decode disaggregation (docs/disaggregation.md)")
+    g.add_argument("--kv-role", default=None, choices=["prefill", "decode", "both"],
+                   help="take part in prefill/decode disaggregation behind vllm-router: a "
+                        "NIXL agent over the KV pool (needs the 'pd' extra); requests' "
+                        "kv_transfer_params say what each does")
+    g.add_argument("--kv-host", default=None,
+                   help="the address decode workers reach this worker at (default: --host, "
+                        "or this machine's address when --host is 0.0.0.0)")
+    g.add_argument("--kv-lease-timeout", type=float, default=120.0,
+                   help="seconds a prefill's KV pages wait for the decode side's read")
+    g.add_argument("--kv-transfer-timeout", type=float, default=30.0,
+                   help="seconds a decode worker waits for a prompt's KV")
     p.set_defaults(func=run_serve)
 
 
@@ -59,9 +73,12 @@ def run_serve(args: argparse.Namespace) -> int:
 
     name = args.served_model_name or args.model or DEFAULT_SERVED_NAME
     metrics = Metrics(name)
-    engine = AsyncEngine(LLMEngine(engine_config(args)), metrics, args.step_timeout)
+    engine_cfg = dataclasses.replace(engine_config(args), kv_role=args.kv_role,
+                                     kv_lease_s=args.kv_lease_timeout,
+                                     kv_transfer_timeout_s=args.kv_transfer_timeout)
+    engine = AsyncEngine(LLMEngine(engine_cfg), metrics, args.step_timeout)
     app = build_app(engine, name, args.api_key, metrics, args.max_request_bytes,
-                    args.max_queued_requests)
+                    args.max_queued_requests, kv_address(args) if args.kv_role else None)
     config = uvicorn.Config(app, host=args.host, port=args.port,
                             log_level=args.log_level.lower(),
                             timeout_graceful_shutdown=args.shutdown_timeout + FLUSH_S)
@@ -99,6 +116,13 @@ def run_serve(args: argparse.Namespace) -> int:
         return 1
     logger.info("server stopped")
     return 0 if server.started else 1
+
+
+def kv_address(args: argparse.Namespace) -> tuple[str, int]:
+    host = args.kv_host or args.host
+    if host in ("0.0.0.0", "::", ""):
+        host = socket.gethostbyname(socket.gethostname())
+    return host, args.port
 
 
 def ready_message(name: str, args: argparse.Namespace) -> str:

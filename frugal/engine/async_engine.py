@@ -98,14 +98,14 @@ class AsyncEngine:
         """Error every request in flight (e.g. a shutdown past its grace time); the loop goes on."""
         self._put(("fail_all", error))
 
-    async def generate(self, prompt: list[int], params: SamplingParams,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt: list[int], params: SamplingParams, request_id: str,
+                       kv_transfer: dict | None = None) -> AsyncIterator[RequestOutput]:
         """Outputs of one request until it finishes: each holds what is new since the previous
         one (several steps' worth when the caller was slow). Closing the iterator early, or
         cancelling it, aborts the request."""
         stream = OutputStream(asyncio.get_running_loop(), len(prompt))
         self._counts.submitted += 1
-        self._put(("add", request_id, prompt, params, stream))
+        self._put(("add", request_id, prompt, params, stream, kv_transfer))
         if not self.alive:  # checked after queueing: a loop dying later still answers the add
             raise EngineDeadError(self.dead or "the engine is not running")
         finished = False
@@ -138,12 +138,18 @@ class AsyncEngine:
                 if self._drain_inbox():
                     self._update_gauges()  # an abort frees pages at once: show it
                 if not self.engine.has_unfinished_requests():
+                    try:
+                        self._deliver(self.engine.poll_transfers())  # a prefill's leases
+                    except Exception:
+                        logger.exception("polling KV transfers failed")
                     if idle_since is None:
                         idle_since = time.monotonic()
                     elif not checked and time.monotonic() - idle_since > IDLE_CHECK_S:
                         self._check_integrity()
                         checked = True
-                    self._wakeup.wait(0.1)
+                    # Pages held for a decode worker: poll often, as the read needs this
+                    # side's progress (see disagg.kv_transfer).
+                    self._wakeup.wait(0.001 if self.engine.scheduler.held else 0.1)
                     self._wakeup.clear()
                     continue
                 idle_since, checked = None, False
@@ -196,10 +202,10 @@ class AsyncEngine:
                 self._fail_all(rest[0])
 
     def _add(self, request_id: str, prompt: list[int], params: SamplingParams,
-             stream: OutputStream) -> None:
+             stream: OutputStream, kv_transfer: dict | None) -> None:
         self._counts.drained += 1
         try:
-            self.engine.add_request(prompt, params, request_id)
+            self.engine.add_request(prompt, params, request_id, kv_transfer)
         except ValueError as e:  # the client's fault: a 400
             send([(stream, e)])
             return

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
+import uuid
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +44,11 @@ class EngineStats:
     num_preemptions: int
     num_integrity_failures: int  # requests failed by the KV-cache integrity check
     num_bookkeeping_errors: int  # contradictions found by check_integrity or a page free
+    num_pages_held: int = 0  # pages kept for a transfer (prefill leases, loads ending)
+    num_kv_loads: int = 0  # prompts whose KV came from a prefill worker
+    num_kv_load_failures: int = 0  # reads that failed, timed out or failed their checksum
+    num_kv_leases_expired: int = 0  # prefill pages freed without the decode side's read
+    kv_bytes_loaded: int = 0
 
 
 class LLMEngine:
@@ -77,13 +84,21 @@ class LLMEngine:
         self.num_bookkeeping_errors = 0  # contradictions found by check_integrity
         self.overlap = config.overlap_schedule
         self._inflight: Launched | None = None  # a step launched ahead (see step)
+        self.handoff = None  # disagg.Handoff: KV pages to and from other workers
+        if config.kv_role is not None:
+            from frugal.disagg.handoff import Handoff
+            self.handoff = Handoff(self.scheduler, pool, f"frugal-{uuid.uuid4().hex[:12]}",
+                                   mc.vocab_size, config.kv_lease_s,
+                                   config.kv_transfer_timeout_s)
 
     # -- requests ---------------------------------------------------------------------------
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, kv_transfer: dict | None = None) -> str:
         """Queue a prompt (text or token ids). Raises ValueError naming the bad field; on error
-        nothing is queued and running requests are untouched."""
+        nothing is queued and running requests are untouched. kv_transfer: vLLM's
+        kv_transfer_params (a prefill for another worker, or a decode of another worker's
+        prefill; see disagg.handoff)."""
         params = params or SamplingParams()
         token_ids = self.tokenize(prompt)
         vocab = self.model_config.vocab_size
@@ -101,6 +116,11 @@ class LLMEngine:
             max_total = min(max_total, len(token_ids) + params.max_tokens)
         request = Request(request_id, prompt if isinstance(prompt, str) else None, token_ids,
                           params, max_total)
+        if kv_transfer and (kv_transfer.get("do_remote_decode")
+                            or kv_transfer.get("do_remote_prefill")):
+            if self.handoff is None:
+                raise ValueError("kv_transfer_params: this worker was started without --kv-role")
+            self.handoff.admit(request, kv_transfer)
         if params.seed is not None:
             request.generator = self.runner.sampler.make_generator(params.seed)
         self._requests[request_id] = request
@@ -153,8 +173,7 @@ class LLMEngine:
             return True
         except IntegrityError as e:
             self.num_bookkeeping_errors += 1
-            freed = self.scheduler.allocator.rebuild(r.page_table
-                                                     for r in self.scheduler.running)
+            freed = self.scheduler.allocator.rebuild(self.scheduler.tables())
             logger.error("KV cache bookkeeping is inconsistent: %s (%d pages back in the free "
                          "list after a recount)", e, freed)
             return False
@@ -164,10 +183,14 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         scheduler, pool = self.scheduler, self.runner.pool
+        h = self.handoff
         return EngineStats(len(scheduler.running), len(scheduler.waiting), pool.num_pages,
                            scheduler.allocator.num_used, pool.capacity_tokens,
                            self.runner.kv_capacity_ratio, pool.describe(), self.num_preemptions,
-                           self.num_integrity_failures, self.num_bookkeeping_errors)
+                           self.num_integrity_failures, self.num_bookkeeping_errors,
+                           sum(len(t) for t, _ in scheduler.held.values()),
+                           *((h.num_loads, h.num_load_failures, h.num_leases_expired,
+                              h.bytes_loaded) if h else (0, 0, 0, 0)))
 
     # -- stepping ---------------------------------------------------------------------------
 
@@ -181,11 +204,14 @@ class LLMEngine:
         next step is what the following call reads. A request that finished meanwhile has its
         row of it ignored; one whose pending token is its last is not scheduled again.
         """
+        loaded = self.poll_transfers()
         step, self._inflight = self._inflight, None
         if step is None:
             step = self._launch()
             if step is None:
-                return []
+                if self.handoff is not None and self.handoff.busy and not loaded:
+                    time.sleep(0.0005)  # only reads in flight: do not spin
+                return loaded
         if self.overlap and self.runner.can_follow(step):
             self._inflight = self._launch(after=step)
         try:
@@ -193,7 +219,7 @@ class LLMEngine:
         except BaseException:
             self._inflight = None  # it follows a step that will never be recorded
             raise
-        outputs = self._apply(step, result)
+        outputs = loaded + self._apply(step, result)
         if self._inflight is not None and all(r.finished for r in self._inflight.out.requests):
             self._inflight = None  # nobody waits for it (the device still runs it, harmlessly)
         return outputs
@@ -203,6 +229,8 @@ class LLMEngine:
         nothing to run."""
         out = self.scheduler.schedule()
         self.num_preemptions += len(out.preempted)
+        if out.loads:
+            self.handoff.start(out.loads)
         if not out.requests:
             return None
         step = self.runner.launch(out, after)
@@ -224,19 +252,39 @@ class LLMEngine:
         for j, (i, token) in enumerate(zip(result.sampled, result.tokens)):
             request = out.requests[i]
             request.num_pending -= 1
+            if not request.finished:
+                outputs.append(self._record(request, token, result.logprobs.get(j)))
+        return outputs
+
+    def _record(self, request: Request, token: int, logprob) -> RequestOutput:
+        """A new token of the request: its output, or its last one when it stops there. A
+        request whose handling raises is failed alone."""
+        try:
+            request.output_token_ids.append(token)
+            if logprob is not None:
+                request.logprobs.append(logprob)
+            reason = self._check_stop(request, token)
+            return self._output(request) if reason is None else self._end(request, reason)
+        except Exception as e:  # a bug in one request's bookkeeping: fail it, not the step
+            logger.exception("request %s failed while recording its token", request.request_id)
+            return self._end(request, FinishReason.ERROR, f"engine error: {e}")
+
+    def poll_transfers(self) -> list[RequestOutput]:
+        """Look at KV transfers (see disagg.handoff): frees pages other workers are done with;
+        a request whose KV arrived gets its first token (the prefill side's), one whose
+        transfer failed ends with an error. Call it even when idle (a prefill worker)."""
+        if self.handoff is None:
+            return []
+        loaded, failed = self.handoff.poll()
+        outputs = [self._end(r, FinishReason.ERROR, e) for r, e in failed if not r.finished]
+        for request in loaded:
             if request.finished:
                 continue
-            try:
-                request.output_token_ids.append(token)
-                if j in result.logprobs:
-                    request.logprobs.append(result.logprobs[j])
-                reason = self._check_stop(request, token)
-                outputs.append(self._output(request) if reason is None
-                               else self._end(request, reason))
-            except Exception as e:  # a bug in one request's bookkeeping: fail it, not the step
-                logger.exception("request %s failed while recording its token",
-                                 request.request_id)
-                outputs.append(self._end(request, FinishReason.ERROR, f"engine error: {e}"))
+            load = request.kv_load
+            self.scheduler.loaded(request)
+            outputs.append(self._record(request, load.first_token,
+                                        load.first_logprob if request.params.logprobs is not None
+                                        else None))
         return outputs
 
     def _check_stop(self, request: Request, token: int) -> FinishReason | None:
@@ -263,7 +311,13 @@ class LLMEngine:
         """Finish a request (pages freed; see Scheduler.finish), its last output; forget it.
         error: why, for reason 'error' (trusted False: its pages failed the integrity check)."""
         pages = [ref.page_id for ref in request.page_table]
-        problem = self.scheduler.finish(request, reason, trusted)
+        hold = kv_params = None
+        if self.handoff is not None:
+            if request.kv_hold and reason in (FinishReason.STOP, FinishReason.LENGTH):
+                kv_params, hold = self.handoff.hold(request)
+            else:
+                hold = self.handoff.ended(request)
+        problem = self.scheduler.finish(request, reason, trusted, hold)
         request.error = error
         if problem is not None and trusted:  # freeing found what no check had caught
             self.num_bookkeeping_errors += 1
@@ -274,6 +328,7 @@ class LLMEngine:
         if detok is not None and not isinstance(request.stop_reason, str):
             detok.update(request.output_token_ids, final=True)  # flush a trailing partial char
         output = self._output(request)
+        output.kv_transfer_params = kv_params
         self._requests.pop(request.request_id, None)
         self._detokenizers.pop(request.request_id, None)
         return output

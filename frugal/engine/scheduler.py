@@ -7,10 +7,18 @@ left) tokens, so a prompt prefill, a chunk of one, a single decode token and a r
 preemption are all the same thing; a request whose pending token is its last (length limit)
 gets none. Running requests go first, oldest first; when pages run out the newest running
 request is preempted (its pages freed, its progress reset to 0) and recomputed later.
+
+A request whose prompt's KV comes from another worker (request.kv_load, prefill/decode
+disaggregation) is admitted like any other but, instead of computing, gets pages for its prompt
+and waits in `loading` until the engine reports the pages filled (loaded): then it runs from
+num_computed_tokens = its prompt's length. Pages no request table owns but that must not be
+reused yet (a prefill's pages until the decode side has read them, a load's pages while the
+transfer may still write them) are `held` under a key until released.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -26,6 +34,7 @@ class SchedulerOutput:
     requests: list[Request] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    loads: list[Request] = field(default_factory=list)  # admitted to wait for their KV
 
     @property
     def num_tokens(self) -> int:
@@ -47,13 +56,19 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.loading: list[Request] = []
+        self.held: dict[str, tuple[PageTable, float]] = {}  # key -> (pages, deadline)
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.loading)
+
+    def tables(self) -> list[PageTable]:
+        return ([r.page_table for r in self.running] + [r.page_table for r in self.loading]
+                + [table for table, _ in self.held.values()])
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -80,8 +95,16 @@ class Scheduler:
             i += 1
         # New work only when nothing had to give way this step (else it would be preempted again).
         while (not out.preempted and self.waiting and budget > 0
-               and len(self.running) < self.max_num_seqs):
+               and len(self.running) + len(self.loading) < self.max_num_seqs):
             request = self.waiting[0]
+            if request.kv_load is not None:  # its prompt's KV comes from elsewhere
+                if not self._reserve(request, request.num_prompt_tokens):
+                    break
+                self.waiting.popleft()
+                request.status = RequestStatus.LOADING
+                self.loading.append(request)
+                out.loads.append(request)
+                continue
             n = min(request.num_tokens_with_pending - request.num_computed_tokens, budget)
             if not self._reserve(request, n):
                 break
@@ -104,6 +127,34 @@ class Scheduler:
         request.page_table.extend(self.allocator.allocate(missing))
         return True
 
+    def loaded(self, request: Request) -> None:
+        """A loading request's pages hold its prompt's KV: it runs from there."""
+        self.loading.remove(request)
+        request.kv_load = None
+        request.num_computed_tokens = request.num_prompt_tokens
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
+    def hold(self, key: str, table: PageTable, timeout: float = float("inf")) -> None:
+        """Keep pages out of the free list under key until release(key) (or its deadline,
+        see expired)."""
+        self.held[key] = (table, time.monotonic() + timeout)
+
+    def release(self, key: str) -> bool:
+        """Free held pages; False if nothing is held under key."""
+        entry = self.held.pop(key, None)
+        if entry is None:
+            return False
+        try:
+            self.allocator.free(entry[0])
+        except IntegrityError:
+            self.allocator.rebuild(self.tables())
+        return True
+
+    def expired(self) -> list[str]:
+        now = time.monotonic()
+        return [key for key, (_, deadline) in self.held.items() if deadline <= now]
+
     def _preempt(self, request: Request) -> None:
         self.allocator.free(request.page_table)
         request.page_table = PageTable()
@@ -112,9 +163,11 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
 
-    def finish(self, request: Request, reason: FinishReason, trusted: bool = True) -> str | None:
-        """Take the request out of the queues and free its pages at once. Safe in any state and
-        idempotent: a finished request stays as it is.
+    def finish(self, request: Request, reason: FinishReason, trusted: bool = True,
+               hold: tuple[str, float] | None = None) -> str | None:
+        """Take the request out of the queues and free its pages at once (hold (key, timeout):
+        keep them held instead, see hold). Safe in any state and idempotent: a finished request
+        stays as it is.
 
         trusted False (its pages failed the integrity check), or a free that finds a stale
         entry in its page table: instead of freeing that table, the allocator recounts every
@@ -122,20 +175,22 @@ class Scheduler:
         table was freed as it is, else what was wrong with it."""
         if request.finished:
             return None
-        for queue in (self.running, self.waiting):
+        for queue in (self.running, self.waiting, self.loading):
             if request in queue:
                 queue.remove(request)
         table, request.page_table = request.page_table, PageTable()
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         problem = None if trusted else "its pages failed the integrity check"
-        if trusted:
+        if hold is not None and trusted:
+            self.hold(hold[0], table, hold[1])
+        elif trusted:
             try:
                 self.allocator.free(table)
             except IntegrityError as e:
                 problem = str(e)
         if problem is not None:
-            freed = self.allocator.rebuild(r.page_table for r in self.running)
+            freed = self.allocator.rebuild(self.tables())
             problem += f" ({freed} pages back in the free list after a recount)"
         return problem
 
@@ -152,4 +207,11 @@ class Scheduler:
                 raise IntegrityError(
                     f"running request {request.request_id}: {len(request.page_table)} pages for "
                     f"{request.num_computed_tokens} computed tokens (expected {expected})")
-        self.allocator.check(r.page_table for r in self.running)
+        for request in self.loading:
+            expected = -(-request.num_prompt_tokens // self.page_size)
+            if (len(request.page_table) != expected
+                    or request.status is not RequestStatus.LOADING):
+                raise IntegrityError(f"loading request {request.request_id}: "
+                                     f"{len(request.page_table)} pages for its "
+                                     f"{request.num_prompt_tokens} prompt tokens")
+        self.allocator.check(self.tables())

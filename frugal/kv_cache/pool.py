@@ -53,6 +53,37 @@ class KVPool:
                 "kv_scales": self.scales_source or "none (not FP8)"}
 
     @property
+    def storage(self) -> torch.Tensor:
+        """Every layer's pages in one tensor: [num_layers, parts, num_pages, page_size,
+        num_kv_heads, head_dim]. A page is num_layers * parts contiguous chunks of
+        chunk_bytes, chunk (layer, part) at ((layer * parts + part) * num_pages + page) *
+        chunk_bytes from data_ptr() (what a KV transfer reads and writes)."""
+        return self._storage
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self._storage[0, 0, 0].numel() * self._storage.element_size()
+
+    def checksums(self, page_ids: list[int]) -> list[int]:
+        """One int64 per page over every byte it holds in every layer, computed on the pool's
+        device: the sum of its 32-bit words times odd weights, mod 2**64, so any one changed word
+        (or chunks swapped between layers) changes it."""
+        if not page_ids:
+            return []
+        ids = torch.tensor(page_ids, device=self._storage.device)
+        num_layers, parts = self._storage.shape[:2]
+        words_per_chunk = self.chunk_bytes // 4
+        weights = torch.arange(num_layers * parts * words_per_chunk, device=ids.device,
+                               dtype=torch.int64).mul_(2).add_(1).mul_(0x9E3779B97F4A7C15 >> 2 | 1)
+        weights = weights.view(num_layers, parts, 1, words_per_chunk)
+        total = torch.zeros(len(page_ids), dtype=torch.int64, device=ids.device)
+        for layer in range(num_layers):
+            words = self._storage[layer].index_select(1, ids).reshape(parts, len(page_ids), -1)
+            words = words.view(torch.int32).to(torch.int64)
+            total += (words * weights[layer]).sum(dim=(0, 2))
+        return total.tolist()
+
+    @property
     def num_bytes(self) -> int:
         return self._storage.numel() * self._storage.element_size()
 

@@ -31,18 +31,22 @@ from frugal.server.protocol import (
     conversation,
 )
 from frugal.server.serving import Serving, encode_chat
+from frugal.server.side_channel import HANDSHAKE_PATH, Peers
 
 logger = logging.getLogger("frugal")
 
 
 def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
               metrics: Metrics | None = None, max_request_bytes: int | None = None,
-              max_queued_requests: int | None = None) -> FastAPI:
+              max_queued_requests: int | None = None,
+              kv_address: tuple[str, int] | None = None) -> FastAPI:
     """An app serving `engine` as `model_name`. The engine thread starts and stops with the app.
 
     max_request_bytes: bodies over it get a 413 before anything reads them; max_queued_requests:
-    requests beyond that many accepted and not yet running get a 429."""
-    serving = Serving(engine, model_name)
+    requests beyond that many accepted and not yet running get a 429. kv_address: the host and
+    port decode workers reach this one at (prefill/decode disaggregation; see side_channel)."""
+    serving = Serving(engine, model_name, kv_address)
+    peers = Peers()
     tokenizer = engine.engine.tokenizer
     created = int(time.time())
 
@@ -88,6 +92,11 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         """Validate and tokenize on a worker thread (the event loop stays free), admit, run."""
         check_model(req.model)
         job = await run_in_threadpool(build, req)
+        if job.kv_transfer is not None:
+            if engine.engine.handoff is None:
+                raise APIError("kv_transfer_params: this worker was started without --kv-role",
+                               "kv_transfer_params")
+            job.kv_transfer = await peers.attach(job.kv_transfer)
         if not engine.alive:
             raise APIError(f"the engine is not running: {engine.dead or 'stopped'}",
                            status=503, kind="server_error")
@@ -122,6 +131,12 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             state = f"engine dead: {engine.dead}" if engine.dead else "engine stopped"
             return JSONResponse({"status": state}, status_code=503)
         return {"status": "ok"}
+
+    @app.get(HANDSHAKE_PATH, include_in_schema=False)
+    async def kv_handshake():
+        if engine.engine.handoff is None:
+            raise APIError("this worker was started without --kv-role", status=404)
+        return engine.engine.handoff.metadata
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus():

@@ -105,6 +105,8 @@ class _Common(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    # prefill/decode disaggregation, as vLLM's NixlConnector and vllm-router speak it
+    kv_transfer_params: dict[str, Any] | None = None
 
     def check_common(self) -> None:
         if not 1 <= self.n <= MAX_N:
@@ -116,6 +118,15 @@ class _Common(BaseModel):
             raise APIError("logit_bias: not supported", "logit_bias")
         if self.stream_options is not None and not self.stream:
             raise APIError("stream_options: only allowed with stream=true", "stream_options")
+        if self.kv_transfer and self.n != 1:
+            raise APIError("n: must be 1 with kv_transfer_params", "n")
+
+    @property
+    def kv_transfer(self) -> dict | None:
+        """kv_transfer_params when they ask for a transfer (vllm-router sends them with every
+        field null to a worker that should not take part)."""
+        p = self.kv_transfer_params
+        return p if p and (p.get("do_remote_decode") or p.get("do_remote_prefill")) else None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None, choice: int) -> SamplingParams:

@@ -40,6 +40,7 @@ class Job:
     n: int
     echo: bool = False
     include_usage: bool = False
+    kv_transfer: dict | None = None  # kv_transfer_params (see frugal.disagg.handoff)
 
     @property
     def object(self) -> str:
@@ -49,9 +50,11 @@ class Job:
 class Serving:
     """Turns validated requests into engine requests and engine outputs into responses."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+    def __init__(self, engine: AsyncEngine, model_name: str,
+                 kv_address: tuple[str, int] | None = None) -> None:
         self.engine = engine
         self.model_name = model_name
+        self.kv_address = kv_address  # where decode workers reach this one's side channel
         self.tokenizer = engine.engine.tokenizer
         self.max_model_len = engine.engine.max_model_len
 
@@ -68,8 +71,12 @@ class Serving:
         params = [req.sampling_params(self._max_tokens(ids, req.max_tokens), req.logprobs,
                                       prompt_logprobs, c)
                   for ids in prompts for c in range(req.n)]
+        if req.kv_transfer and (len(prompts) > 1 or req.echo):
+            raise APIError("kv_transfer_params: only with one prompt and echo false",
+                           "kv_transfer_params")
         return Job("completion", f"cmpl-{uuid.uuid4().hex}", req.model, prompts, texts, params,
-                   req.n, echo=req.echo, include_usage=req.include_usage)
+                   req.n, echo=req.echo, include_usage=req.include_usage,
+                   kv_transfer=req.kv_transfer)
 
     def chat_job(self, req: ChatCompletionRequest) -> Job:
         req.check()
@@ -81,7 +88,7 @@ class Serving:
         params = [req.sampling_params(self._max_tokens(ids, max_tokens), logprobs, None, c)
                   for c in range(req.n)]
         return Job("chat", f"chatcmpl-{uuid.uuid4().hex}", req.model, [ids], [""], params,
-                   req.n, include_usage=req.include_usage)
+                   req.n, include_usage=req.include_usage, kv_transfer=req.kv_transfer)
 
     def _tokenize(self, prompt: str | list[int]) -> list[int]:
         try:
@@ -110,7 +117,8 @@ class Serving:
     # -- running ----------------------------------------------------------------------------
 
     def _streams(self, job: Job) -> list[AsyncIterator[RequestOutput]]:
-        return [self.engine.generate(job.prompts[i // job.n], params, f"{job.id}-{i}")
+        return [self.engine.generate(job.prompts[i // job.n], params, f"{job.id}-{i}",
+                                     job.kv_transfer)
                 for i, params in enumerate(job.params)]
 
     async def respond(self, job: Job, http: HTTPRequest) -> dict:
@@ -136,8 +144,13 @@ class Serving:
         outputs = sorted(joined.values(), key=lambda out: index[out.request_id])
         choices = [self._choice(job, i, out) for i, out in enumerate(outputs)]
         completion_tokens = sum(len(out.outputs[0].token_ids) for out in outputs)
-        return {"id": job.id, "object": job.object, "created": int(time.time()),
+        body = {"id": job.id, "object": job.object, "created": int(time.time()),
                 "model": job.model, "choices": choices, "usage": _usage(job, completion_tokens)}
+        kv = outputs[0].kv_transfer_params if outputs else None
+        if kv is not None and self.kv_address is not None:
+            body["kv_transfer_params"] = {**kv, "remote_host": self.kv_address[0],
+                                          "remote_port": self.kv_address[1]}
+        return body
 
     def _choice(self, job: Job, index: int, out: RequestOutput) -> dict:
         c = out.outputs[0]

@@ -1,0 +1,163 @@
+"""Prefill/decode hand-off between two engines in one process, over real NIXL (UCX, DRAM):
+a prefill engine's pages read by a decode engine give the co-located engine's greedy tokens and
+log-probabilities; a layout mismatch is refused at admission; a corrupted page, an abort while
+the read is in flight and a lease that runs out each end as they should, with both pools whole
+afterwards."""
+
+import dataclasses
+import time
+
+import pytest
+
+from frugal.config import CacheConfig, EngineConfig
+from frugal.disagg import faults
+from frugal.engine.llm_engine import LLMEngine
+from frugal.request import SamplingParams, join
+
+pytest.importorskip("nixl_cu13")
+
+PROMPTS = ["The capital of France is", "Write a haiku about the sea.",
+           "A recipe for pancakes: first, mix flour, milk and two eggs, then whisk",  # 2 pages
+           "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29"]
+GREEDY = SamplingParams(max_tokens=12, temperature=0, logprobs=2)
+
+
+def config(**kw) -> EngineConfig:
+    return EngineConfig(dtype="float32", device="cpu",
+                        cache=CacheConfig(kv_cache_memory="64MiB"), **kw)
+
+
+@pytest.fixture(scope="module")
+def engines():
+    return (LLMEngine(config(kv_role="prefill", kv_lease_s=30.0)),
+            LLMEngine(config(kv_role="decode")))
+
+
+def drain(engine, peer=None, timeout: float = 120.0) -> dict:
+    """Step until idle; peer: the other engine, polled meanwhile as its server loop would."""
+    joined, deadline = {}, time.monotonic() + timeout
+    while engine.has_unfinished_requests() and time.monotonic() < deadline:
+        for output in engine.step():
+            join(joined, output)
+        if peer is not None:
+            peer.poll_transfers()
+    assert not engine.has_unfinished_requests()
+    return joined
+
+
+def prefill(engine, prompts, params=GREEDY) -> dict:
+    one = dataclasses.replace(params, max_tokens=1)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(prompt, one, f"p{i}", {"do_remote_decode": True})
+    out = drain(engine)
+    return {k: {**v.kv_transfer_params, "remote_host": "127.0.0.1", "remote_port": 1,
+                "peer": engine.handoff.metadata} for k, v in out.items()}
+
+
+def settle(*engines, timeout: float = 10.0) -> None:
+    """Poll until every engine's pool is empty (the prefill side frees on the read's
+    notification)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for e in engines:
+            e.poll_transfers()
+        if all(e.stats().num_pages_used == 0 for e in engines):
+            break
+        time.sleep(0.02)
+    for e in engines:
+        assert e.stats().num_pages_used == 0 and e.stats().num_pages_held == 0
+        assert e.check_integrity()
+
+
+def test_decode_of_a_remote_prefill_matches_colocated(engines, llm):
+    p, d = engines
+    for i, prompt in enumerate(PROMPTS):
+        llm.engine.add_request(prompt, GREEDY, f"c{i}")
+    reference = drain(llm.engine)
+    params = prefill(p, PROMPTS)
+    assert p.stats().num_pages_held == sum(len(v["remote_block_ids"]) for v in params.values())
+    loads = d.stats().num_kv_loads
+    for i, prompt in enumerate(PROMPTS):
+        d.add_request(prompt, GREEDY, f"d{i}", params[f"p{i}"])
+    out = drain(d, p)
+    for i in range(len(PROMPTS)):
+        want, got = reference[f"c{i}"].outputs[0], out[f"d{i}"].outputs[0]
+        assert got.token_ids == want.token_ids and got.text == want.text
+        assert [lp.logprob for lp in got.logprobs] == pytest.approx(
+            [lp.logprob for lp in want.logprobs], abs=1e-5)
+        assert [t for t, _ in got.logprobs[0].top] == [t for t, _ in want.logprobs[0].top]
+    assert d.stats().num_kv_loads == loads + len(PROMPTS)
+    settle(p, d)
+
+
+def test_layout_mismatch_is_refused_at_admission(engines):
+    p, d = engines
+    params = prefill(p, PROMPTS[:1])["p0"]
+    peer = {**params["peer"], "engine_id": "frugal-other",
+            "layout": {**params["peer"]["layout"], "kv_cache_dtype": "float8_e4m3fn"}}
+    with pytest.raises(ValueError, match=r"kv_cache_dtype 'float8_e4m3fn' there, 'float32' here"):
+        d.add_request(PROMPTS[0], GREEDY, "x", {**params, "remote_engine_id": "frugal-other",
+                                                "peer": peer})
+    with pytest.raises(ValueError, match="remote_block_ids: expected 1 integers"):
+        d.add_request(PROMPTS[0], GREEDY, "y", {**params, "remote_block_ids": [0, 1]})
+    with pytest.raises(ValueError, match="prompt_sha256"):
+        d.add_request(PROMPTS[1], GREEDY, "z", params)
+    assert not d.has_unfinished_requests()
+    d.add_request(PROMPTS[0], GREEDY, "ok", params)  # the lease is still good
+    assert drain(d, p)["ok"].outputs[0].finish_reason == "length"
+    settle(p, d)
+
+
+def test_corrupted_page_fails_its_request_alone(engines):
+    p, d = engines
+    params = prefill(p, PROMPTS)
+    failures = d.stats().num_kv_load_failures
+    d.handoff.faults = faults.Faults(corrupt_load=2)
+    try:
+        for i, prompt in enumerate(PROMPTS):
+            d.add_request(prompt, GREEDY, f"d{i}", params[f"p{i}"])
+        out = drain(d, p)
+    finally:
+        d.handoff.faults = faults.Faults()
+    reasons = [out[f"d{i}"].outputs[0].finish_reason for i in range(len(PROMPTS))]
+    assert reasons.count("error") == 1 and reasons.count("length") == len(PROMPTS) - 1
+    bad = next(out[f"d{i}"].outputs[0] for i in range(len(PROMPTS))
+               if reasons[i] == "error")
+    assert "checksum" in bad.error and bad.token_ids == []
+    assert d.stats().num_kv_load_failures == failures + 1
+    settle(p, d)
+
+
+def test_abort_while_the_read_is_in_flight_frees_both_pools(engines):
+    p, d = engines
+    params = prefill(p, PROMPTS[2:3])["p0"]
+    d.handoff.faults = faults.Faults(read_delay_s=1.0)
+    try:
+        d.add_request(PROMPTS[2], GREEDY, "a", params)
+        d.step()  # admitted: pages taken, the read started
+        assert d.scheduler.loading and d.handoff.busy
+        out = d.abort_request("a")
+        assert out.outputs[0].finish_reason == "abort"
+        assert d.stats().num_pages_held == 2  # its read may still write them
+        settle(d, p)
+    finally:
+        d.handoff.faults = faults.Faults()
+
+
+def test_unread_prefill_pages_are_freed_when_the_lease_runs_out(engines):
+    p, _ = engines
+    p.handoff.lease_s = 0.2
+    try:
+        prefill(p, PROMPTS[:2])
+        assert p.stats().num_pages_held == 2
+        expired = p.stats().num_kv_leases_expired
+        time.sleep(0.3)
+        settle(p)
+        assert p.stats().num_kv_leases_expired == expired + 2
+    finally:
+        p.handoff.lease_s = 30.0
+
+
+def test_a_worker_without_kv_role_refuses_transfer_params(llm):
+    with pytest.raises(ValueError, match="--kv-role"):
+        llm.engine.add_request("hi", GREEDY, "q", {"do_remote_decode": True})
