@@ -100,9 +100,15 @@ def run_serve_pd(args: argparse.Namespace) -> int:
         print(f"frugal: serve-pd on http://{args.host}:{args.port} (vllm-router; prefill "
               f"{', '.join(urls['prefill'])}; decode {', '.join(urls['decode'])})", flush=True)
         signal.signal(signal.SIGTERM, _interrupt)
-        while all(p.poll() is None for p in processes):
+        workers = dict(zip(processes, urls["prefill"] + urls["decode"]))
+        while router.poll() is None:  # a dead worker: the router sends requests elsewhere
+            for process, url in list(workers.items()):
+                if process.poll() is not None:
+                    print(f"frugal: serve-pd: the worker at {url} exited with "
+                          f"{process.returncode}", file=sys.stderr, flush=True)
+                    del workers[process]
             time.sleep(0.5)
-        return 1  # one of them died
+        return 1
     except KeyboardInterrupt:
         return 0
     finally:

@@ -16,6 +16,7 @@ page whose checksum differs fails that request alone.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 from dataclasses import dataclass
@@ -86,6 +87,9 @@ class Handoff:
         """Bind a new request to its kv_transfer_params; ValueError naming what is wrong."""
         if params.get("do_remote_decode"):
             request.kv_hold = True
+            # its one token stands for the decode side's first: sampled as there without
+            # min_tokens (vllm-router sets 1 here; the decode side applies the client's)
+            request.params = dataclasses.replace(request.params, min_tokens=0)
             request.max_total_tokens = min(request.max_total_tokens,
                                            request.num_prompt_tokens + 1)
             return

@@ -138,10 +138,13 @@ class AsyncEngine:
                 if self._drain_inbox():
                     self._update_gauges()  # an abort frees pages at once: show it
                 if not self.engine.has_unfinished_requests():
+                    held = bool(self.engine.scheduler.held)
                     try:
                         self._deliver(self.engine.poll_transfers())  # a prefill's leases
                     except Exception:
                         logger.exception("polling KV transfers failed")
+                    if held:
+                        self._update_gauges()
                     if idle_since is None:
                         idle_since = time.monotonic()
                     elif not checked and time.monotonic() - idle_since > IDLE_CHECK_S:

@@ -6,7 +6,6 @@ import itertools
 import logging
 import time
 import uuid
-from dataclasses import dataclass
 
 import torch
 
@@ -14,6 +13,7 @@ from frugal.config import EngineConfig
 from frugal.engine.detokenizer import IncrementalDetokenizer
 from frugal.engine.model_runner import ModelRunner
 from frugal.engine.scheduler import Scheduler
+from frugal.engine.stats import EngineStats
 from frugal.engine.step import Launched, StepResult
 from frugal.kv_cache.page_allocator import IntegrityError
 from frugal.loader import open_checkpoint
@@ -27,28 +27,6 @@ from frugal.request import (
 )
 
 logger = logging.getLogger("frugal")
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """A snapshot of the engine between steps: what the server's metrics read. The num_*
-    totals only grow."""
-
-    num_running: int
-    num_waiting: int
-    num_pages: int
-    num_pages_used: int
-    capacity_tokens: int  # tokens the KV pool holds
-    kv_capacity_ratio: float  # tokens per byte against a pool in the activation dtype
-    kv_cache: dict[str, str]  # its dtype and FP8 scale source (KVPool.describe)
-    num_preemptions: int
-    num_integrity_failures: int  # requests failed by the KV-cache integrity check
-    num_bookkeeping_errors: int  # contradictions found by check_integrity or a page free
-    num_pages_held: int = 0  # pages kept for a transfer (prefill leases, loads ending)
-    num_kv_loads: int = 0  # prompts whose KV came from a prefill worker
-    num_kv_load_failures: int = 0  # reads that failed, timed out or failed their checksum
-    num_kv_leases_expired: int = 0  # prefill pages freed without the decode side's read
-    kv_bytes_loaded: int = 0
 
 
 class LLMEngine:
@@ -280,11 +258,17 @@ class LLMEngine:
         for request in loaded:
             if request.finished:
                 continue
-            load = request.kv_load
-            self.scheduler.loaded(request)
-            outputs.append(self._record(request, load.first_token,
-                                        load.first_logprob if request.params.logprobs is not None
-                                        else None))
+            load, p = request.kv_load, request.params
+            # The prefill side samples without min_tokens (vllm-router sends it 1) and its own
+            # noise: where that matters, the last prompt token is computed again here.
+            again = p.seed is not None or p.min_tokens > 0 and (
+                load.first_token in p.stop_token_ids
+                or not p.ignore_eos and load.first_token in self.eos_token_ids)
+            self.scheduler.loaded(request, request.num_prompt_tokens - again)
+            if not again:
+                outputs.append(self._record(request, load.first_token,
+                                            load.first_logprob if p.logprobs is not None
+                                            else None))
         return outputs
 
     def _check_stop(self, request: Request, token: int) -> FinishReason | None:

@@ -127,11 +127,18 @@ class Scheduler:
         request.page_table.extend(self.allocator.allocate(missing))
         return True
 
-    def loaded(self, request: Request) -> None:
-        """A loading request's pages hold its prompt's KV: it runs from there."""
+    def loaded(self, request: Request, num_computed_tokens: int) -> None:
+        """A loading request's pages hold its prompt's KV: it runs from num_computed_tokens
+        (the prompt's length, or one less to compute its last token here; a page left with
+        nothing computed in it is freed)."""
         self.loading.remove(request)
         request.kv_load = None
-        request.num_computed_tokens = request.num_prompt_tokens
+        request.num_computed_tokens = num_computed_tokens
+        keep = -(-num_computed_tokens // self.page_size)
+        refs = list(request.page_table)
+        if len(refs) > keep:
+            request.page_table = PageTable(refs[:keep])
+            self.allocator.free(refs[keep:])
         request.status = RequestStatus.RUNNING
         self.running.append(request)
 

@@ -161,3 +161,28 @@ def test_unread_prefill_pages_are_freed_when_the_lease_runs_out(engines):
 def test_a_worker_without_kv_role_refuses_transfer_params(llm):
     with pytest.raises(ValueError, match="--kv-role"):
         llm.engine.add_request("hi", GREEDY, "q", {"do_remote_decode": True})
+
+
+EOS_FIRST = "What do you know about the sea."  # the model's greedy first token is EOS
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=6, temperature=0),
+    SamplingParams(max_tokens=6, temperature=0, min_tokens=3, logprobs=1),  # EOS must wait
+    SamplingParams(max_tokens=6, temperature=0.8, seed=7),  # the decode side's own noise
+], ids=["eos-first", "min-tokens", "seeded"])
+def test_first_token_as_colocated(engines, llm, params):
+    """vllm-router asks the prefill worker for min_tokens 1: the first token still follows the
+    client's min_tokens (computed again on the decode side where it differs) and seed."""
+    p, d = engines
+    prompts = [EOS_FIRST, PROMPTS[0]]
+    for i, prompt in enumerate(prompts):
+        llm.engine.add_request(prompt, params, f"c{i}")
+    reference = drain(llm.engine)
+    kv = prefill(p, prompts, dataclasses.replace(params, min_tokens=1))
+    for i, prompt in enumerate(prompts):
+        d.add_request(prompt, params, f"d{i}", kv[f"p{i}"])
+    out = drain(d, p)
+    for i in range(len(prompts)):
+        assert out[f"d{i}"].outputs[0].token_ids == reference[f"c{i}"].outputs[0].token_ids
+    settle(p, d)

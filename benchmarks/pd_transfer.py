@@ -1,0 +1,85 @@
+"""KV hand-off speed: one NIXL READ of a prompt's pages between two pools, against a plain
+device copy of the same bytes, in the same run.
+
+Two NixlTransfer agents (a prefill pool and a decode pool) in one process at a model's KV shape;
+for each prompt length, the READ's wall time from posting to DONE (polled as the engine polls)
+and the page checksums on both sides (they must agree), beside torch's copy of the same pages
+(index_copy over the pool) on the same device. Prints a table and the command.
+   python benchmarks/pd_transfer.py --device cuda --layers 32 --kv-heads 8 --head-dim 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+from frugal.disagg.kv_transfer import NixlTransfer
+from frugal.kv_cache.pool import KVPool
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--tokens", default="512,2048,8192")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--pages", default="scattered", choices=["scattered", "contiguous"],
+                   help="the prompt's pages every other one (as after churn) or in a run")
+    args = p.parse_args()
+    dtype = getattr(torch, args.dtype)
+    lengths = [int(t) for t in args.tokens.split(",")]
+    num_pages = 2 * -(-max(lengths) // args.page_size) + 8
+    pools = [KVPool(args.layers, num_pages, args.page_size, args.kv_heads, args.head_dim, dtype,
+                    args.device) for _ in range(2)]
+    pools[0].storage.view(torch.uint8).random_()
+    prefill, decode = NixlTransfer(pools[0], "bench-prefill"), NixlTransfer(pools[1],
+                                                                              "bench-decode")
+    decode.connect(prefill.metadata(), "local")
+    print(f"$ python {' '.join(sys.argv)}")
+    print("| tokens | MiB | NIXL READ ms | NIXL GB/s | device copy GB/s | checksums equal |")
+    print("|---|---|---|---|---|---|")
+    for n in lengths:
+        count = -(-n // args.page_size)
+        if args.pages == "scattered":
+            src, dst = list(range(1, 2 * count, 2)), list(range(0, 2 * count, 2))
+        else:
+            src, dst = list(range(count)), list(range(count, 2 * count))
+        nbytes = count * pools[0].chunk_bytes * args.layers * 2
+        reads, copies = [], []
+        for r in range(args.repeats + 1):
+            pools[1].storage.zero_()
+            _sync(args.device)
+            start = time.perf_counter()
+            decode.read(f"r{n}-{r}", dst, "bench-prefill", src, b"done")
+            while not decode.done():
+                prefill.notifications()
+            _sync(args.device)
+            reads.append(time.perf_counter() - start)
+            prefill.notifications()
+            ok = pools[1].checksums(dst) == pools[0].checksums(src)
+            s, d = (torch.tensor(x, device=args.device) for x in (src, dst))
+            _sync(args.device)
+            start = time.perf_counter()
+            pools[1].storage.index_copy_(2, d, pools[0].storage.index_select(2, s))
+            _sync(args.device)
+            copies.append(time.perf_counter() - start)
+        read, copy = statistics.median(reads[1:]), statistics.median(copies[1:])
+        print(f"| {n} | {nbytes / 2**20:.1f} | {read * 1e3:.2f} | {nbytes / read / 1e9:.1f} | "
+              f"{nbytes / copy / 1e9:.1f} | {ok} |")
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()

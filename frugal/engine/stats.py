@@ -1,0 +1,27 @@
+"""A snapshot of the engine between steps (what the server's metrics read)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine between steps: what the server's metrics read. The num_*
+    totals only grow."""
+
+    num_running: int
+    num_waiting: int
+    num_pages: int
+    num_pages_used: int
+    capacity_tokens: int  # tokens the KV pool holds
+    kv_capacity_ratio: float  # tokens per byte against a pool in the activation dtype
+    kv_cache: dict[str, str]  # its dtype and FP8 scale source (KVPool.describe)
+    num_preemptions: int
+    num_integrity_failures: int  # requests failed by the KV-cache integrity check
+    num_bookkeeping_errors: int  # contradictions found by check_integrity or a page free
+    num_pages_held: int = 0  # pages kept for a transfer (prefill leases, loads ending)
+    num_kv_loads: int = 0  # prompts whose KV came from a prefill worker
+    num_kv_load_failures: int = 0  # reads that failed, timed out or failed their checksum
+    num_kv_leases_expired: int = 0  # prefill pages freed without the decode side's read
+    kv_bytes_loaded: int = 0
