@@ -4,13 +4,15 @@ device copy of the same bytes, in the same run.
 Two NixlTransfer agents (a prefill pool and a decode pool) in one process at a model's KV shape;
 for each prompt length, the READ's wall time from posting to DONE (polled as the engine polls)
 and the page checksums on both sides (they must agree), beside torch's copy of the same pages
-(index_copy over the pool) on the same device. Prints a table and the command.
+(index_copy within the pool) on the same device. --processes 2 puts the prefill pool in a
+second process, as deployed. Prints a table and the command.
    python benchmarks/pd_transfer.py --device cuda --layers 32 --kv-heads 8 --head-dim 128
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing as mp
 import statistics
 import sys
 import time
@@ -31,18 +33,36 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--tokens", default="512,2048,8192")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--processes", type=int, default=1, choices=[1, 2],
+                   help="2: the prefill pool and its agent in a second process, as deployed")
     p.add_argument("--pages", default="scattered", choices=["scattered", "contiguous"],
                    help="the prompt's pages every other one (as after churn) or in a run")
     args = p.parse_args()
     dtype = getattr(torch, args.dtype)
     lengths = [int(t) for t in args.tokens.split(",")]
     num_pages = 2 * -(-max(lengths) // args.page_size) + 8
-    pools = [KVPool(args.layers, num_pages, args.page_size, args.kv_heads, args.head_dim, dtype,
-                    args.device) for _ in range(2)]
-    pools[0].storage.view(torch.uint8).random_()
-    prefill, decode = NixlTransfer(pools[0], "bench-prefill"), NixlTransfer(pools[1],
-                                                                              "bench-decode")
-    decode.connect(prefill.metadata(), "local")
+    shape = (args.layers, num_pages, args.page_size, args.kv_heads, args.head_dim, dtype,
+             args.device)
+    decode_pool = KVPool(*shape)
+    decode = NixlTransfer(decode_pool, "bench-decode")
+    if args.processes == 1:
+        prefill_pool = KVPool(*shape)
+        prefill_pool.storage.view(torch.uint8).random_()
+        prefill = NixlTransfer(prefill_pool, "bench-prefill")
+        meta, remote_sums = prefill.metadata(), prefill_pool.checksums
+    else:
+        ctx = mp.get_context("spawn")
+        here, there = ctx.Pipe()
+        child = ctx.Process(target=_serve_pool, args=(shape, there), daemon=True)
+        child.start()
+        meta = here.recv()
+        prefill = None
+
+        def remote_sums(pages):
+            here.send(pages)
+            return here.recv()
+    decode.connect(meta, "local")
+    pools = [None, decode_pool]  # pools[1]: the decode side
     print(f"$ python {' '.join(sys.argv)}")
     print("| tokens | MiB | NIXL READ ms | NIXL GB/s | device copy GB/s | checksums equal |")
     print("|---|---|---|---|---|---|")
@@ -52,7 +72,7 @@ def main() -> None:
             src, dst = list(range(1, 2 * count, 2)), list(range(0, 2 * count, 2))
         else:
             src, dst = list(range(count)), list(range(count, 2 * count))
-        nbytes = count * pools[0].chunk_bytes * args.layers * 2
+        nbytes = count * decode_pool.chunk_bytes * args.layers * 2
         reads, copies = [], []
         for r in range(args.repeats + 1):
             pools[1].storage.zero_()
@@ -60,20 +80,38 @@ def main() -> None:
             start = time.perf_counter()
             decode.read(f"r{n}-{r}", dst, "bench-prefill", src, b"done")
             while not decode.done():
-                prefill.notifications()
+                if prefill is not None:
+                    prefill.notifications()
             _sync(args.device)
             reads.append(time.perf_counter() - start)
-            prefill.notifications()
-            ok = pools[1].checksums(dst) == pools[0].checksums(src)
+            if prefill is not None:
+                prefill.notifications()
+            ok = pools[1].checksums(dst) == remote_sums(src)
             s, d = (torch.tensor(x, device=args.device) for x in (src, dst))
             _sync(args.device)
             start = time.perf_counter()
-            pools[1].storage.index_copy_(2, d, pools[0].storage.index_select(2, s))
+            pools[1].storage.index_copy_(2, d, pools[1].storage.index_select(2, s))
             _sync(args.device)
             copies.append(time.perf_counter() - start)
         read, copy = statistics.median(reads[1:]), statistics.median(copies[1:])
         print(f"| {n} | {nbytes / 2**20:.1f} | {read * 1e3:.2f} | {nbytes / read / 1e9:.1f} | "
               f"{nbytes / copy / 1e9:.1f} | {ok} |")
+
+
+def _serve_pool(shape, pipe) -> None:
+    """The prefill side in its own process: a random pool, its metadata sent, then its
+    checksums on request while its agent is polled (a read needs this side's progress)."""
+    pool = KVPool(*shape)
+    pool.storage.view(torch.uint8).random_()
+    transfer = NixlTransfer(pool, "bench-prefill")
+    pipe.send(transfer.metadata())
+    try:
+        while True:
+            transfer.notifications()
+            if pipe.poll(0.0005):
+                pipe.send(pool.checksums(pipe.recv()))
+    except EOFError:  # the measuring side is done
+        return
 
 
 def _sync(device: str) -> None:

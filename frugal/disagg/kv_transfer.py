@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -92,8 +93,13 @@ class NixlTransfer:
         # No progress thread (NIXL's spins without pause and would take a core from the
         # steps): the engine's polls (done, notifications) make progress, on both sides, as a
         # read over UCX's TCP or shared-memory transports needs the side read from to progress.
-        config = nixl.nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
+        config = nixl.nixl_agent_config(enable_prog_thread=False, backends=[])
         self.agent = nixl.nixl_agent(engine_id, config)
+        # UCX's peer error handling (NIXL's default: a dead peer fails its transfers) rules out
+        # its shared-memory and CUDA IPC transports, leaving TCP; "none" allows them (a dead
+        # peer's reads then end by --kv-transfer-timeout).
+        mode = os.environ.get("FRUGAL_UCX_ERROR_HANDLING", "peer")
+        self.agent.create_backend("UCX", {"ucx_error_handling_mode": mode})
         self._registered = self.agent.register_memory(storage)
         self._chunks = self.layout.num_layers * self.layout.parts
         self._local = self.agent.prep_xfer_dlist(

@@ -129,10 +129,10 @@ def test_an_integrity_error_during_abort_is_contained(engine, llm):
 def test_an_add_that_raises_errors_that_request_only(engine, llm, monkeypatch):
     inner = llm.engine.add_request
 
-    def add(prompt, params, request_id):
+    def add(prompt, params, request_id, *rest):
         if request_id == "bad":
             raise TypeError("unexpected")
-        return inner(prompt, params, request_id)
+        return inner(prompt, params, request_id, *rest)
 
     monkeypatch.setattr(llm.engine, "add_request", add)
 
