@@ -1,2 +1,8 @@
 """Prefill/decode disaggregation: prefill workers hand a request's KV pages to decode workers
 over NIXL, in vLLM's kv_transfer_params protocol, so vllm-router fronts them unchanged."""
+
+
+def wants_transfer(params: dict | None) -> bool:
+    """kv_transfer_params that ask for a transfer (vllm-router sends them with every field null
+    to a worker that should not take part)."""
+    return bool(params and (params.get("do_remote_decode") or params.get("do_remote_prefill")))

@@ -22,7 +22,7 @@ class Faults:
     read_delay_s: float = 0.0
     num_reads: int = 0
 
-    def after_read(self, pool, request, pages: list[int]) -> None:
+    def after_read(self, pool, pages: list[int]) -> None:
         self.num_reads += 1
         if self.num_reads == self.corrupt_load and pages:
             pool.storage[0, 0, pages[0]].view(-1).view(torch.uint8)[0] ^= 0x5A

@@ -84,7 +84,8 @@ class Handoff:
     # -- admission --------------------------------------------------------------------------
 
     def admit(self, request: Request, params: dict) -> None:
-        """Bind a new request to its kv_transfer_params; ValueError naming what is wrong."""
+        """Bind a new request to kv_transfer_params that want a transfer (wants_transfer);
+        ValueError naming what is wrong."""
         if params.get("do_remote_decode"):
             request.kv_hold = True
             # its one token stands for the decode side's first: sampled as there without
@@ -92,8 +93,6 @@ class Handoff:
             request.params = dataclasses.replace(request.params, min_tokens=0)
             request.max_total_tokens = min(request.max_total_tokens,
                                            request.num_prompt_tokens + 1)
-            return
-        if not params.get("do_remote_prefill"):
             return
         peer = params.get("peer")
         if not isinstance(peer, dict):
@@ -200,9 +199,9 @@ class Handoff:
 
     def _verify(self, request: Request) -> str | None:
         pages = list(request.page_table.ids)
-        self.faults.after_read(self.pool, request, pages)
+        self.faults.after_read(self.pool, pages)
         sums = self.pool.checksums(pages)
-        self.bytes_loaded += len(pages) * self.pool.chunk_bytes * self.transfer._chunks
+        self.bytes_loaded += len(pages) * (self.pool.num_bytes // self.pool.num_pages)
         for i, (got, want) in enumerate(zip(sums, request.kv_load.checksums)):
             if got != want:
                 return (f"KV transfer from {request.kv_load.where}: page {i} of the prompt "

@@ -74,9 +74,7 @@ class _Remote:
 @dataclass
 class _Read:
     handle: object
-    engine_id: str
     started: float
-    notif: bytes
 
 
 class NixlTransfer:
@@ -103,13 +101,15 @@ class NixlTransfer:
         self._registered = self.agent.register_memory(storage)
         self._chunks = self.layout.num_layers * self.layout.parts
         self._local = self.agent.prep_xfer_dlist(
-            "", self._descs(storage.data_ptr(), pool.num_pages), self.mem_type)
+            "", self._descs(storage.data_ptr(), pool.num_pages, pool.chunk_bytes,
+                            self.device_id), self.mem_type)
         self._remotes: dict[str, _Remote] = {}
         self._reads: dict[str, _Read] = {}
 
-    def _descs(self, base: int, num_pages: int) -> list[tuple[int, int, int]]:
-        size = self.pool.chunk_bytes
-        return [(base + i * size, size, self.device_id) for i in range(self._chunks * num_pages)]
+    def _descs(self, base: int, num_pages: int, size: int,
+               device_id: int) -> list[tuple[int, int, int]]:
+        """A pool's chunks as NIXL descriptors, chunk (c, page) at index c * num_pages + page."""
+        return [(base + i * size, size, device_id) for i in range(self._chunks * num_pages)]
 
     def _indices(self, pages: list[int], num_pages: int) -> list[int]:
         return [c * num_pages + p for c in range(self._chunks) for p in pages]
@@ -134,9 +134,8 @@ class NixlTransfer:
                              f"{meta['chunk_bytes']} bytes a chunk, this one "
                              f"{self.pool.chunk_bytes}")
         name = self.agent.add_remote_agent(base64.b64decode(meta["agent_metadata"]))
-        size = meta["chunk_bytes"]
-        descs = [(meta["base_addr"] + i * size, size, meta["device_id"])
-                 for i in range(self._chunks * meta["num_pages"])]
+        descs = self._descs(meta["base_addr"], meta["num_pages"], meta["chunk_bytes"],
+                            meta["device_id"])
         pages = self.agent.prep_xfer_dlist(name, descs, meta["mem_type"])
         self._remotes[engine_id] = _Remote(name, pages, meta["num_pages"])
 
@@ -157,7 +156,7 @@ class NixlTransfer:
         if state == "ERR":
             self.agent.release_xfer_handle(handle)
             raise RuntimeError(f"NIXL refused the read from {engine_id}")
-        self._reads[key] = _Read(handle, engine_id, time.monotonic(), notif)
+        self._reads[key] = _Read(handle, time.monotonic())
 
     def done(self, min_age: float = 0.0) -> list[tuple[str, str | None]]:
         """Reads that ended since the last call: (key, None) or (key, what went wrong); a read
@@ -178,10 +177,6 @@ class NixlTransfer:
         """Seconds since the read under key started, None if it is not in flight."""
         read = self._reads.get(key)
         return None if read is None else time.monotonic() - read.started
-
-    @property
-    def num_in_flight(self) -> int:
-        return len(self._reads)
 
     def notify(self, engine_id: str, message: bytes) -> None:
         """Tell a known peer something (a prefill worker: free these pages)."""

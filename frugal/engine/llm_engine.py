@@ -10,6 +10,7 @@ import uuid
 import torch
 
 from frugal.config import EngineConfig
+from frugal.disagg import wants_transfer
 from frugal.engine.detokenizer import IncrementalDetokenizer
 from frugal.engine.model_runner import ModelRunner
 from frugal.engine.scheduler import Scheduler
@@ -94,8 +95,7 @@ class LLMEngine:
             max_total = min(max_total, len(token_ids) + params.max_tokens)
         request = Request(request_id, prompt if isinstance(prompt, str) else None, token_ids,
                           params, max_total)
-        if kv_transfer and (kv_transfer.get("do_remote_decode")
-                            or kv_transfer.get("do_remote_prefill")):
+        if wants_transfer(kv_transfer):
             if self.handoff is None:
                 raise ValueError("kv_transfer_params: this worker was started without --kv-role")
             self.handoff.admit(request, kv_transfer)

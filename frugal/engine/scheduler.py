@@ -18,6 +18,7 @@ transfer may still write them) are `held` under a key until released.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -25,6 +26,8 @@ from dataclasses import dataclass, field
 from frugal.kv_cache.page_allocator import IntegrityError, PageAllocator
 from frugal.kv_cache.page_table import PageTable
 from frugal.request import FinishReason, Request, RequestStatus
+
+logger = logging.getLogger("frugal")
 
 
 @dataclass
@@ -154,8 +157,10 @@ class Scheduler:
             return False
         try:
             self.allocator.free(entry[0])
-        except IntegrityError:
-            self.allocator.rebuild(self.tables())
+        except IntegrityError as e:  # a bug: say so, and recount from the live tables
+            freed = self.allocator.rebuild(self.tables())
+            logger.error("releasing the pages held for %s: %s (%d pages back in the free list "
+                         "after a recount)", key, e, freed)
         return True
 
     def expired(self) -> list[str]:

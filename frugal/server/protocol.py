@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from pydantic_core import PydanticCustomError
 
+from frugal.disagg import wants_transfer
 from frugal.request import SamplingParams
 from frugal.tokenizer import lone_surrogate
 
@@ -123,10 +124,9 @@ class _Common(BaseModel):
 
     @property
     def kv_transfer(self) -> dict | None:
-        """kv_transfer_params when they ask for a transfer (vllm-router sends them with every
-        field null to a worker that should not take part)."""
+        """kv_transfer_params when they ask for a transfer (see disagg.wants_transfer)."""
         p = self.kv_transfer_params
-        return p if p and (p.get("do_remote_decode") or p.get("do_remote_prefill")) else None
+        return p if wants_transfer(p) else None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None, choice: int) -> SamplingParams:
