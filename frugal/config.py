@@ -83,6 +83,9 @@ class CacheConfig:
 
     kv_integrity: before every step, check on the device that each request's pages still carry
     the tags they had when it got them, and abort only the requests whose pages do not.
+
+    enable_prefix_caching: full pages are kept, named by a hash of the tokens up to their end,
+    and shared by later requests that start with the same tokens (see kv_cache.prefix_cache).
     """
 
     page_size: int = 16
@@ -92,6 +95,7 @@ class CacheConfig:
     kv_scales_path: str | None = None
     calibration_file: str | None = None
     kv_integrity: bool = True
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):

@@ -26,7 +26,8 @@ class LLM:
                  kv_scales_path: str | None = None, calibration_file: str | None = None,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
                  max_model_len: int | None = None, enforce_eager: bool = False,
-                 quantization: str = "none", num_layers: int | None = None) -> None:
+                 quantization: str = "none", num_layers: int | None = None,
+                 enable_prefix_caching: bool = True) -> None:
         config = EngineConfig(
             model=model, load_format=load_format, dtype=dtype, device=device,
             ops_backend=ops_backend, seed=seed, enforce_eager=enforce_eager,
@@ -34,7 +35,8 @@ class LLM:
             cache=CacheConfig(page_size=page_size, kv_cache_memory=kv_cache_memory,
                               gpu_memory_utilization=gpu_memory_utilization,
                               kv_cache_dtype=kv_cache_dtype, kv_scales_path=kv_scales_path,
-                              calibration_file=calibration_file),
+                              calibration_file=calibration_file,
+                              enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len))

@@ -70,6 +70,12 @@ class Metrics:
             "frugal_kv_transfer_leases_expired",
             "Prefills whose pages were freed unread when their lease ran out")
         self.kv_bytes = counter("frugal_kv_transfer_bytes", "KV bytes read from prefill workers")
+        self.pages_cached = gauge("frugal_kv_cache_pages_cached",
+                                  "KV pages the prefix cache maps (shared, or evictable)")
+        self.cache_queries = counter("frugal_prefix_cache_queries",
+                                     "Prompt tokens looked up in the prefix cache")
+        self.cache_hits = counter("frugal_prefix_cache_hits",
+                                  "Prompt tokens found in the prefix cache (their prefill skipped)")
         self.ttft = histogram("frugal_time_to_first_token_seconds", "Time to first token")
         self.itl = histogram("frugal_inter_token_latency_seconds", "Time between output tokens")
         self.e2e = histogram("frugal_e2e_request_latency_seconds", "Arrival to last token")
@@ -90,6 +96,7 @@ class Metrics:
         self.waiting.set(stats.num_waiting)
         self.pages_used.set(stats.num_pages_used)
         self.pages_held.set(stats.num_pages_held)
+        self.pages_cached.set(stats.num_pages_cached)
         for name, counter in self._totals():
             total = getattr(stats, name)
             counter.inc(total - self._seen[name])
@@ -101,7 +108,9 @@ class Metrics:
                 ("num_bookkeeping_errors", self.bookkeeping_errors),
                 ("num_kv_loads", self.kv_loads), ("num_kv_load_failures", self.kv_load_failures),
                 ("num_kv_leases_expired", self.kv_leases_expired),
-                ("kv_bytes_loaded", self.kv_bytes)]
+                ("kv_bytes_loaded", self.kv_bytes),
+                ("prefix_cache_queries", self.cache_queries),
+                ("prefix_cache_hits", self.cache_hits)]
 
     def observe(self, output: RequestOutput, arrival: float, last_token: float | None,
                 now: float, num_prompt_tokens: int) -> None:

@@ -35,6 +35,8 @@ class SamplingParams:
     prompt_logprobs: the same for every prompt token after the first (None: neither).
     prompt_logprobs_tensor: also return every prompt position's whole log-probability vector
     as one tensor (RequestOutput.prompt_logprobs_tensor), as KL divergence needs.
+    prompt_logprobs_start: only prompt tokens from this index on are scored (those before are
+    None), so that a prompt's head may come from the prefix cache (a multiple-choice context).
     Log-probabilities are those of the model's raw distribution (before temperature/top-k/top-p).
     """
 
@@ -51,6 +53,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     prompt_logprobs_tensor: bool = False
+    prompt_logprobs_start: int = 0
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
@@ -71,6 +74,9 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
                 raise ValueError(f"{name}: must be in [0, {MAX_LOGPROBS}], got {value!r}")
+        if not _is_int(self.prompt_logprobs_start) or self.prompt_logprobs_start < 0:
+            raise ValueError(f"prompt_logprobs_start: must be an integer >= 0, got "
+                             f"{self.prompt_logprobs_start!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if not isinstance(self.stop or [], list) or any(
@@ -204,6 +210,9 @@ class Request:
     prompt_scores_sent: bool = False
     kv_load: object | None = None  # disagg.KVLoad: where its prompt's KV comes from
     kv_hold: bool = False  # a prefill for another worker: its pages are held when it ends
+    cache_salt: str | None = None  # prefix-cache entries are shared only under the same salt
+    page_hashes: list[bytes] = field(default_factory=list)  # of its full pages (PrefixCache)
+    num_cached_pages: int = 0  # leading pages of page_table the prefix cache has been offered
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -217,6 +226,19 @@ class Request:
     def num_tokens_with_pending(self) -> int:
         """Tokens known or sampled by a launched step: what steps may compute up to."""
         return self.num_tokens + self.num_pending
+
+    @property
+    def num_cacheable_tokens(self) -> int:
+        """How many leading tokens may come from the prefix cache: the known ones but the last
+        (computed for its logits); none when every prompt token is scored, those before
+        prompt_logprobs_start - 1 when only the later ones are."""
+        p = self.params
+        if p.prompt_logprobs_tensor:
+            return 0
+        limit = min(self.num_tokens, self.num_tokens_with_pending - 1)
+        if p.prompt_logprobs is not None:
+            limit = min(limit, p.prompt_logprobs_start - 1)
+        return max(0, limit)
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """Tokens at positions [start, end) of prompt + output."""
@@ -234,7 +256,12 @@ class Request:
     def record_prompt_scores(self, first: int, entries: list[TokenLogprob] | None,
                              rows: torch.Tensor | None) -> None:
         """Keep the scores of prompt tokens first, first+1, ... not yet recorded (a recompute
-        after preemption scores tokens again: the first scores stay)."""
+        after preemption scores tokens again: the first scores stay). Tokens skipped before
+        `first` (before prompt_logprobs_start, or from the prefix cache) get None."""
+        gap = first - (self.num_prompt_scored + 1)
+        if gap > 0 and entries is not None:
+            self.prompt_logprobs += [None] * gap
+            self.num_prompt_scored += gap
         skip = max(0, self.num_prompt_scored + 1 - first)
         count = len(entries) if entries is not None else rows.shape[0]
         if entries is not None:

@@ -54,6 +54,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-integrity", default="on", choices=["on", "off"],
                    help="check before every step that each request's KV pages are still its "
                         "own (per-page tags); a request that fails is aborted alone")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=True,
+                   help="share the KV of full pages between requests that start with the same "
+                        "tokens (on by default; --no-enable-prefix-caching turns it off)")
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="token budget of one step (prefill chunks + decodes)")
@@ -72,7 +76,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                           kv_cache_dtype=args.kv_cache_dtype,
                           kv_scales_path=args.kv_scales_path,
                           calibration_file=args.calibration_file,
-                          kv_integrity=args.kv_integrity == "on"),
+                          kv_integrity=args.kv_integrity == "on",
+                          enable_prefix_caching=args.enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_model_len=args.max_model_len))

@@ -11,7 +11,8 @@ prefill worker's NixlTransfer.metadata() that the server fetched from its side c
 the scheduler's loading state with fresh pages for its prompt, is filled by one NIXL read, has
 each page's checksum compared with the prefill side's, and then runs from its prompt's end with
 the prefill side's first token as its first output. A read that fails, times out or brings a
-page whose checksum differs fails that request alone.
+page whose checksum differs fails that request alone. Leading pages the decode worker's own
+prefix cache holds are not read.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class KVLoad:
     first_token: int
     first_logprob: TokenLogprob | None
     where: str
+    first_page: int = 0  # pages before this one came from the decode side's prefix cache
 
 
 def prompt_hash(token_ids: list[int]) -> str:
@@ -145,9 +147,11 @@ class Handoff:
         """Start the reads of requests the scheduler just admitted to loading."""
         for request in requests:
             load: KVLoad = request.kv_load
+            load.first_page = request.num_computed_tokens // self.pool.page_size
             try:
-                self.transfer.read(request.request_id, list(request.page_table.ids),
-                                   load.engine_id, load.remote_pages,
+                self.transfer.read(request.request_id, list(request.page_table.ids)[
+                                   load.first_page:], load.engine_id,
+                                   load.remote_pages[load.first_page:],
                                    load.remote_request_id.encode())
                 self._loads[request.request_id] = request
             except Exception as e:
@@ -198,11 +202,12 @@ class Handoff:
         return loaded, failed
 
     def _verify(self, request: Request) -> str | None:
-        pages = list(request.page_table.ids)
+        first = request.kv_load.first_page
+        pages = list(request.page_table.ids)[first:]
         self.faults.after_read(self.pool, pages)
         sums = self.pool.checksums(pages)
         self.bytes_loaded += len(pages) * (self.pool.num_bytes // self.pool.num_pages)
-        for i, (got, want) in enumerate(zip(sums, request.kv_load.checksums)):
+        for i, (got, want) in enumerate(zip(sums, request.kv_load.checksums[first:]), first):
             if got != want:
                 return (f"KV transfer from {request.kv_load.where}: page {i} of the prompt "
                         f"arrived with checksum {got:#x}, the prefill worker sent {want:#x}")

@@ -99,13 +99,15 @@ class AsyncEngine:
         self._put(("fail_all", error))
 
     async def generate(self, prompt: list[int], params: SamplingParams, request_id: str,
-                       kv_transfer: dict | None = None) -> AsyncIterator[RequestOutput]:
+                       kv_transfer: dict | None = None,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Outputs of one request until it finishes: each holds what is new since the previous
         one (several steps' worth when the caller was slow). Closing the iterator early, or
-        cancelling it, aborts the request."""
+        cancelling it, aborts the request. kv_transfer, cache_salt: see
+        LLMEngine.add_request."""
         stream = OutputStream(asyncio.get_running_loop(), len(prompt))
         self._counts.submitted += 1
-        self._put(("add", request_id, prompt, params, stream, kv_transfer))
+        self._put(("add", request_id, prompt, params, stream, kv_transfer, cache_salt))
         if not self.alive:  # checked after queueing: a loop dying later still answers the add
             raise EngineDeadError(self.dead or "the engine is not running")
         finished = False
@@ -205,10 +207,10 @@ class AsyncEngine:
                 self._fail_all(rest[0])
 
     def _add(self, request_id: str, prompt: list[int], params: SamplingParams,
-             stream: OutputStream, kv_transfer: dict | None) -> None:
+             stream: OutputStream, kv_transfer: dict | None, cache_salt: str | None) -> None:
         self._counts.drained += 1
         try:
-            self.engine.add_request(prompt, params, request_id, kv_transfer)
+            self.engine.add_request(prompt, params, request_id, kv_transfer, cache_salt)
         except ValueError as e:  # the client's fault: a 400
             send([(stream, e)])
             return

@@ -7,20 +7,19 @@ import logging
 import time
 import uuid
 
-import torch
-
 from frugal.config import EngineConfig
 from frugal.disagg import wants_transfer
 from frugal.engine.detokenizer import IncrementalDetokenizer
 from frugal.engine.model_runner import ModelRunner
+from frugal.engine.outputs import check_stop, delta_output
 from frugal.engine.scheduler import Scheduler
 from frugal.engine.stats import EngineStats
 from frugal.engine.step import Launched, StepResult
 from frugal.kv_cache.page_allocator import IntegrityError
+from frugal.kv_cache.prefix_cache import PrefixCache
 from frugal.loader import open_checkpoint
 from frugal.model_config import first_layers
 from frugal.request import (
-    CompletionOutput,
     FinishReason,
     Request,
     RequestOutput,
@@ -51,9 +50,12 @@ class LLMEngine:
         if self.max_model_len < wanted:
             logger.warning("max_model_len lowered from %d to %d: the KV cache holds no more",
                            wanted, self.max_model_len)
+        cache = None
+        if config.cache.enable_prefix_caching:
+            cache = PrefixCache(self.runner.allocator, pool.page_size, self.runner.kv_key())
         self.scheduler = Scheduler(self.runner.allocator, pool.page_size,
                                    config.scheduler.max_num_seqs,
-                                   config.scheduler.max_num_batched_tokens)
+                                   config.scheduler.max_num_batched_tokens, cache)
         self.eos_token_ids = set(self.runner.sampler.eos_token_ids)
         self._requests: dict[str, Request] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -73,11 +75,13 @@ class LLMEngine:
     # -- requests ---------------------------------------------------------------------------
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, kv_transfer: dict | None = None) -> str:
+                    request_id: str | None = None, kv_transfer: dict | None = None,
+                    cache_salt: str | None = None) -> str:
         """Queue a prompt (text or token ids). Raises ValueError naming the bad field; on error
         nothing is queued and running requests are untouched. kv_transfer: vLLM's
         kv_transfer_params (a prefill for another worker, or a decode of another worker's
-        prefill; see disagg.handoff)."""
+        prefill; see disagg.handoff). cache_salt: prefix-cache pages are shared only between
+        requests with the same salt (None among themselves)."""
         params = params or SamplingParams()
         token_ids = self.tokenize(prompt)
         vocab = self.model_config.vocab_size
@@ -93,8 +97,10 @@ class LLMEngine:
         max_total = self.max_model_len
         if params.max_tokens is not None:
             max_total = min(max_total, len(token_ids) + params.max_tokens)
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError(f"cache_salt: must be a non-empty string, got {cache_salt!r}")
         request = Request(request_id, prompt if isinstance(prompt, str) else None, token_ids,
-                          params, max_total)
+                          params, max_total, cache_salt=cache_salt)
         if wants_transfer(kv_transfer):
             if self.handoff is None:
                 raise ValueError("kv_transfer_params: this worker was started without --kv-role")
@@ -140,7 +146,11 @@ class LLMEngine:
         forgotten), leaving the engine idle and whole."""
         self._inflight = None
         self.runner.forget_unread()
-        return [self._end(r, FinishReason.ERROR, message) for r in list(self._requests.values())]
+        outputs = [self._end(r, FinishReason.ERROR, message)
+                   for r in list(self._requests.values())]
+        if self.scheduler.cache is not None:  # what the forgotten steps were to write
+            self.scheduler.cache.clear()
+        return outputs
 
     def check_integrity(self) -> bool:
         """Walk the scheduler's bookkeeping (cheap between steps: the server does it whenever
@@ -151,7 +161,7 @@ class LLMEngine:
             return True
         except IntegrityError as e:
             self.num_bookkeeping_errors += 1
-            freed = self.scheduler.allocator.rebuild(self.scheduler.tables())
+            freed = self.scheduler.recount()
             logger.error("KV cache bookkeeping is inconsistent: %s (%d pages back in the free "
                          "list after a recount)", e, freed)
             return False
@@ -160,19 +170,33 @@ class LLMEngine:
         return self.scheduler.num_unfinished > 0
 
     def stats(self) -> EngineStats:
-        scheduler, pool = self.scheduler, self.runner.pool
-        h = self.handoff
-        return EngineStats(len(scheduler.running), len(scheduler.waiting), pool.num_pages,
-                           scheduler.allocator.num_used, pool.capacity_tokens,
-                           self.runner.kv_capacity_ratio, pool.describe(), self.num_preemptions,
-                           self.num_integrity_failures, self.num_bookkeeping_errors,
-                           sum(len(t) for t, _ in scheduler.held.values()),
-                           *((h.num_loads, h.num_load_failures, h.num_leases_expired,
-                              h.bytes_loaded) if h else (0, 0, 0, 0)))
+        scheduler, pool, h, cache = self.scheduler, self.runner.pool, self.handoff, \
+            self.scheduler.cache
+        return EngineStats(
+            len(scheduler.running), len(scheduler.waiting), pool.num_pages,
+            pool.num_pages - scheduler.num_free, pool.capacity_tokens,
+            self.runner.kv_capacity_ratio, pool.describe(), self.num_preemptions,
+            self.num_integrity_failures,
+            self.num_bookkeeping_errors + (cache.num_stale if cache else 0),
+            sum(len(t) for t, _ in scheduler.held.values()),
+            *((h.num_loads, h.num_load_failures, h.num_leases_expired, h.bytes_loaded)
+              if h else (0, 0, 0, 0)),
+            cache.num_cached if cache else 0, scheduler.num_cache_queries,
+            scheduler.num_cache_hits)
 
     # -- stepping ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """Run one step; outputs for the requests that produced a token (see _step). A step
+        that raises leaves what the prefix cache was offered unknown: the cache is emptied."""
+        try:
+            return self._step()
+        except BaseException:
+            if self.scheduler.cache is not None:
+                self.scheduler.cache.clear()
+            raise
+
+    def _step(self) -> list[RequestOutput]:
         """Run one step; outputs for the requests that produced a token.
 
         A launched step counts at once in its requests' num_computed_tokens and, where it
@@ -222,9 +246,16 @@ class LLMEngine:
         """Record a finished step's tokens in its requests (skipping those finished meanwhile).
         A request whose handling raises is failed alone (reason 'error')."""
         out = step.out
-        outputs = [self._end(request, FinishReason.ERROR, message, trusted=False)
-                   for request, message in result.failures if not request.finished]
-        self.num_integrity_failures += len(outputs)
+        outputs = []
+        for request, message, start in result.failures:
+            if request.finished:
+                continue
+            sharers = self.scheduler.untrusted(request, start)
+            outputs.append(self._end(request, FinishReason.ERROR, message, trusted=False))
+            self.num_integrity_failures += 1
+            outputs += [self._end(r, FinishReason.ERROR, f"its KV cache pages are shared with "
+                                  f"request {request.request_id}, which failed the integrity "
+                                  f"check before writing them") for r in sharers]
         for i, scores in result.prompt_logprobs.items():
             out.requests[i].record_prompt_scores(scores.first, scores.entries, scores.tensor)
         for j, (i, token) in enumerate(zip(result.sampled, result.tokens)):
@@ -241,7 +272,8 @@ class LLMEngine:
             request.output_token_ids.append(token)
             if logprob is not None:
                 request.logprobs.append(logprob)
-            reason = self._check_stop(request, token)
+            reason = check_stop(request, token, self._detokenizers.get(request.request_id),
+                                self.eos_token_ids)
             return self._output(request) if reason is None else self._end(request, reason)
         except Exception as e:  # a bug in one request's bookkeeping: fail it, not the step
             logger.exception("request %s failed while recording its token", request.request_id)
@@ -271,25 +303,6 @@ class LLMEngine:
                                             else None))
         return outputs
 
-    def _check_stop(self, request: Request, token: int) -> FinishReason | None:
-        params = request.params
-        detok = self._detokenizers.get(request.request_id)
-        delta = detok.update(request.output_token_ids) if detok is not None else ""
-        if len(request.output_token_ids) >= params.min_tokens:
-            if params.stop and delta:
-                stop = detok.find_stop(len(delta))
-                if stop is not None:
-                    request.stop_reason = stop
-                    return FinishReason.STOP
-            if not params.ignore_eos and token in self.eos_token_ids:
-                return FinishReason.STOP
-            if token in params.stop_token_ids:
-                request.stop_reason = token
-                return FinishReason.STOP
-        if request.num_tokens >= request.max_total_tokens:
-            return FinishReason.LENGTH
-        return None
-
     def _end(self, request: Request, reason: FinishReason, error: str | None = None,
              trusted: bool = True) -> RequestOutput:
         """Finish a request (pages freed; see Scheduler.finish), its last output; forget it.
@@ -318,26 +331,7 @@ class LLMEngine:
         return output
 
     def _output(self, request: Request) -> RequestOutput:
-        """What is new for the request since its previous output (see CompletionOutput)."""
-        detok = self._detokenizers.get(request.request_id)
-        text = detok.take(final=request.finished) if detok is not None else ""
-        params, sent = request.params, request.num_sent
-        request.num_sent = len(request.output_token_ids)
-        completion = CompletionOutput(
-            0, text, request.output_token_ids[sent:],
-            str(request.finish_reason) if request.finished else None, request.stop_reason,
-            request.logprobs[sent:] if params.logprobs is not None else None, request.error)
-        prompt_logprobs = prompt_tensor = None
-        if (not request.prompt_scores_sent
-                and request.num_prompt_scored == request.num_prompt_tokens - 1):
-            request.prompt_scores_sent = True
-            if params.prompt_logprobs is not None:
-                prompt_logprobs = request.prompt_logprobs
-            if params.prompt_logprobs_tensor and request.prompt_logprobs_rows:
-                prompt_tensor = torch.cat(request.prompt_logprobs_rows)
-            request.prompt_logprobs, request.prompt_logprobs_rows = [None], []
-        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
-                             [completion], request.finished, prompt_logprobs, prompt_tensor)
+        return delta_output(request, self._detokenizers.get(request.request_id))
 
 
 def _is_token_id(value: object, vocab_size: int) -> bool:

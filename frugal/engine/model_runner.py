@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import time
 
@@ -124,6 +125,15 @@ class ModelRunner:
                                  mc.max_position_embeddings, self.pool.capacity_tokens)
         self._graph_sets: dict[bool, DecodeGraphs] = {}
         self.set_integrity(cache.kv_integrity)
+
+    def kv_key(self) -> str:
+        """What makes the KV of the same tokens differ between engines (the root of the prefix
+        cache's hashes): checkpoint, weights variant, layers, dtypes, FP8 KV scales."""
+        c, pool = self.config, self.pool
+        scales = "" if pool.scales is None else hashlib.sha256(
+            pool.scales.float().cpu().numpy().tobytes()).hexdigest()
+        return "|".join(map(str, (c.model, c.load_format, c.seed, self.weights_quantization,
+                                  c.num_layers, self.dtype, pool.dtype, scales)))
 
     def set_integrity(self, on: bool) -> None:
         """Turn the integrity check on or off between steps (benchmarks compare the two in one

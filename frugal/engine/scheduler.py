@@ -14,6 +14,13 @@ and waits in `loading` until the engine reports the pages filled (loaded): then 
 num_computed_tokens = its prompt's length. Pages no request table owns but that must not be
 reused yet (a prefill's pages until the decode side has read them, a load's pages while the
 transfer may still write them) are `held` under a key until released.
+
+With a prefix cache, a request admitted (first, or again after preemption) starts from the
+longest run of its leading full pages the cache holds (num_computed_tokens = their tokens, the
+same path as any other), and the full pages a step is to write are offered to the cache when the
+step is scheduled: a request admitted later in the same step may share them, since every layer
+writes the step's KV before it reads any. Pages the cache alone holds are evicted, least recently
+used first, when the free list runs short.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from dataclasses import dataclass, field
 
 from frugal.kv_cache.page_allocator import IntegrityError, PageAllocator
 from frugal.kv_cache.page_table import PageTable
+from frugal.kv_cache.prefix_cache import PrefixCache
 from frugal.request import FinishReason, Request, RequestStatus
 
 logger = logging.getLogger("frugal")
@@ -47,12 +55,13 @@ class SchedulerOutput:
 class Scheduler:
     """Owns the waiting queue, the running list and the page tables of running requests.
 
-    Invariants (checked by check_integrity): only running requests hold pages; between steps a
-    running request holds ceil(num_computed_tokens / page_size) pages.
+    Invariants (checked by check_integrity): only running and loading requests, held tables
+    and the prefix cache hold pages; between steps a running request holds
+    ceil(num_computed_tokens / page_size) pages.
     """
 
     def __init__(self, allocator: PageAllocator, page_size: int, max_num_seqs: int,
-                 max_num_batched_tokens: int) -> None:
+                 max_num_batched_tokens: int, cache: PrefixCache | None = None) -> None:
         self.allocator = allocator
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
@@ -61,6 +70,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.loading: list[Request] = []
         self.held: dict[str, tuple[PageTable, float]] = {}  # key -> (pages, deadline)
+        self.cache = cache
+        self.num_cache_queries = 0  # tokens of admitted requests looked up in the cache
+        self.num_cache_hits = 0  # of those, tokens found there
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -71,7 +83,13 @@ class Scheduler:
 
     def tables(self) -> list[PageTable]:
         return ([r.page_table for r in self.running] + [r.page_table for r in self.loading]
-                + [table for table, _ in self.held.values()])
+                + [table for table, _ in self.held.values()]
+                + ([self.cache.table()] if self.cache is not None else []))
+
+    @property
+    def num_free(self) -> int:
+        """Pages a request may get now: free ones and those only the prefix cache holds."""
+        return self.allocator.num_free + (self.cache.num_evictable if self.cache else 0)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -92,6 +110,7 @@ class Scheduler:
                     break
             if request.status is not RequestStatus.RUNNING:
                 break
+            self._offer(request, n)
             out.requests.append(request)
             out.num_new_tokens.append(n)
             budget -= n
@@ -100,9 +119,13 @@ class Scheduler:
         while (not out.preempted and self.waiting and budget > 0
                and len(self.running) + len(self.loading) < self.max_num_seqs):
             request = self.waiting[0]
+            matched = self._match(request)
             if request.kv_load is not None:  # its prompt's KV comes from elsewhere
-                if not self._reserve(request, request.num_prompt_tokens):
+                if not self._reserve(request,
+                                     request.num_prompt_tokens - request.num_computed_tokens):
+                    self._unmatch(request)
                     break
+                self._count(request, matched)
                 self.waiting.popleft()
                 request.status = RequestStatus.LOADING
                 self.loading.append(request)
@@ -110,7 +133,10 @@ class Scheduler:
                 continue
             n = min(request.num_tokens_with_pending - request.num_computed_tokens, budget)
             if not self._reserve(request, n):
+                self._unmatch(request)
                 break
+            self._count(request, matched)
+            self._offer(request, n)
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -125,10 +151,77 @@ class Scheduler:
         missing = needed - len(request.page_table)
         if missing <= 0:
             return True
-        if missing > self.allocator.num_free:
+        if missing > self.num_free:
             return False
+        if missing > self.allocator.num_free:
+            self.cache.evict(missing - self.allocator.num_free)
         request.page_table.extend(self.allocator.allocate(missing))
         return True
+
+    # -- prefix cache ------------------------------------------------------------------------
+
+    def _match(self, request: Request) -> int:
+        """Start a request with nothing computed from its cached leading pages; returns the
+        tokens it looked up."""
+        p = request.params
+        if (self.cache is None or request.num_computed_tokens or p.prompt_logprobs_tensor
+                or p.prompt_logprobs is not None and p.prompt_logprobs_start <= 1):
+            return 0  # (a request scoring every prompt token reads nothing from the cache)
+        max_pages = request.num_cacheable_tokens // self.page_size
+        if max_pages:
+            hashes = self.cache.hashes(request, max_pages * self.page_size)
+            request.page_table = PageTable(self.cache.match(hashes, max_pages))
+            request.num_cached_pages = len(request.page_table)
+            request.num_computed_tokens = len(request.page_table) * self.page_size
+        return request.num_tokens
+
+    def _unmatch(self, request: Request) -> None:
+        """Undo _match for a request that stays waiting."""
+        if request.page_table:
+            self._free(request.page_table)
+            request.page_table = PageTable()
+        request.num_computed_tokens = request.num_cached_pages = 0
+
+    def _count(self, request: Request, looked_up: int) -> None:
+        if looked_up:
+            self.num_cache_queries += looked_up
+            self.num_cache_hits += request.num_computed_tokens
+
+    def _offer(self, request: Request, num_new_tokens: int) -> None:
+        """Offer the cache the full pages whose tokens the step being scheduled computes."""
+        if self.cache is None or request.kv_load is not None:
+            return
+        end = min(request.num_computed_tokens + num_new_tokens, request.num_tokens)
+        num_pages = end // self.page_size
+        if num_pages > request.num_cached_pages:
+            hashes = self.cache.hashes(request, end)
+            first = request.num_cached_pages
+            self.cache.insert([request.page_table[i] for i in range(first, num_pages)],
+                              hashes[first:num_pages])
+            request.num_cached_pages = num_pages
+
+    def untrusted(self, request: Request, start: int) -> list[Request]:
+        """The request failed the integrity check in a step from position `start`: what that
+        step (and any launched after it) was to write in its pages is not there. Those pages
+        leave the cache; returns the other requests that hold one of them."""
+        suspect = set(list(request.page_table)[start // self.page_size:])
+        if self.cache is not None:
+            self.cache.forget(suspect)
+        return [r for r in self.running + self.loading
+                if r is not request and any(ref in suspect for ref in r.page_table)]
+
+    def _free(self, refs) -> None:
+        self.allocator.free(refs)
+        if self.cache is not None:
+            self.cache.released(refs)
+
+    def recount(self) -> int:
+        """Recount every page from the live tables after a contradiction (see
+        PageAllocator.rebuild); returns how many pages became free."""
+        freed = self.allocator.rebuild(self.tables())
+        if self.cache is not None:
+            self.cache.resync()
+        return freed
 
     def loaded(self, request: Request, num_computed_tokens: int) -> None:
         """A loading request's pages hold its prompt's KV: it runs from num_computed_tokens
@@ -141,7 +234,7 @@ class Scheduler:
         refs = list(request.page_table)
         if len(refs) > keep:
             request.page_table = PageTable(refs[:keep])
-            self.allocator.free(refs[keep:])
+            self._free(refs[keep:])
         request.status = RequestStatus.RUNNING
         self.running.append(request)
 
@@ -156,9 +249,9 @@ class Scheduler:
         if entry is None:
             return False
         try:
-            self.allocator.free(entry[0])
+            self._free(entry[0])
         except IntegrityError as e:  # a bug: say so, and recount from the live tables
-            freed = self.allocator.rebuild(self.tables())
+            freed = self.recount()
             logger.error("releasing the pages held for %s: %s (%d pages back in the free list "
                          "after a recount)", key, e, freed)
         return True
@@ -168,9 +261,9 @@ class Scheduler:
         return [key for key, (_, deadline) in self.held.items() if deadline <= now]
 
     def _preempt(self, request: Request) -> None:
-        self.allocator.free(request.page_table)
+        self._free(request.page_table)
         request.page_table = PageTable()
-        request.num_computed_tokens = 0
+        request.num_computed_tokens = request.num_cached_pages = 0
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
@@ -198,11 +291,11 @@ class Scheduler:
             self.hold(hold[0], table, hold[1])
         elif trusted:
             try:
-                self.allocator.free(table)
+                self._free(table)
             except IntegrityError as e:
                 problem = str(e)
         if problem is not None:
-            freed = self.allocator.rebuild(self.tables())
+            freed = self.recount()
             problem += f" ({freed} pages back in the free list after a recount)"
         return problem
 
@@ -227,3 +320,5 @@ class Scheduler:
                                      f"{len(request.page_table)} pages for its "
                                      f"{request.num_prompt_tokens} prompt tokens")
         self.allocator.check(self.tables())
+        if self.cache is not None:
+            self.cache.check()

@@ -13,7 +13,7 @@ class EngineStats:
     num_running: int
     num_waiting: int
     num_pages: int
-    num_pages_used: int
+    num_pages_used: int  # held by requests, transfers or shared cache entries (not evictable)
     capacity_tokens: int  # tokens the KV pool holds
     kv_capacity_ratio: float  # tokens per byte against a pool in the activation dtype
     kv_cache: dict[str, str]  # its dtype and FP8 scale source (KVPool.describe)
@@ -25,3 +25,6 @@ class EngineStats:
     num_kv_load_failures: int = 0  # reads that failed, timed out or failed their checksum
     num_kv_leases_expired: int = 0  # prefill pages freed without the decode side's read
     kv_bytes_loaded: int = 0
+    num_pages_cached: int = 0  # pages the prefix cache maps (evictable or shared)
+    prefix_cache_queries: int = 0  # tokens of admitted requests looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens found there

@@ -20,13 +20,14 @@ class StepResult:
     """What one step produced. sampled[i] indexes SchedulerOutput.requests and got tokens[i];
     logprobs and prompt_logprobs are keyed by position in sampled and in requests. failures:
     requests whose pages failed the integrity check (in this step or, for steps that sampled
-    nothing, an earlier one), with the message; their tokens are garbage to be dropped."""
+    nothing, an earlier one), with the message and that step's start position (see failures);
+    their tokens are garbage to be dropped."""
 
     sampled: list[int]
     tokens: list[int] = field(default_factory=list)
     logprobs: dict[int, TokenLogprob] = field(default_factory=dict)
     prompt_logprobs: dict[int, PromptScores] = field(default_factory=dict)
-    failures: list[tuple[Request, str]] = field(default_factory=list)
+    failures: list[tuple[Request, str, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -65,9 +66,11 @@ def score_prompt(compute_logits: Callable[[torch.Tensor], torch.Tensor], request
     if end <= start:
         return None
     p = request.params
-    scores = PromptScores(start + 1, [] if p.prompt_logprobs is not None else None)
+    first = start if p.prompt_logprobs_tensor else min(max(start, p.prompt_logprobs_start - 1),
+                                                         end)
+    scores = PromptScores(first + 1, [] if p.prompt_logprobs is not None else None)
     rows = []
-    for chunk in range(start, end, LOGITS_ROWS):  # bound the [rows, vocab] logits
+    for chunk in range(first, end, LOGITS_ROWS):  # bound the [rows, vocab] logits
         stop = min(chunk + LOGITS_ROWS, end)
         logits = compute_logits(hidden[row + chunk - start:row + stop - start])
         if scores.entries is not None:
@@ -82,11 +85,12 @@ def score_prompt(compute_logits: Callable[[torch.Tensor], torch.Tensor], request
     return scores
 
 
-def failures(step: Launched) -> list[tuple[Request, str]]:
-    """The requests of a finished step whose pages failed the integrity check."""
+def failures(step: Launched) -> list[tuple[Request, str, int]]:
+    """The requests of a finished step whose pages failed the integrity check, with why and
+    the position the step started from (what it was to write from there is not written)."""
     status = step.host_status if step.host_status is not None else step.status
     return [(step.out.requests[i], f"KV cache integrity check failed: page {page} expected tag "
-             f"{expected}, found {found}")
+             f"{expected}, found {found}", step.starts[i])
             for i, (failed, page, expected, found) in enumerate(status.tolist()) if failed]
 
 

@@ -29,3 +29,13 @@ def double_free(allocator: PageAllocator, page_id: int) -> None:
     allocations hand it out, and the first one to get it holds a page someone else now has."""
     allocator._free.remove(page_id)
     allocator._free.extendleft([page_id, page_id])
+
+
+def stale_cache_entry(allocator: PageAllocator, ref: PageRef) -> None:
+    """A prefix-cache entry left behind when the cache's own reference to its page was dropped
+    (an eviction or abort path that forgot the map): once no request holds the page it goes
+    back to the free list (at its head, so the next allocation hands it out again with a new
+    tag) while the cache still maps it."""
+    allocator._refcount[ref.page_id] -= 1
+    if allocator._refcount[ref.page_id] == 0:
+        allocator._free.appendleft(ref.page_id)

@@ -62,6 +62,9 @@ class PageAllocator:
     def tag(self, page_id: int) -> int:
         return self._tag[page_id]
 
+    def refcount(self, page_id: int) -> int:
+        return self._refcount[page_id]
+
     def allocate(self, n: int) -> list[PageRef]:
         """Take n free pages, each with a fresh tag and refcount 1."""
         if n > len(self._free):

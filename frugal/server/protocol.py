@@ -108,6 +108,8 @@ class _Common(BaseModel):
     skip_special_tokens: bool = True
     # prefill/decode disaggregation, as vLLM's NixlConnector and vllm-router speak it
     kv_transfer_params: dict[str, Any] | None = None
+    # prefix caching: requests share cached KV pages only when their salts are equal (vLLM's)
+    cache_salt: Text | None = None
 
     def check_common(self) -> None:
         if not 1 <= self.n <= MAX_N:
@@ -119,6 +121,8 @@ class _Common(BaseModel):
             raise APIError("logit_bias: not supported", "logit_bias")
         if self.stream_options is not None and not self.stream:
             raise APIError("stream_options: only allowed with stream=true", "stream_options")
+        if self.cache_salt is not None and not self.cache_salt:
+            raise APIError("cache_salt: must be a non-empty string", "cache_salt")
         if self.kv_transfer and self.n != 1:
             raise APIError("n: must be 1 with kv_transfer_params", "n")
 

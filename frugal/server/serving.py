@@ -41,6 +41,7 @@ class Job:
     echo: bool = False
     include_usage: bool = False
     kv_transfer: dict | None = None  # kv_transfer_params (see frugal.disagg.handoff)
+    cache_salt: str | None = None  # prefix-cache pages are shared only under the same salt
 
     @property
     def object(self) -> str:
@@ -76,7 +77,7 @@ class Serving:
                            "kv_transfer_params")
         return Job("completion", f"cmpl-{uuid.uuid4().hex}", req.model, prompts, texts, params,
                    req.n, echo=req.echo, include_usage=req.include_usage,
-                   kv_transfer=req.kv_transfer)
+                   kv_transfer=req.kv_transfer, cache_salt=req.cache_salt)
 
     def chat_job(self, req: ChatCompletionRequest) -> Job:
         req.check()
@@ -88,7 +89,8 @@ class Serving:
         params = [req.sampling_params(self._max_tokens(ids, max_tokens), logprobs, None, c)
                   for c in range(req.n)]
         return Job("chat", f"chatcmpl-{uuid.uuid4().hex}", req.model, [ids], [""], params,
-                   req.n, include_usage=req.include_usage, kv_transfer=req.kv_transfer)
+                   req.n, include_usage=req.include_usage, kv_transfer=req.kv_transfer,
+                   cache_salt=req.cache_salt)
 
     def _tokenize(self, prompt: str | list[int]) -> list[int]:
         try:
@@ -118,7 +120,7 @@ class Serving:
 
     def _streams(self, job: Job) -> list[AsyncIterator[RequestOutput]]:
         return [self.engine.generate(job.prompts[i // job.n], params, f"{job.id}-{i}",
-                                     job.kv_transfer)
+                                     job.kv_transfer, job.cache_salt)
                 for i, params in enumerate(job.params)]
 
     async def respond(self, job: Job, http: HTTPRequest) -> dict:

@@ -13,10 +13,10 @@ def test_closed_loop_keeps_concurrency_in_flight_until_every_prompt_is_done(llm)
     assert not engine.has_unfinished_requests()
     assert r.output_tok_s > 0 and r.ttft_ms > 0 and r.itl_ms > 0
     assert math.isnan(r.gen_tok_s)  # defined for one batch only
-    free = engine.scheduler.allocator.num_free
+    free = engine.scheduler.num_free
     one = measure_engine(engine, prompts[:2], output_len=3)  # one batch, all at once
     assert one.concurrency == 2 and one.gen_tok_s > 0
-    assert engine.scheduler.allocator.num_free == free  # no page kept by the finished requests
+    assert engine.scheduler.num_free == free  # no page kept by the finished requests
 
 
 def test_plot_draws_one_line_per_results_file(tmp_path):

@@ -186,3 +186,26 @@ def test_first_token_as_colocated(engines, llm, params):
     for i in range(len(prompts)):
         assert out[f"d{i}"].outputs[0].token_ids == reference[f"c{i}"].outputs[0].token_ids
     settle(p, d)
+
+
+def test_decode_worker_reads_only_what_its_cache_lacks(engines, llm):
+    """A decode worker that computed a prompt's head before reads only the pages after it."""
+    p, d = engines
+    head = PROMPTS[3]
+    prompt = head + " 30 31 32 33 34 35 36 37 38 39 40"
+    llm.engine.add_request(prompt, GREEDY, "c-long")
+    want = drain(llm.engine)["c-long"].outputs[0]
+    d.add_request(head, GREEDY, "warm")  # computed here: its full pages stay cached
+    drain(d)
+    num_pages = -(-len(d.tokenize(prompt)) // 16)
+    cached = len(d.tokenize(head)) // 16
+    params = prefill(p, [prompt])["p0"]
+    before, hits = d.stats().kv_bytes_loaded, d.stats().prefix_cache_hits
+    d.add_request(prompt, GREEDY, "d-long", params)
+    got = drain(d, p)["d-long"].outputs[0]
+    assert got.token_ids == want.token_ids
+    page_bytes = d.runner.pool.num_bytes // d.runner.pool.num_pages
+    hit_pages = (d.stats().prefix_cache_hits - hits) // 16  # (the warm-up's output counts too)
+    assert cached >= 2 and cached <= hit_pages < num_pages
+    assert d.stats().kv_bytes_loaded - before == (num_pages - hit_pages) * page_bytes
+    settle(p, d)

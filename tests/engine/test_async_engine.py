@@ -27,7 +27,7 @@ def engine(llm, monkeypatch):
     monkeypatch.undo()
     assert not llm.engine.has_unfinished_requests()
     llm.engine.scheduler.check_integrity()
-    assert llm.engine.scheduler.allocator.num_free == llm.engine.scheduler.allocator.num_pages
+    assert llm.engine.scheduler.num_free == llm.engine.scheduler.allocator.num_pages
 
 
 async def collect(engine: AsyncEngine, prompt, params, request_id):

@@ -90,8 +90,9 @@ def test_fault_fails_only_its_victim(engine, baseline, kind):
     for rid, (tokens, reason, _) in got.items():
         if rid != victim:
             assert (tokens, reason) == baseline[rid][:2], rid
-    assert allocator.num_free == allocator.num_pages  # nothing leaked, nothing freed twice
-    allocator.check([])
+    # nothing leaked, nothing freed twice (the prefix cache may keep pages nobody else holds)
+    assert engine.scheduler.num_free == allocator.num_pages
+    engine.scheduler.check_integrity()
     again = run(engine)  # the engine keeps serving, with the same results as before
     assert {k: v[:2] for k, v in again.items()} == {k: v[:2] for k, v in baseline.items()}
 

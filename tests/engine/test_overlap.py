@@ -29,7 +29,7 @@ def _run(engine, requests, abort_after=None):
                 join(final, engine.abort_request(out.request_id))
         engine.scheduler.check_integrity()
     pool = engine.runner.pool
-    assert engine.scheduler.allocator.num_free == pool.num_pages
+    assert engine.scheduler.num_free == pool.num_pages
     return [(final[i].outputs[0].token_ids, final[i].outputs[0].text,
              final[i].outputs[0].finish_reason, seen[i]) for i in ids]
 
@@ -105,7 +105,7 @@ def test_overlap_goes_on_through_prompt_chunks():
             unfollowed += e.has_unfinished_requests() and e._inflight is None
             inflight = e._inflight
             mixed += inflight is not None and 1 < max(inflight.out.num_new_tokens)
-        assert e.scheduler.allocator.num_free == e.runner.pool.num_pages
+        assert e.scheduler.num_free == e.runner.pool.num_pages
         results.append([tokens[i] for i in ids])
         if overlap:
             assert unfollowed == 0 and mixed > 0
@@ -126,4 +126,4 @@ def test_overlap_goes_on_when_the_batch_shrinks():
         engine.scheduler.check_integrity()
         unfollowed += engine.has_unfinished_requests() and engine._inflight is None
     assert unfollowed == 0
-    assert engine.scheduler.allocator.num_free == engine.runner.pool.num_pages
+    assert engine.scheduler.num_free == engine.runner.pool.num_pages

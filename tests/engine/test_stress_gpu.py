@@ -55,9 +55,8 @@ def drive(llm: LLM, work) -> tuple[dict[str, tuple[list[int], str]], dict[str, i
         engine.scheduler.check_integrity()
         ahead += engine._inflight is not None
         steps += 1
-    allocator = engine.scheduler.allocator
-    assert allocator.num_free == allocator.num_pages
-    allocator.check([])
+    assert engine.scheduler.num_free == engine.runner.pool.num_pages
+    engine.scheduler.check_integrity()
     results = {rid: (o.outputs[0].token_ids, o.outputs[0].finish_reason)
                for rid, o in joined.items()}
     return results, {"steps": steps, "ahead": ahead, "preemptions": engine.num_preemptions}

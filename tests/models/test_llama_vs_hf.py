@@ -35,7 +35,7 @@ def test_logits_match_transformers(llm, hf):
         assert rel.max().item() < 1e-3, rel
         assert ((ours - ref).abs().max() / ref.abs().max()).item() < 1e-3
         assert torch.equal(ours.argmax(-1), ref.argmax(-1))
-    assert llm.engine.runner.pool.num_pages == llm.engine.scheduler.allocator.num_free
+    assert llm.engine.runner.pool.num_pages == llm.engine.scheduler.num_free
 
 
 def test_greedy_chat_matches_transformers_generate(llm, hf):
