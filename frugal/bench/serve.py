@@ -1,10 +1,13 @@
 """`frugal bench serve`: drive a running OpenAI-compatible server, as `vllm bench serve` does.
 
-For each concurrency c, --num-prompts requests of --input-len random token ids each stream
+For each concurrency c, --num-prompts requests of --input-len random token ids each (after one
+shared --prefix-len prefix, as `vllm bench serve --random-prefix-len` builds them) stream
 --output-len tokens (ignore_eos, greedy) through /v1/completions with at most c in flight. Reports
 request throughput, output tok/s, and mean / median / p99 of time to first token (TTFT),
 inter-token latency (ITL: the gaps between streamed chunks) and time per output token after the
-first (TPOT). Works against any server that takes token-id prompts (frugal, vLLM, SGLang).
+first (TPOT), and the share of prompt tokens the server's prefix cache held (from its /metrics:
+frugal's or vLLM's counters). Works against any server that takes token-id prompts (frugal,
+vLLM, SGLang).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import random
 import statistics
 import sys
 import time
+import urllib.request
 from dataclasses import asdict, dataclass, field
 
 from tqdm import tqdm
@@ -43,6 +47,7 @@ class ServeResult:
     ttft_ms: tuple[float, float, float]  # mean, median, p99
     itl_ms: tuple[float, float, float]
     tpot_ms: tuple[float, float, float]
+    prefix_hit_rate: float | None = None  # prompt tokens found in the prefix cache / looked up
 
 
 def add_serve_parser(sub) -> None:
@@ -53,6 +58,8 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--concurrency", default="1,8", help="comma-separated in-flight limits")
     s.add_argument("--num-prompts", type=int, default=32, help="requests per concurrency")
     s.add_argument("--input-len", type=int, default=128)
+    s.add_argument("--prefix-len", type=int, default=0,
+                   help="random tokens shared by every prompt, before its own --input-len")
     s.add_argument("--output-len", type=int, default=64)
     s.add_argument("--token-range", default="1000,10000",
                    help="prompt token ids are drawn from [LO, HI)")
@@ -118,6 +125,35 @@ async def measure(client, model: str, prompts: list[list[int]], concurrency: int
         ttft_ms=_stats([t.ttft for t in ok]), itl_ms=_stats(itls), tpot_ms=_stats(tpots))
 
 
+# (queries, hits) counters of prefix caches, as frugal and vLLM name them in /metrics
+CACHE_COUNTERS = (("frugal_prefix_cache_queries_total", "frugal_prefix_cache_hits_total"),
+                  ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"))
+
+
+def cache_counters(url: str) -> tuple[float, float] | None:
+    """The server's prefix-cache (queries, hits) token counters, None if it reports none."""
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=5) as r:
+            text = r.read().decode()
+    except Exception:
+        return None
+    totals: dict[str, float] = {}
+    for line in text.splitlines():
+        name, _, value = line.partition("{") if "{" in line else line.partition(" ")
+        if not line.startswith("#") and value:
+            totals[name] = totals.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    for queries, hits in CACHE_COUNTERS:
+        if queries in totals:
+            return totals[queries], totals.get(hits, 0.0)
+    return None
+
+
+def hit_rate(before: tuple[float, float] | None, after: tuple[float, float] | None):
+    if before is None or after is None or after[0] <= before[0]:
+        return None
+    return (after[1] - before[1]) / (after[0] - before[0])
+
+
 async def _first_model(client, url: str) -> str:
     """The id of the first model the server lists; ValueError saying why there is none."""
     from openai import APIConnectionError, APIStatusError
@@ -146,7 +182,8 @@ async def _main(args: argparse.Namespace) -> list[ServeResult]:
         raise
     lo, hi = (int(x) for x in args.token_range.split(","))
     rng = random.Random(args.seed)
-    prompts = [[rng.randrange(lo, hi) for _ in range(args.input_len)]
+    prefix = [rng.randrange(lo, hi) for _ in range(args.prefix_len)]
+    prompts = [prefix + [rng.randrange(lo, hi) for _ in range(args.input_len)]
                for _ in range(args.num_prompts)]
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     results = []
@@ -154,7 +191,10 @@ async def _main(args: argparse.Namespace) -> list[ServeResult]:
     with tqdm(total=len(concurrencies) * len(prompts), file=sys.stderr,
               desc="bench serve") as bar:
         for c in concurrencies:
+            before = await asyncio.to_thread(cache_counters, args.url)
             results.append(await measure(client, model, prompts, c, args.output_len, bar))
+            results[-1].prefix_hit_rate = hit_rate(
+                before, await asyncio.to_thread(cache_counters, args.url))
     await client.close()
     return results
 
@@ -163,15 +203,17 @@ def format_table(results: list[ServeResult], args: argparse.Namespace) -> str:
     def trio(v: tuple[float, float, float]) -> str:
         return " | ".join(f"{x:.2f}" for x in v)
 
-    lines = [f"server: {args.url} | {args.num_prompts} prompts | {args.input_len} in / "
+    prefix = f"{args.prefix_len} shared + " if args.prefix_len else ""
+    lines = [f"server: {args.url} | {args.num_prompts} prompts | {prefix}{args.input_len} in / "
              f"{args.output_len} out", "",
              "| concurrency | completed | failed | req/s | output tok/s | TTFT mean | median "
-             "| p99 | ITL mean | median | p99 | TPOT mean | median | p99 |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| p99 | ITL mean | median | p99 | TPOT mean | median | p99 | cache hit % |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
+        hits = "-" if r.prefix_hit_rate is None else f"{100 * r.prefix_hit_rate:.1f}"
         lines.append(f"| {r.concurrency} | {r.completed} | {r.failed} | {r.request_s:.2f} "
                      f"| {r.output_tok_s:.1f} | {trio(r.ttft_ms)} | {trio(r.itl_ms)} "
-                     f"| {trio(r.tpot_ms)} |")
+                     f"| {trio(r.tpot_ms)} | {hits} |")
     lines += ["", "(latencies in ms)", f"command: {command_line()}"]
     return "\n".join(lines)
 
@@ -183,6 +225,8 @@ def run_serve(args: argparse.Namespace) -> int:
     for name in ("num_prompts", "input_len", "output_len"):
         if getattr(args, name) < 1:
             raise ValueError(f"{name}: must be >= 1, got {getattr(args, name)}")
+    if args.prefix_len < 0:
+        raise ValueError(f"prefix_len: must be >= 0, got {args.prefix_len}")
     if any(int(c) < 1 for c in args.concurrency.split(",")):
         raise ValueError(f"concurrency: each must be >= 1, got {args.concurrency!r}")
     results = asyncio.run(_main(args))

@@ -41,3 +41,16 @@ def test_bench_serve_names_what_is_wrong(server):
     assert r.returncode == 2 and "HTTP 401" in r.stderr and "Traceback" not in r.stderr
     r = bench_serve("--url", server.url, "--concurrency", "1,0")
     assert r.returncode == 2 and "concurrency" in r.stderr
+
+
+def test_bench_serve_reports_the_prefix_cache_hit_rate(server, tmp_path):
+    """A shared 32-token prefix and 8 tokens each: the two full pages of the prefix hit (the
+    warm-up request computed them), the partial third does not: 32 of 40 prompt tokens."""
+    out = tmp_path / "prefix.json"
+    r = bench_serve("--url", server.url, "--api-key", API_KEY, "--concurrency", "1,3",
+                    "--num-prompts", "6", "--prefix-len", "32", "--input-len", "8",
+                    "--output-len", "4", "--seed", "7", "--output", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "32 shared + 8 in" in r.stdout and "cache hit %" in r.stdout
+    for row in json.loads(out.read_text())["results"]:
+        assert row["prefix_hit_rate"] == 32 / 40

@@ -107,7 +107,26 @@ BAD = [
     ({"model": MODEL, "prompt": "hi", "stop": ["\ud800"]}, 400, "stop.0"),
     ({"model": MODEL, "prompt": "hi", "stop": [f"s{i}" for i in range(17)]}, 400, "stop"),
     ({"model": MODEL, "prompt": ["hi"] * 1025}, 400, "prompt"),
+    ({"model": MODEL, "prompt": "hi", "cache_salt": ""}, 400, "cache_salt"),
+    ({"model": MODEL, "prompt": "hi", "cache_salt": 5}, 400, "cache_salt"),
 ]
+
+
+def test_prefix_cache_hits_are_counted_and_kept_apart_by_salt(server):
+    prompt = "A long shared system prompt about caching, pages and tags. " * 4
+
+    def hits_after(salt: str) -> tuple[float, float]:
+        ok, _ = server.request("POST", "/v1/completions", {
+            "model": MODEL, "prompt": prompt, "max_tokens": 2, "cache_salt": salt})
+        assert ok == 200
+        m = metrics(server)
+        return m["frugal_prefix_cache_queries_total"], m["frugal_prefix_cache_hits_total"]
+
+    q0, h0 = hits_after("tenant-a")
+    q1, h1 = hits_after("tenant-a")
+    q2, h2 = hits_after("tenant-b")
+    assert q1 > q0 and h1 - h0 >= 32  # the same tenant reads the prompt's full pages
+    assert q2 > q1 and h2 == h1  # another salt shares nothing
 
 
 @pytest.mark.parametrize("body, status, param", BAD)
