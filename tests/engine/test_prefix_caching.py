@@ -17,15 +17,15 @@ GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=
 ECHO = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, prompt_logprobs=1)
 
 
-def make(caching: bool, memory: str = "16MiB") -> LLM:
+def make(caching: bool, memory: str = "16MiB", device: str = "cpu") -> LLM:
     # 16 MiB is 22 pages of 16 tokens: a dozen requests of ~50 tokens must preempt
-    return LLM(dtype="float32", device="cpu", kv_cache_memory=memory,
+    return LLM(dtype="float32", device=device, kv_cache_memory=memory,
                enable_prefix_caching=caching)
 
 
-@pytest.fixture(scope="module")
-def pair():
-    return make(True), make(False)
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def pair(request):
+    return make(True, device=request.param), make(False, device=request.param)
 
 
 def workload():
