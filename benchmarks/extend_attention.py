@@ -4,7 +4,8 @@ Llama-3.1-8B attention (32 query heads, 8 KV heads, d=128, page 16). Shapes: pro
 2,048 tokens (the engine's default step budget) at the start of a prompt and after 2,048 cached
 tokens, four 512-token prompts, and a mixed step (one 2,048-token chunk with 63 decodes of 4,096
 cached tokens each, as chunked prefill batches them: the decodes first, as the scheduler orders
-them, so they run in the decode kernel). SDPA (flash, causal, contiguous bf16) is
+them, so they run in the decode kernel), and 16 prompts of 128 new tokens each after a 2,048-token
+prefix the prefix cache held. SDPA (flash, causal, contiguous bf16) is
 the peer where a chunk starts a prompt. Causal FLOPs: 4 · d · heads per (query, allowed key).
    python benchmarks/extend_attention.py
    python benchmarks/extend_attention.py --sweep   # launch variants (rows, keys, warps, stages)
@@ -27,7 +28,8 @@ HEADS, KV_HEADS, DIM, PAGE = 32, 8, 128, 16
 # (name, [(cached tokens before the step, new tokens)] per request)
 SHAPES = [("chunk at 0", [(0, 2048)]), ("chunk at 2048", [(2048, 2048)]),
           ("4 prompts of 512", [(0, 512)] * 4),
-          ("63 decodes + chunk", [(4095, 1)] * 63 + [(2048, 2048)])]
+          ("63 decodes + chunk", [(4095, 1)] * 63 + [(2048, 2048)]),
+          ("16 prefix hits: 128 after 2048", [(2048, 128)] * 16)]
 SWEEP = [(64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 4, 1), (128, 64, 4, 1), (128, 64, 4, 2),
          (128, 64, 4, 3), (128, 64, 8, 2), (128, 128, 8, 3), (256, 64, 8, 1), (256, 64, 8, 2),
          (64, 128, 4, 2), (64, 32, 4, 2)]

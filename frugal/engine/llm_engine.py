@@ -11,7 +11,7 @@ from frugal.config import EngineConfig
 from frugal.disagg import wants_transfer
 from frugal.engine.detokenizer import IncrementalDetokenizer
 from frugal.engine.model_runner import ModelRunner
-from frugal.engine.outputs import check_stop, delta_output
+from frugal.engine.outputs import check_stop, delta_output, is_token_id, prompt_token_ids
 from frugal.engine.scheduler import Scheduler
 from frugal.engine.stats import EngineStats
 from frugal.engine.step import Launched, StepResult
@@ -85,7 +85,7 @@ class LLMEngine:
         params = params or SamplingParams()
         token_ids = self.tokenize(prompt)
         vocab = self.model_config.vocab_size
-        bad = [t for t in params.stop_token_ids if not _is_token_id(t, vocab)]
+        bad = [t for t in params.stop_token_ids if not is_token_id(t, vocab)]
         if bad:
             raise ValueError(f"stop_token_ids: {bad[0]!r} is not a token id in [0, {vocab})")
         if len(token_ids) >= self.max_model_len:
@@ -115,23 +115,8 @@ class LLMEngine:
         return request_id
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
-        """Validated prompt token ids."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt: must not be empty")
-            if self.tokenizer is None:
-                raise ValueError("prompt: this model has no tokenizer; pass token ids")
-            return self.tokenizer.encode(prompt)
-        if not isinstance(prompt, (list, tuple)):
-            raise ValueError(f"prompt: expected text or a list of token ids, got "
-                             f"{type(prompt).__name__}")
-        if not prompt:
-            raise ValueError("prompt: must not be empty")
-        vocab = self.model_config.vocab_size
-        for t in prompt:
-            if not _is_token_id(t, vocab):
-                raise ValueError(f"prompt: token id {t!r} is not in [0, {vocab})")
-        return list(prompt)
+        """Validated prompt token ids (ValueError naming what is wrong)."""
+        return prompt_token_ids(prompt, self.tokenizer, self.model_config.vocab_size)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Finish a request with reason 'abort' and free its pages now; None if there is no
@@ -332,7 +317,3 @@ class LLMEngine:
 
     def _output(self, request: Request) -> RequestOutput:
         return delta_output(request, self._detokenizers.get(request.request_id))
-
-
-def _is_token_id(value: object, vocab_size: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < vocab_size

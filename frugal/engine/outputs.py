@@ -1,4 +1,5 @@
-"""What the engine reports for a request: when a new token stops it, and its output delta."""
+"""A request's way in and out of the engine: its prompt's token ids, checked; when a new token
+stops it; what is new in its output."""
 
 from __future__ import annotations
 
@@ -6,6 +7,32 @@ import torch
 
 from frugal.engine.detokenizer import IncrementalDetokenizer
 from frugal.request import CompletionOutput, FinishReason, Request, RequestOutput
+from frugal.tokenizer import Tokenizer
+
+
+def is_token_id(value: object, vocab_size: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < vocab_size
+
+
+def prompt_token_ids(prompt: str | list[int], tokenizer: Tokenizer | None,
+                     vocab_size: int) -> list[int]:
+    """The token ids of a prompt (text, or token ids checked against the vocabulary); ValueError
+    naming what is wrong."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("prompt: must not be empty")
+        if tokenizer is None:
+            raise ValueError("prompt: this model has no tokenizer; pass token ids")
+        return tokenizer.encode(prompt)
+    if not isinstance(prompt, (list, tuple)):
+        raise ValueError(f"prompt: expected text or a list of token ids, got "
+                         f"{type(prompt).__name__}")
+    if not prompt:
+        raise ValueError("prompt: must not be empty")
+    for t in prompt:
+        if not is_token_id(t, vocab_size):
+            raise ValueError(f"prompt: token id {t!r} is not in [0, {vocab_size})")
+    return list(prompt)
 
 
 def check_stop(request: Request, token: int, detok: IncrementalDetokenizer | None,

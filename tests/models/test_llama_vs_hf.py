@@ -9,7 +9,9 @@ from tests.conftest import CHAT_PROMPTS
 def frugal_logits(llm, token_ids: list[int]) -> torch.Tensor:
     """Logits at every position, computed through the paged KV cache in one prefill step."""
     engine = llm.engine
-    request = Request("logits", None, token_ids, SamplingParams(), len(token_ids) + 1)
+    # (scoring every prompt token: nothing comes from the prefix cache, the whole prompt is run)
+    request = Request("logits", None, token_ids, SamplingParams(prompt_logprobs=0),
+                      len(token_ids) + 1)
     engine.scheduler.add(request)
     out = engine.scheduler.schedule()
     assert out.requests == [request] and out.num_new_tokens == [len(token_ids)]
