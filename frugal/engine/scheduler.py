@@ -155,6 +155,8 @@ class Scheduler:
             return False
         if missing > self.allocator.num_free:
             self.cache.evict(missing - self.allocator.num_free)
+            if missing > self.allocator.num_free:  # a stale entry freed nothing (logged)
+                return False
         request.page_table.extend(self.allocator.allocate(missing))
         return True
 

@@ -186,3 +186,16 @@ def test_untrusted_request_takes_its_unwritten_pages_with_it():
     s.finish(b, FinishReason.ERROR)
     s.check_integrity()
     assert s.num_free == 64
+
+
+def test_eviction_that_meets_stale_entries_only_waits():
+    """Evicting pages handed out again behind the cache frees nothing: the request waits
+    instead of the step failing (and the idle recount settles the pool)."""
+    s = scheduler(num_pages=5)
+    run(s, [request(0, range(1, 18), max_tokens=1)])  # 4 full pages cached, all evictable
+    assert s.cache.num_evictable == 4 and s.allocator.num_free == 1
+    for ref in s.cache.entries.values():
+        s.allocator._tag[ref.page_id] += 1  # each handed out again while cached
+    s.add(request(1, range(50, 56), max_tokens=1))  # 2 pages: the free one and one evicted
+    out = s.schedule()
+    assert out.requests == [] and s.cache.num_stale == 4 and s.cache.num_cached == 0
