@@ -228,12 +228,19 @@ class Request:
         return self.num_tokens + self.num_pending
 
     @property
+    def reads_prefix_cache(self) -> bool:
+        """False when it scores every prompt token (their logits must all be computed)."""
+        p = self.params
+        return not p.prompt_logprobs_tensor and (p.prompt_logprobs is None
+                                                 or p.prompt_logprobs_start > 1)
+
+    @property
     def num_cacheable_tokens(self) -> int:
         """How many leading tokens may come from the prefix cache: the known ones but the last
         (computed for its logits); none when every prompt token is scored, those before
         prompt_logprobs_start - 1 when only the later ones are."""
         p = self.params
-        if p.prompt_logprobs_tensor:
+        if not self.reads_prefix_cache:
             return 0
         limit = min(self.num_tokens, self.num_tokens_with_pending - 1)
         if p.prompt_logprobs is not None:

@@ -22,6 +22,7 @@ import time
 import urllib.request
 from dataclasses import asdict, dataclass, field
 
+from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
 from frugal.cli.args import command_line
@@ -138,10 +139,9 @@ def cache_counters(url: str) -> tuple[float, float] | None:
     except Exception:
         return None
     totals: dict[str, float] = {}
-    for line in text.splitlines():
-        name, _, value = line.partition("{") if "{" in line else line.partition(" ")
-        if not line.startswith("#") and value:
-            totals[name] = totals.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:  # (summed over labels: vLLM's engines, models)
+            totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
     for queries, hits in CACHE_COUNTERS:
         if queries in totals:
             return totals[queries], totals.get(hits, 0.0)

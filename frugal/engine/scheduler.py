@@ -165,10 +165,9 @@ class Scheduler:
     def _match(self, request: Request) -> int:
         """Start a request with nothing computed from its cached leading pages; returns the
         tokens it looked up."""
-        p = request.params
-        if (self.cache is None or request.num_computed_tokens or p.prompt_logprobs_tensor
-                or p.prompt_logprobs is not None and p.prompt_logprobs_start <= 1):
-            return 0  # (a request scoring every prompt token reads nothing from the cache)
+        if (self.cache is None or request.num_computed_tokens
+                or not request.reads_prefix_cache):
+            return 0
         max_pages = request.num_cacheable_tokens // self.page_size
         if max_pages:
             hashes = self.cache.hashes(request, max_pages * self.page_size)
