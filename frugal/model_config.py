@@ -52,7 +52,10 @@ class MoeConfig:
         num = hf.get("num_experts") or hf.get("n_routed_experts") or hf.get("num_local_experts")
         if not num:
             return None
-        if "first_k_dense_replace" in hf:
+        if hf.get("mlp_layer_types"):  # (GLM-5: "dense" | "sparse" a layer)
+            layers = [i for i, kind in enumerate(hf["mlp_layer_types"][:num_layers])
+                      if kind == "sparse"]
+        elif "first_k_dense_replace" in hf:
             step = hf.get("moe_layer_freq", 1)
             layers = [i for i in range(num_layers)
                       if i >= hf["first_k_dense_replace"] and i % step == 0]
@@ -107,6 +110,48 @@ class MlaConfig:
 
 
 @dataclass(frozen=True)
+class DsaConfig:
+    """DeepSeek Sparse Attention (GLM-5, DeepSeek-V3.2) over MLA: a lightning indexer scores
+    every cached token for each query (num_heads heads of head_dim: ReLU(q . k), weighted per
+    head) and attention reads only the topk best, or every token while a context holds at most
+    topk. full_layers run the indexer; any other layer reuses the selection of the full layer
+    before it (layer 0 is full). The latent cache's row grows by head_dim values: the indexer's
+    key (its first rope_dim dims rotated in adjacent pairs)."""
+
+    topk: int
+    num_heads: int
+    head_dim: int
+    full_layers: tuple[int, ...]
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> DsaConfig | None:
+        """index_topk / index_n_heads / index_head_dim, and indexer_types ("full" | "shared" a
+        layer; without it, transformers' default from index_topk_pattern or index_topk_freq and
+        index_skip_topk_offset)."""
+        if "index_topk" not in hf:
+            return None
+        num_layers = hf["num_hidden_layers"]
+        kinds = hf.get("indexer_types")
+        if kinds is None and hf.get("index_topk_pattern") is not None:
+            pattern = hf["index_topk_pattern"]
+            kinds = [{"F": "full", "S": "shared"}[c] for c in pattern] if isinstance(
+                pattern, str) else list(pattern)
+        if kinds is None:
+            freq, offset = max(hf.get("index_topk_freq", 1), 1), hf.get("index_skip_topk_offset", 2)
+            kinds = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared"
+                     for i in range(num_layers)]
+        if len(kinds) < num_layers or set(kinds) - {"full", "shared"} or kinds[0] != "full":
+            raise ValueError(f"indexer_types: {kinds!r} (one of 'full' / 'shared' a layer, "
+                             "the first 'full')")
+        if hf["index_topk"] < 1 or hf["qk_rope_head_dim"] > hf["index_head_dim"]:
+            raise ValueError(f"index_topk: {hf['index_topk']}, index_head_dim "
+                             f"{hf['index_head_dim']} (at least qk_rope_head_dim)")
+        return cls(topk=hf["index_topk"], num_heads=hf["index_n_heads"],
+                   head_dim=hf["index_head_dim"],
+                   full_layers=tuple(i for i in range(num_layers) if kinds[i] == "full"))
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Shape of a decoder of the Llama family (Llama, SmolLM2, Qwen2, Qwen3 dense) and its
     mixture-of-experts kin (Qwen3-MoE, GLM-4.5).
@@ -114,7 +159,8 @@ class ModelConfig:
     Flags instead of forks: qkv_bias (Qwen2, GLM attention_bias), o_bias (Llama attention_bias),
     qk_norm (Qwen3), tie_word_embeddings, rope_scaling (Llama 3.1 'llama3' or 'linear'),
     rotary_dim (GLM: RoPE on the first head_dim * partial_rotary_factor dims of each head), moe,
-    mla (DeepSeek-V2/V3: then num_kv_heads 1 and head_dim the latent's size, the cache's shape).
+    mla (DeepSeek-V2/V3: then num_kv_heads 1 and head_dim the latent's size, the cache's shape),
+    dsa (GLM-5: sparse attention over MLA, the indexer's key appended to the cache's row).
     """
 
     architecture: str
@@ -140,6 +186,7 @@ class ModelConfig:
     rotary_dim: int | None = None  # None: the whole head
     moe: MoeConfig | None = None
     mla: MlaConfig | None = None
+    dsa: DsaConfig | None = None
 
     @property
     def kv_parts(self) -> int:
@@ -176,16 +223,18 @@ class ModelConfig:
         partial = rope.pop("partial_rotary_factor", None) or hf.get("partial_rotary_factor", 1.0)
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         is_qwen2 = arch.startswith("Qwen2")
-        is_glm = arch.startswith("Glm")
+        is_glm = arch.startswith("Glm") and "kv_lora_rank" not in hf  # (GLM-5's MLA: as V3's)
         attention_bias = bool(hf.get("attention_bias", False))
         if hf.get("use_sliding_window"):
             raise ValueError("use_sliding_window: sliding-window attention is not supported")
         if hf.get("mlp_bias"):
             raise ValueError("mlp_bias: MLP biases are not supported")
         mla = MlaConfig.from_hf(hf)
+        dsa = DsaConfig.from_hf(hf) if mla is not None else None
         num_kv_heads = hf.get("num_key_value_heads") or num_heads
-        if mla is not None:  # the cache's one "head": the latent and the rotary key
-            num_kv_heads, head_dim = 1, mla.kv_lora_rank + mla.qk_rope_head_dim
+        if mla is not None:  # the cache's one "head": the latent and the rotary key (+ index key)
+            num_kv_heads = 1
+            head_dim = mla.kv_lora_rank + mla.qk_rope_head_dim + (dsa.head_dim if dsa else 0)
             partial = mla.qk_rope_head_dim / head_dim
         eos = hf.get("eos_token_id")
         if not eos_token_ids and eos is not None:
@@ -214,6 +263,7 @@ class ModelConfig:
             rotary_dim=round(head_dim * partial) if partial != 1.0 else None,
             moe=MoeConfig.from_hf(hf, hf["num_hidden_layers"]),
             mla=mla,
+            dsa=dsa,
         )
 
 
@@ -224,4 +274,6 @@ def first_layers(c: ModelConfig, num_layers: int) -> ModelConfig:
         raise ValueError(f"num_layers: {num_layers} (the model has 1 to {c.num_layers})")
     moe = c.moe if c.moe is None else replace(
         c.moe, layers=tuple(i for i in c.moe.layers if i < num_layers))
-    return replace(c, num_layers=num_layers, moe=moe)
+    dsa = c.dsa if c.dsa is None else replace(
+        c.dsa, full_layers=tuple(i for i in c.dsa.full_layers if i < num_layers))
+    return replace(c, num_layers=num_layers, moe=moe, dsa=dsa)

@@ -6,6 +6,11 @@ Parameter names are HF's. Per token the cache keeps [kv_a_layernorm(c) | rope(k_
 absorbed into the latent space (q_nope · W_UK), attends over the latents and rotary keys, and
 its latent output goes through W_UV: the same scores and values as expanding every cached token
 to full keys and values, without ever forming them.
+
+With DeepSeek Sparse Attention (ModelConfig.dsa) the row also holds the indexer's key, and a
+token attends only to the positions its layer's selection names (layers.dsa): chosen here on a
+full layer, handed on to the shared layers after it. While no context of the step is longer than
+index_topk the selection is every position, and the dense kernel computes the same thing.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from torch import nn
 
 from frugal import ops
 from frugal.layers.attention import AttentionMetadata
+from frugal.layers.dsa import Indexer
 from frugal.layers.linear import Linear
 from frugal.layers.norm import RMSNorm
 from frugal.layers.rotary import RotaryEmbedding, softmax_mscale
@@ -31,10 +37,11 @@ class LatentProjection(nn.Module):
 
 
 class MlaAttention(nn.Module):
-    """k_cache (= v_cache): [num_pages, page_size, 1, kv_lora_rank + qk_rope_head_dim], bound
-    by the model runner."""
+    """k_cache (= v_cache): [num_pages, page_size, 1, kv_lora_rank + qk_rope_head_dim (+
+    index_head_dim with DSA)], bound by the model runner. index: whether this layer runs the
+    DSA indexer (else it reuses the selection handed to it)."""
 
-    def __init__(self, c: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, c: ModelConfig, rotary: RotaryEmbedding, index: bool = False) -> None:
         super().__init__()
         m = self.mla = c.mla
         self.num_heads = c.num_heads
@@ -54,33 +61,51 @@ class MlaAttention(nn.Module):
         self.rotary = rotary
         self.scale = ((m.qk_nope_head_dim + m.qk_rope_head_dim) ** -0.5
                       * softmax_mscale(c.rope_scaling))
+        self.dsa = c.dsa
+        self.indexer = Indexer(c, rotary) if index else None
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
         self.kv_scales: torch.Tensor | None = None
 
     def forward(self, h: torch.Tensor, norm: RMSNorm, positions: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """h: [num_tokens, hidden], the residual stream -> h + attention(norm(h))."""
+                meta: AttentionMetadata, selection: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """h: [num_tokens, hidden], the residual stream -> (h + attention(norm(h)), the DSA
+        selection for the layers after: [num_tokens, k] int32 positions, -1 for none; None while
+        every position is selected or without DSA)."""
         m, heads = self.mla, self.num_heads
         x = norm(h)
         if m.q_lora_rank is None:
-            q = self.q_proj(x)
+            q_resid, q = None, self.q_proj(x)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q_resid = self.q_a_layernorm(self.q_a_proj(x))
+            q = self.q_b_proj(q_resid)
         q_nope, q_rope = q.view(-1, heads, m.qk_nope_head_dim + m.qk_rope_head_dim).split(
             [m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([m.kv_lora_rank, m.qk_rope_head_dim],
                                                            dim=-1)
         rotate = ops.apply_rotary_pairs if m.rope_interleave else ops.apply_rotary
         q_rope, k_rope = rotate(q_rope, k_rope[:, None, :], positions, self.rotary.cos_sin)
-        ops.store_latent(torch.cat([self.kv_a_layernorm(latent)[:, None, :], k_rope], dim=-1),
-                         self.k_cache, meta.slot_mapping)
+        row = [self.kv_a_layernorm(latent)[:, None, :], k_rope]
+        if self.dsa is not None:  # (a shared layer's index columns stay zero)
+            row.append(self.indexer.key(x, positions)[:, None, :] if self.indexer is not None
+                       else k_rope.new_zeros(k_rope.shape[0], 1, self.dsa.head_dim))
+        ops.store_latent(torch.cat(row, dim=-1), self.k_cache, meta.slot_mapping)
         w = self.kv_b_proj.weight.view(heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
         w_uk, w_uv = w.split([m.qk_nope_head_dim, m.v_head_dim], dim=1)
-        q_latent = torch.einsum("thn,hnc->thc", q_nope, w_uk)
-        o = ops.mla_attention(torch.cat([q_latent, q_rope], dim=-1), self.k_cache,
-                              meta.page_table, meta.cu_seqlens_q, meta.seq_lens, self.scale,
-                              meta.max_query_len, meta.max_seq_len, m.kv_lora_rank,
-                              meta.num_decodes)
+        q_latent = torch.cat([torch.einsum("thn,hnc->thc", q_nope, w_uk), q_rope], dim=-1)
+        width = m.kv_lora_rank + m.qk_rope_head_dim
+        cache = self.k_cache[..., :width]
+        if self.dsa is not None and meta.max_seq_len > self.dsa.topk:
+            if self.indexer is not None:
+                selection = self.indexer.select(x, q_resid, positions,
+                                                self.k_cache[..., width:], meta)
+            o = ops.sparse_mla_attention(q_latent, cache, meta.page_table, meta.cu_seqlens_q,
+                                         selection, self.scale, m.kv_lora_rank)
+        else:
+            selection = None
+            o = ops.mla_attention(q_latent, cache, meta.page_table, meta.cu_seqlens_q,
+                                  meta.seq_lens, self.scale, meta.max_query_len,
+                                  meta.max_seq_len, m.kv_lora_rank, meta.num_decodes)
         o = torch.einsum("thc,hvc->thv", o, w_uv)
-        return self.o_proj(o.reshape(-1, heads * m.v_head_dim), residual=h)
+        return self.o_proj(o.reshape(-1, heads * m.v_head_dim), residual=h), selection

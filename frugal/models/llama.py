@@ -1,6 +1,6 @@
 """The Llama family in one file, via flags: Llama 2/3, SmolLM2, Mistral, Qwen2 and Qwen3 dense,
 with mixture-of-experts layers (layers.moe) Qwen3-MoE and GLM-4.5, and with latent attention
-(layers.mla) DeepSeek-V2/V3 and Kimi K2.
+(layers.mla) DeepSeek-V2/V3 and Kimi K2, and with sparse attention over it (layers.dsa) GLM-5.
 
 Parameter names follow HF transformers so checkpoints load as they are; q/k/v and gate/up are fused
 into one matmul each and filled shard by shard (packed_modules), per-expert tensors into their
@@ -56,20 +56,24 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, c: ModelConfig, rotary: RotaryEmbedding, index: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = (MlaAttention(c, rotary) if c.mla is not None
-                          else LlamaAttention(c, rotary))
+        self.self_attn = (MlaAttention(c, rotary, c.dsa is not None and index in c.dsa.full_layers)
+                          if c.mla is not None else LlamaAttention(c, rotary))
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = (MoE(c) if c.moe is not None and index in c.moe.layers
                     else GatedMLP(c.hidden_size, c.intermediate_size))
 
-    def forward(self, h: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """h: [num_tokens, hidden], the residual stream, in and out. Each norm is fused into the
-        matmul after it and each residual add into the matmul before it (ops.linear)."""
-        h = self.self_attn(h, self.input_layernorm, positions, meta)
+    def forward(self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                selection: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """h: [num_tokens, hidden], the residual stream, in and out, with the sparse-attention
+        selection handed from layer to layer (layers.mla; None without DSA). Each norm is fused
+        into the matmul after it and each residual add into the matmul before it (ops.linear)."""
+        if isinstance(self.self_attn, MlaAttention):
+            h, selection = self.self_attn(h, self.input_layernorm, positions, meta, selection)
+        else:
+            h = self.self_attn(h, self.input_layernorm, positions, meta)
         if isinstance(self.mlp, MoE):
-            return self.mlp(h, self.post_attention_layernorm)
-        return self.mlp(h, self.post_attention_layernorm, residual=h)
+            return self.mlp(h, self.post_attention_layernorm), selection
+        return self.mlp(h, self.post_attention_layernorm, residual=h), selection
 
 
 class LlamaModel(nn.Module):
@@ -85,8 +89,9 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
+        selection = None
         for layer in self.layers:
-            h = layer(h, positions, meta)
+            h, selection = layer(h, positions, meta, selection)
         return self.norm(h)
 
 

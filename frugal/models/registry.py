@@ -17,6 +17,7 @@ ARCHITECTURES = {
     "Glm4MoeForCausalLM": _LLAMA,
     "DeepseekV2ForCausalLM": _LLAMA,
     "DeepseekV3ForCausalLM": _LLAMA,
+    "GlmMoeDsaForCausalLM": _LLAMA,
 }
 
 

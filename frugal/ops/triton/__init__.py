@@ -12,6 +12,7 @@ from frugal.ops.torch_ref.mla import store_latent
 from frugal.ops.torch_ref.moe import route_experts
 from frugal.ops.torch_ref.rotary import apply_rotary, apply_rotary_pairs
 from frugal.ops.triton.attention import paged_attention
+from frugal.ops.triton.dsa import index_topk, sparse_mla_attention
 from frugal.ops.triton.elementwise import rms_norm, silu_and_mul
 from frugal.ops.triton.integrity import check_kv_pages
 from frugal.ops.triton.kv_store import rotary_store_kv
@@ -19,6 +20,7 @@ from frugal.ops.triton.linear import linear, pack_weight
 from frugal.ops.triton.mla_decode import mla_attention
 from frugal.ops.triton.moe import fused_moe
 
-__all__ = ["apply_rotary", "apply_rotary_pairs", "check_kv_pages", "fused_moe", "linear",
-           "mla_attention", "pack_weight", "paged_attention", "rms_norm", "rotary_store_kv",
-           "route_experts", "silu_and_mul", "store_latent"]
+__all__ = ["apply_rotary", "apply_rotary_pairs", "check_kv_pages", "fused_moe", "index_topk",
+           "linear", "mla_attention", "pack_weight", "paged_attention", "rms_norm",
+           "rotary_store_kv", "route_experts", "silu_and_mul", "sparse_mla_attention",
+           "store_latent"]

@@ -5,6 +5,10 @@ scores q_latent · c + q_rope · k_rope against each cached row [c | k_rope] of 
 an online softmax, and the weighted sum of the latents c. Splits write (partial output, log-sum-
 exp) and `mla_decode` merges them, so a long context at a small batch still fills the GPU.
 The twin is torch_ref.mla_attention (the decode rows of a step).
+
+SPARSE: a program row is a new token of any request (a decode or a prompt token) and its keys
+are the positions its DSA selection lists (-1: none) instead of 0..seq_len-1; the twin is
+torch_ref.sparse_mla_attention.
 """
 
 from __future__ import annotations
@@ -24,14 +28,20 @@ BLOCK_N = 32  # keys an iteration takes
 
 @triton.jit
 def _kernel(q_ptr, cache_ptr, page_table_ptr, seq_lens_ptr, out_ptr, lse_ptr, scale,
-            num_heads, keys_per_split, sqt, sqh, spt, sob, sos, soh, slb, sls,
-            PAGE_SIZE: tl.constexpr, LAT: tl.constexpr, ROPE: tl.constexpr,
+            num_heads, keys_per_split, sqt, sqh, spt, srow, sob, sos, soh, slb, sls,
+            sel_ptr, request_ptr, num_selected, ssel,
+            PAGE_SIZE: tl.constexpr, LAT: tl.constexpr, ROPE: tl.constexpr, SPARSE: tl.constexpr,
             F32_DOT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
     b = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
     h_ok = heads < num_heads
-    seq_len = tl.load(seq_lens_ptr + b)
+    if SPARSE:
+        seq_len = num_selected
+        table_row = tl.load(request_ptr + b)
+    else:
+        seq_len = tl.load(seq_lens_ptr + b)
+        table_row = b
     start = split * keys_per_split
     end = tl.minimum(start + keys_per_split, seq_len)
     lat = tl.arange(0, LAT)
@@ -47,8 +57,11 @@ def _kernel(q_ptr, cache_ptr, page_table_ptr, seq_lens_ptr, out_ptr, lse_ptr, sc
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         ok = pos < end
-        page = tl.load(page_table_ptr + b * spt + pos // PAGE_SIZE, mask=ok, other=0)
-        row = cache_ptr + (page.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE)[:, None] * (LAT + ROPE)
+        if SPARSE:
+            pos = tl.load(sel_ptr + b * ssel + pos, mask=ok, other=-1)
+            ok = pos >= 0
+        page = tl.load(page_table_ptr + table_row * spt + pos // PAGE_SIZE, mask=ok, other=0)
+        row = cache_ptr + (page.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE)[:, None] * srow
         c = tl.load(row + lat[None, :], mask=ok[:, None], other=0.0)  # [BLOCK_N, LAT]
         k_rope = tl.load(row + LAT + rope[None, :], mask=ok[:, None], other=0.0)
         if F32_DOT:
@@ -82,13 +95,20 @@ def supported(kv_lora_rank: int, rope_dim: int) -> bool:
 
 def mla_decode(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor,
                seq_lens: torch.Tensor, scale: float, max_seq_len: int,
-               kv_lora_rank: int) -> torch.Tensor:
+               kv_lora_rank: int, selection: torch.Tensor | None = None,
+               request: torch.Tensor | None = None) -> torch.Tensor:
     """q: [B, num_heads, kv_lora_rank + rope] absorbed queries, one token of each request;
-    cache: [num_pages, page_size, 1, kv_lora_rank + rope]; page_table [B, max_pages] int32,
-    seq_lens [B] int32 (the token's own row stored). Returns [B, num_heads, kv_lora_rank] in
-    q's dtype (zeros for seq_len 0)."""
+    cache: [num_pages, page_size, 1, kv_lora_rank + rope] (a column view of wider rows is
+    fine); page_table [B, max_pages] int32, seq_lens [B] int32 (the token's own row stored).
+    Returns [B, num_heads, kv_lora_rank] in q's dtype (zeros for seq_len 0).
+
+    selection ([B, k] int32, see torch_ref.dsa) with request ([B] int32, each row's page_table
+    row): the B rows are new tokens of any requests attending to their selected positions;
+    seq_lens and max_seq_len are then unused."""
     batch, num_heads, width = q.shape
     page_size = cache.shape[1]
+    if selection is not None:
+        max_seq_len = selection.shape[1]
     # splits: enough programs for the GPU's SMs at a small batch, each at least 256 keys
     want = max(1, min(triton.cdiv(max(max_seq_len, 1), 256),
                       triton.cdiv(264, batch * triton.cdiv(num_heads, BLOCK_H))))
@@ -98,10 +118,13 @@ def mla_decode(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor,
                       device=q.device)
     lse = torch.empty(batch, splits, num_heads, dtype=torch.float32, device=q.device)
     grid = (batch, triton.cdiv(num_heads, BLOCK_H), splits)
+    sparse = selection is not None
     _kernel[grid](q, cache, page_table, seq_lens, out, lse, scale, num_heads, keys_per_split,
-                  q.stride(0), q.stride(1), page_table.stride(0), out.stride(0), out.stride(1),
-                  out.stride(2), lse.stride(0), lse.stride(1), PAGE_SIZE=page_size,
-                  LAT=kv_lora_rank, ROPE=width - kv_lora_rank,
+                  q.stride(0), q.stride(1), page_table.stride(0), cache.stride(1),
+                  out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
+                  selection if sparse else seq_lens, request if sparse else seq_lens,
+                  max_seq_len, selection.stride(0) if sparse else 0, PAGE_SIZE=page_size,
+                  LAT=kv_lora_rank, ROPE=width - kv_lora_rank, SPARSE=sparse,
                   F32_DOT=_INTERPRET or q.dtype == torch.float32, BLOCK_H=BLOCK_H,
                   BLOCK_N=BLOCK_N, num_warps=8 if kv_lora_rank >= 256 else 4)
     weight = torch.softmax(lse, dim=1).nan_to_num(0.0)  # (a split past the end: lse -inf)

@@ -1,0 +1,105 @@
+"""DeepSeek Sparse Attention on the GPU: the indexer's scores as one Triton kernel, torch.topk
+over them, and MLA over the selected positions (mla_decode's kernel, SPARSE).
+
+The score kernel takes one new token and BLOCK_N of its request's positions a program: the
+token's index queries [heads, dim] against the keys gathered from the cache rows ([BLOCK_N,
+dim]), ReLU, the per-head weights summed in, -inf past the positions the token sees. Twins:
+torch_ref.index_topk and torch_ref.sparse_mla_attention.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from frugal.ops.triton.mla_decode import mla_decode
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+BLOCK_N = 64  # positions a score program takes
+
+
+@triton.jit
+def _score_kernel(q_ptr, w_ptr, keys_ptr, page_table_ptr, request_ptr, visible_ptr, out_ptr,
+                  sqt, sqh, swt, srow, spt, sot, num_cols,
+                  PAGE_SIZE: tl.constexpr, HEADS: tl.constexpr, DIM: tl.constexpr,
+                  F32_DOT: tl.constexpr, BLOCK_N: tl.constexpr):
+    t = tl.program_id(0)
+    pos = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    b = tl.load(request_ptr + t)
+    visible = tl.load(visible_ptr + t)
+    ok = pos < visible
+    heads = tl.arange(0, HEADS)
+    dims = tl.arange(0, DIM)
+    page = tl.load(page_table_ptr + b * spt + pos // PAGE_SIZE, mask=ok, other=0)
+    slot = page.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE
+    k = tl.load(keys_ptr + slot[:, None] * srow + dims[None, :], mask=ok[:, None], other=0.0)
+    q = tl.load(q_ptr + t * sqt + heads[:, None] * sqh + dims[None, :])
+    if F32_DOT:
+        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))  # [HEADS, BLOCK_N] fp32
+    w = tl.load(w_ptr + t * swt + heads)
+    score = tl.sum(tl.maximum(s, 0.0) * w[:, None], axis=0)
+    tl.store(out_ptr + t * sot + pos, tl.where(ok, score, float("-inf")), mask=pos < num_cols)
+
+
+def supported(heads: int, dim: int) -> bool:
+    """tl.dot's shapes: powers of two of at least 16."""
+    return all(d >= 16 and d & (d - 1) == 0 for d in (heads, dim))
+
+
+def _layout(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
+            num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each new token's request [num_tokens] int32 and how many positions it sees (its own
+    position + 1) [num_tokens] int32, without a host sync."""
+    counts = cu_seqlens_q.diff()
+    request = torch.repeat_interleave(torch.arange(counts.shape[0], device=counts.device,
+                                                   dtype=torch.int32), counts,
+                                      output_size=num_tokens)
+    token = torch.arange(num_tokens, device=counts.device, dtype=torch.int32)
+    visible = seq_lens[request] - (cu_seqlens_q[1:][request] - token) + 1
+    return request, visible.to(torch.int32)
+
+
+def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
+                 page_table: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
+                 max_seq_len: int) -> torch.Tensor:
+    """[num_tokens, max_seq_len] fp32 index scores (-inf where a token sees no position)."""
+    num_tokens, heads, dim = q.shape
+    request, visible = _layout(cu_seqlens_q, seq_lens, num_tokens)
+    out = torch.empty(num_tokens, max_seq_len, dtype=torch.float32, device=q.device)
+    grid = (num_tokens, triton.cdiv(max_seq_len, BLOCK_N))
+    _score_kernel[grid](q, weights, keys, page_table, request, visible, out, q.stride(0),
+                        q.stride(1), weights.stride(0), keys.stride(1), page_table.stride(0),
+                        out.stride(0), max_seq_len, PAGE_SIZE=keys.shape[1], HEADS=heads,
+                        DIM=dim, F32_DOT=_INTERPRET or q.dtype == torch.float32,
+                        BLOCK_N=BLOCK_N, num_warps=4)
+    return out
+
+
+def index_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
+               page_table: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
+               topk: int, max_seq_len: int) -> torch.Tensor:
+    """torch_ref.index_topk's twin."""
+    if not supported(q.shape[1], q.shape[2]):
+        from frugal.ops import torch_ref
+        return torch_ref.index_topk(q, weights, keys, page_table, cu_seqlens_q, seq_lens, topk,
+                                    max_seq_len)
+    scores = index_scores(q, weights, keys, page_table, cu_seqlens_q, seq_lens, max_seq_len)
+    values, picked = scores.topk(min(topk, max_seq_len), dim=-1)
+    return torch.where(values == float("-inf"), -1, picked).to(torch.int32)
+
+
+def sparse_mla_attention(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor,
+                         cu_seqlens_q: torch.Tensor, selection: torch.Tensor, scale: float,
+                         kv_lora_rank: int) -> torch.Tensor:
+    """torch_ref.sparse_mla_attention's twin: every token (decode or prompt) one kernel row."""
+    counts = cu_seqlens_q.diff()
+    request = torch.repeat_interleave(torch.arange(counts.shape[0], device=q.device,
+                                                   dtype=torch.int32), counts,
+                                      output_size=q.shape[0])
+    return mla_decode(q, cache, page_table, page_table, scale, 0, kv_lora_rank, selection,
+                      request)

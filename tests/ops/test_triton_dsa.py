@@ -1,0 +1,123 @@
+"""The DSA kernels (ops.triton.dsa) against torch_ref.dsa on fresh random caches: index scores
+and top-k for decode and prompt tokens of several requests (contexts shorter and longer than
+the top-k), and sparse MLA over selections with unused (-1) places, on column views of cache
+rows wider than the latent (the index key after it, as the model lays them out)."""
+
+import pytest
+import torch
+
+from frugal.ops import torch_ref
+
+tri = pytest.importorskip("frugal.ops.triton.dsa")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def batch(lens, new, width, page_size=16, seed=0, dtype=torch.float32):
+    """A paged cache of rows `width` wide, page tables in random order, and the step's layout:
+    request b has new[b] new tokens at the end of its lens[b] positions."""
+    g = torch.Generator().manual_seed(seed)
+    pages_each = max(-(-n // page_size) for n in lens)
+    num_pages = len(lens) * pages_each + 2
+    cache = torch.randn(num_pages, page_size, 1, width, generator=g).to(dtype)
+    table = torch.randperm(num_pages, generator=g)[: len(lens) * pages_each]
+    table = table.view(len(lens), -1).int()
+    cu = torch.tensor([0] + new).cumsum(0).int()
+    return g, cache, table, cu, torch.tensor(lens, dtype=torch.int32)
+
+
+def to(device, *tensors):
+    return [t.to(device) for t in tensors]
+
+
+@pytest.mark.parametrize("lens,new,topk", [([40, 7, 100], [1, 1, 1], 16),
+                                           ([50, 90], [1, 30], 24), ([20], [20], 32)])
+def test_index_topk_matches_torch_ref(lens, new, topk):
+    heads, dim, lat = 16, 16, 24
+    g, cache, table, cu, seq_lens = batch(lens, new, lat + dim)
+    keys = cache[..., lat:]
+    q = torch.randn(sum(new), heads, dim, generator=g)
+    w = torch.randn(sum(new), heads, generator=g)
+    ref = torch_ref.index_topk(q, w, keys, table, cu, seq_lens, topk, max(lens))
+    got = tri.index_topk(*to(DEVICE, q, w), cache.to(DEVICE)[..., lat:],
+                         *to(DEVICE, table, cu, seq_lens), topk, max(lens))
+    assert got.shape == ref.shape == (sum(new), min(topk, max(lens)))
+    assert torch.equal(got.cpu().sort(-1).values, ref.sort(-1).values)
+    # every token sees min(its position + 1, topk) positions, all at most its own
+    for t, row in enumerate(ref.tolist()):
+        b = int((cu[1:] <= t).sum())
+        visible = lens[b] - (int(cu[b + 1]) - t) + 1
+        chosen = [p for p in row if p >= 0]
+        assert len(chosen) == min(visible, topk) and max(chosen) < visible
+        assert len(set(chosen)) == len(chosen)
+
+
+def test_index_scores_match_the_formula():
+    heads, dim = 16, 32
+    g, cache, table, cu, seq_lens = batch([70, 5], [1, 5], dim)
+    q = torch.randn(6, heads, dim, generator=g)
+    w = torch.randn(6, heads, generator=g)
+    got = tri.index_scores(*to(DEVICE, q, w, cache, table, cu, seq_lens), 70).cpu()
+    rows = cache.view(-1, dim)
+    for t, (b, visible) in enumerate([(0, 70), (1, 1), (1, 2), (1, 3), (1, 4), (1, 5)]):
+        slots = table[b].long()[torch.arange(visible) // 16] * 16 + torch.arange(visible) % 16
+        want = (torch.relu(q[t] @ rows[slots].T) * w[t, :, None]).sum(0)
+        torch.testing.assert_close(got[t, :visible], want, atol=1e-4, rtol=1e-4)
+        assert torch.isinf(got[t, visible:]).all()
+
+
+@pytest.mark.parametrize("lens,new,k", [([40, 7, 100], [1, 1, 1], 16), ([60, 90], [3, 20], 32)])
+def test_sparse_mla_attention_matches_torch_ref(lens, new, k):
+    heads, lat, rope, index = 20, 32, 16, 16
+    g, cache, table, cu, seq_lens = batch(lens, new, lat + rope + index)
+    view = cache[..., :lat + rope]
+    selection = torch.full((sum(new), k), -1, dtype=torch.int32)
+    for t in range(sum(new)):
+        b = int((cu[1:] <= t).sum())
+        visible = lens[b] - (int(cu[b + 1]) - t) + 1
+        take = min(visible, k) - (t % 3 == 1)  # (some rows leave places unused)
+        selection[t, :take] = torch.randperm(visible, generator=g)[:take].int()
+    selection[0] = selection[0][torch.randperm(k, generator=g)]  # (-1s anywhere)
+    q = torch.randn(sum(new), heads, lat + rope, generator=g)
+    scale = (lat + rope) ** -0.5
+    ref = torch_ref.sparse_mla_attention(q, view, table, cu, selection, scale, lat)
+    got = tri.sparse_mla_attention(q.to(DEVICE), cache.to(DEVICE)[..., :lat + rope],
+                                   *to(DEVICE, table, cu, selection), scale, lat)
+    assert got.shape == (sum(new), heads, lat)
+    torch.testing.assert_close(got.cpu(), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_sparse_selection_of_everything_is_dense_attention():
+    """Selecting every visible position: the same as torch_ref.mla_attention."""
+    lat, rope, heads = 32, 16, 4
+    g, cache, table, cu, seq_lens = batch([30, 12], [1, 12], lat + rope)
+    selection = torch.full((13, 30), -1, dtype=torch.int32)
+    selection[0] = torch.arange(30).flip(0)
+    for i in range(12):
+        selection[1 + i, :i + 1] = torch.arange(i + 1)
+    q = torch.randn(13, heads, lat + rope, generator=g)
+    dense = torch_ref.mla_attention(q, cache, table, cu, seq_lens, 0.2, 12, 30, lat, 1)
+    sparse = torch_ref.sparse_mla_attention(q, cache, table, cu, selection, 0.2, lat)
+    torch.testing.assert_close(sparse, dense, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+def test_dsa_kernels_bf16_glm5_shapes_gpu():
+    """GLM-5's shapes: 64 heads over [512 | 64] rows + a 128-wide index key, 32 index heads,
+    top-2048 of 4,096 and 6,000 positions."""
+    lat, rope, index, topk = 512, 64, 128, 2048
+    lens, new = [4096, 6000, 3000], [1, 1, 8]
+    g, cache, table, cu, seq_lens = batch(lens, new, lat + rope + index, dtype=torch.bfloat16)
+    q = torch.randn(10, 32, index, generator=g).bfloat16()
+    w = torch.randn(10, 32, generator=g)
+    args = (cache[..., lat + rope:], table, cu, seq_lens, topk, max(lens))
+    ref = torch_ref.index_topk(q, w, *args)
+    got = tri.index_topk(q.cuda(), w.cuda(), cache.cuda()[..., lat + rope:],
+                         *to("cuda", table, cu, seq_lens), topk, max(lens)).cpu()
+    same = [len(set(a) & set(b)) / len([x for x in b if x >= 0])
+            for a, b in zip(got.tolist(), ref.tolist())]
+    assert min(same) > 0.99, same  # (bf16 products summed in another order: near-ties swap)
+    qa = torch.randn(10, 64, lat + rope, generator=g).bfloat16()
+    out = tri.sparse_mla_attention(qa.cuda(), cache.cuda()[..., :lat + rope],
+                                   *to("cuda", table, cu, ref), 0.07, lat).cpu()
+    want = torch_ref.sparse_mla_attention(qa, cache[..., :lat + rope], table, cu, ref, 0.07, lat)
+    torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
