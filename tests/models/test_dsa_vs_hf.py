@@ -91,3 +91,19 @@ def test_selection_changes_the_output(model_dir):
                               kv_cache_memory="8MiB"), ids)
     assert torch.allclose(sparse[:TOPK], dense[:TOPK], atol=1e-5)
     assert (sparse[TOPK:] - dense[TOPK:]).abs().max() > 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("prompt_len", [TOPK - 6, 90])
+def test_greedy_tokens_match_transformers_gpu(tmp_path, prompt_len):
+    """The Triton kernels (index scores, sparse MLA, MLA decode: rotary width 16) in fp32."""
+    ref_model = save_random(config(qk_rope_head_dim=16), tmp_path)
+    llm = LLM(str(tmp_path), dtype="float32", device="cuda", kv_cache_memory="64MiB",
+              max_num_batched_tokens=32)
+    prompt = torch.randint(0, 320, (prompt_len,),
+                           generator=torch.Generator().manual_seed(5)).tolist()
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    ref_model.generation_config.eos_token_id = None
+    with torch.inference_mode():
+        want = ref_model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)
+    assert out[0].outputs[0].token_ids == want[0, prompt_len:].tolist()

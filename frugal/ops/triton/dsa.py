@@ -15,7 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
+from frugal.ops import torch_ref
 from frugal.ops.triton.mla_decode import mla_decode
+from frugal.ops.triton.mla_decode import supported as mla_supported
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 BLOCK_N = 64  # positions a score program takes
@@ -85,11 +87,11 @@ def index_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
                topk: int, max_seq_len: int) -> torch.Tensor:
     """torch_ref.index_topk's twin."""
     if not supported(q.shape[1], q.shape[2]):
-        from frugal.ops import torch_ref
         return torch_ref.index_topk(q, weights, keys, page_table, cu_seqlens_q, seq_lens, topk,
                                     max_seq_len)
     scores = index_scores(q, weights, keys, page_table, cu_seqlens_q, seq_lens, max_seq_len)
-    values, picked = scores.topk(min(topk, max_seq_len), dim=-1)
+    # (unsorted: the selection's order does not matter, 20 us less at one request of 128k)
+    values, picked = scores.topk(min(topk, max_seq_len), dim=-1, sorted=False)
     return torch.where(values == float("-inf"), -1, picked).to(torch.int32)
 
 
@@ -97,6 +99,9 @@ def sparse_mla_attention(q: torch.Tensor, cache: torch.Tensor, page_table: torch
                          cu_seqlens_q: torch.Tensor, selection: torch.Tensor, scale: float,
                          kv_lora_rank: int) -> torch.Tensor:
     """torch_ref.sparse_mla_attention's twin: every token (decode or prompt) one kernel row."""
+    if not mla_supported(kv_lora_rank, q.shape[-1] - kv_lora_rank):
+        return torch_ref.sparse_mla_attention(q, cache, page_table, cu_seqlens_q, selection,
+                                              scale, kv_lora_rank)
     counts = cu_seqlens_q.diff()
     request = torch.repeat_interleave(torch.arange(counts.shape[0], device=q.device,
                                                    dtype=torch.int32), counts,

@@ -1,9 +1,10 @@
 """Paged MLA decode attention, absorbed (as FlashMLA computes it), split over keys.
 
-One program takes a request's next token, BLOCK_H of its heads and one split of its context:
-scores q_latent · c + q_rope · k_rope against each cached row [c | k_rope] of the latent cache,
-an online softmax, and the weighted sum of the latents c. Splits write (partial output, log-sum-
-exp) and `mla_decode` merges them, so a long context at a small batch still fills the GPU.
+One program takes a request's next token, up to MAX_BLOCK_H of its heads and one split of its
+context: scores q_latent · c + q_rope · k_rope against each cached row [c | k_rope] of the latent
+cache, an online softmax, and the weighted sum of the latents c. Splits write (partial output,
+log-sum-exp) and `mla_decode` merges them, so a long context at a small batch still fills the
+GPU.
 The twin is torch_ref.mla_attention (the decode rows of a step).
 
 SPARSE: a program row is a new token of any request (a decode or a prompt token) and its keys
@@ -22,8 +23,13 @@ import triton.language as tl
 from frugal.ops import torch_ref
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-BLOCK_H = 16  # heads a program takes (tl.dot needs 16 rows)
+# Heads a program takes: all of them up to 64 (tl.dot needs at least 16), so each cached row is
+# read once. Against 16, measured on the H200 at GLM-5's shapes: dense decode 2.4x faster at 16
+# requests of 128k, 1.4x at one; sparse over 2,048 positions 1.5x faster at 16 requests.
+MAX_BLOCK_H = 64
 BLOCK_N = 32  # keys an iteration takes
+NUM_WARPS: int | None = None  # None: 8 for a latent of 256 or more, else 4
+NUM_STAGES: int | None = None  # None: Triton's default
 
 
 @triton.jit
@@ -107,17 +113,18 @@ def mla_decode(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor,
     seq_lens and max_seq_len are then unused."""
     batch, num_heads, width = q.shape
     page_size = cache.shape[1]
+    block_h = min(MAX_BLOCK_H, max(16, triton.next_power_of_2(num_heads)))
     if selection is not None:
         max_seq_len = selection.shape[1]
     # splits: enough programs for the GPU's SMs at a small batch, each at least 256 keys
     want = max(1, min(triton.cdiv(max(max_seq_len, 1), 256),
-                      triton.cdiv(264, batch * triton.cdiv(num_heads, BLOCK_H))))
+                      triton.cdiv(264, batch * triton.cdiv(num_heads, block_h))))
     keys_per_split = triton.cdiv(triton.cdiv(max(max_seq_len, 1), want), BLOCK_N) * BLOCK_N
     splits = triton.cdiv(max(max_seq_len, 1), keys_per_split)
     out = torch.empty(batch, splits, num_heads, kv_lora_rank, dtype=torch.float32,
                       device=q.device)
     lse = torch.empty(batch, splits, num_heads, dtype=torch.float32, device=q.device)
-    grid = (batch, triton.cdiv(num_heads, BLOCK_H), splits)
+    grid = (batch, triton.cdiv(num_heads, block_h), splits)
     sparse = selection is not None
     _kernel[grid](q, cache, page_table, seq_lens, out, lse, scale, num_heads, keys_per_split,
                   q.stride(0), q.stride(1), page_table.stride(0), cache.stride(1),
@@ -125,8 +132,9 @@ def mla_decode(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor,
                   selection if sparse else seq_lens, request if sparse else seq_lens,
                   max_seq_len, selection.stride(0) if sparse else 0, PAGE_SIZE=page_size,
                   LAT=kv_lora_rank, ROPE=width - kv_lora_rank, SPARSE=sparse,
-                  F32_DOT=_INTERPRET or q.dtype == torch.float32, BLOCK_H=BLOCK_H,
-                  BLOCK_N=BLOCK_N, num_warps=8 if kv_lora_rank >= 256 else 4)
+                  F32_DOT=_INTERPRET or q.dtype == torch.float32, BLOCK_H=block_h,
+                  BLOCK_N=BLOCK_N, num_warps=NUM_WARPS or (8 if kv_lora_rank >= 256 else 4),
+                  **({} if NUM_STAGES is None else {"num_stages": NUM_STAGES}))
     weight = torch.softmax(lse, dim=1).nan_to_num(0.0)  # (a split past the end: lse -inf)
     return (out * weight[..., None]).sum(dim=1).to(q.dtype)
 

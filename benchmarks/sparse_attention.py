@@ -1,0 +1,119 @@
+"""Micro-benchmark: GLM-5 decode attention, DeepSeek Sparse Attention against dense MLA, one GPU.
+
+Per layer and decode step of `batch` requests of `context` tokens each, at GLM-5's shapes (64
+heads over [512 latent | 64 rotary] rows, a 128-wide index key after them, 32 index heads,
+top-2048, pages of 16): the dense MLA decode kernel over every position; the sparse path's
+parts, the index scores over every position, the top-k, and MLA over the 2,048 selected
+positions; and the KV bytes a token takes. The query projections are the same for both paths
+and left out.
+   python benchmarks/sparse_attention.py
+   python benchmarks/sparse_attention.py --batch 1 16 --context 2048 32768 131072
+   python benchmarks/sparse_attention.py --sweep   # MLA kernel variants
+
+Times are medians of CUDA-graph replays of 20 calls (benchmarks/timing.py), each call on its
+own pages when one call's would fit in L2.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from timing import graph_time
+
+from frugal.ops.triton import mla_decode as mla
+from frugal.ops.triton.dsa import index_scores, index_topk, sparse_mla_attention
+from frugal.ops.triton.mla_decode import mla_decode
+
+LAT, ROPE, INDEX, HEADS, INDEX_HEADS, TOPK, PAGE = 512, 64, 128, 64, 32, 2048, 16
+ROW_BYTES = (LAT + ROPE + INDEX) * 2  # bf16
+
+
+def bench(batch: int, context: int, cache: torch.Tensor) -> dict:
+    dev = "cuda"
+    pages_each = -(-context // PAGE)
+    copies = max(1, min(20, -(-2**28 // (batch * context * ROW_BYTES)),
+                        cache.shape[0] // (batch * pages_each)))
+    order = torch.randperm(cache.shape[0], device=dev)[: copies * batch * pages_each]
+    tables = order.to(torch.int32).view(copies, batch, pages_each)
+    lens = torch.full((batch,), context, device=dev, dtype=torch.int32)
+    cu = torch.arange(batch + 1, device=dev, dtype=torch.int32)
+    q = torch.randn(batch, HEADS, LAT + ROPE, device=dev, dtype=torch.bfloat16)
+    q_index = torch.randn(batch, INDEX_HEADS, INDEX, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(batch, INDEX_HEADS, device=dev) * (INDEX_HEADS * INDEX) ** -0.5
+    latent, keys = cache[..., :LAT + ROPE], cache[..., LAT + ROPE:]
+    scale = (192 + ROPE) ** -0.5
+    selections = [index_topk(q_index, w, keys, t, cu, lens, TOPK, context) for t in tables]
+    scores = index_scores(q_index, w, keys, tables[0], cu, lens, context)
+
+    def calls(fn):
+        return [lambda i=i: fn(i % copies) for i in range(20)]
+
+    dense = graph_time(calls(lambda c: mla_decode(q, latent, tables[c], lens, scale, context,
+                                                  LAT)))
+    score = graph_time(calls(lambda c: index_scores(q_index, w, keys, tables[c], cu, lens,
+                                                    context)))
+    topk = graph_time(calls(lambda c: scores.topk(min(TOPK, context), dim=-1)))
+    select = graph_time(calls(lambda c: index_topk(q_index, w, keys, tables[c], cu, lens, TOPK,
+                                                   context)))
+    attend = graph_time(calls(lambda c: sparse_mla_attention(q, latent, tables[c], cu,
+                                                             selections[c], scale, LAT)))
+    return {"dense": dense, "score": score, "topk": topk, "select": select, "attend": attend}
+
+
+# MLA kernel variants: (heads a program takes, keys an iteration, num_warps, num_stages)
+SWEEP_MLA = [(64, 32, 8, None), (32, 32, 8, None), (16, 32, 8, None), (32, 64, 8, None),
+             (16, 64, 8, None), (32, 32, 4, None), (64, 64, 8, None), (64, 32, 8, 2)]
+
+
+def sweep(cache: torch.Tensor) -> None:
+    shapes = [(1, 131072), (16, 32768), (16, 131072), (64, 32768)]
+    print("| heads a program | BLOCK_N | warps | stages | batch | context | dense MLA | "
+          "sparse MLA |")
+    print("|---|---|---|---|---|---|---|---|")
+    default = mla.MAX_BLOCK_H, mla.BLOCK_N, mla.NUM_WARPS, mla.NUM_STAGES
+    for h, n, warps, stages in SWEEP_MLA:
+        mla.MAX_BLOCK_H, mla.BLOCK_N, mla.NUM_WARPS, mla.NUM_STAGES = h, n, warps, stages
+        for batch, context in shapes:
+            try:
+                r = bench(batch, context, cache)
+                cells = f"{r['dense'] * 1e3:.1f} | {r['attend'] * 1e3:.1f}"
+            except Exception as e:  # (a variant past the GPU's resources)
+                cells = f"{type(e).__name__} |"
+            print(f"| {h} | {n} | {warps} | {stages} | {batch} | {context} | {cells} |",
+                  flush=True)
+    mla.MAX_BLOCK_H, mla.BLOCK_N, mla.NUM_WARPS, mla.NUM_STAGES = default
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64])
+    p.add_argument("--context", type=int, nargs="+",
+                   default=[2048, 4096, 8192, 16384, 32768, 65536, 131072])
+    p.add_argument("--sweep", action="store_true",
+                   help="time the MLA kernel's variants instead (SWEEP_MLA)")
+    a = p.parse_args()
+    most = max(a.batch) * max(a.context)
+    cache = torch.randn(-(-most // PAGE) + 64, PAGE, 1, LAT + ROPE + INDEX, device="cuda",
+                        dtype=torch.bfloat16)
+    print(f"{torch.cuda.get_device_name()} | GLM-5 attention, one layer, bf16 | "
+          f"CUDA-graph replay medians, µs\n")
+    if a.sweep:
+        sweep(cache)
+        return
+    print(f"KV bytes a token and layer: latent {(LAT + ROPE) * 2} + index key {INDEX * 2} = "
+          f"{ROW_BYTES} (bf16)\n")
+    print("| batch | context | dense MLA | index scores | top-k | indexer (scores + top-k) | "
+          "sparse MLA (2,048) | sparse total | dense / sparse |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for batch in a.batch:
+        for context in a.context:
+            r = {k: v * 1e3 for k, v in bench(batch, context, cache).items()}
+            total = r["select"] + r["attend"]
+            print(f"| {batch} | {context} | {r['dense']:.1f} | {r['score']:.1f} | "
+                  f"{r['topk']:.1f} | {r['select']:.1f} | {r['attend']:.1f} | {total:.1f} | "
+                  f"{r['dense'] / total:.2f}x |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
