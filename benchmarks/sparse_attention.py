@@ -4,8 +4,9 @@ Per layer and decode step of `batch` requests of `context` tokens each, at GLM-5
 heads over [512 latent | 64 rotary] rows, a 128-wide index key after them, 32 index heads,
 top-2048, pages of 16): the dense MLA decode kernel over every position; the sparse path's
 parts, the index scores over every position, the top-k, and MLA over the 2,048 selected
-positions; and the KV bytes a token takes. The query projections are the same for both paths
-and left out.
+positions; and the KV bytes a token takes; for a bf16 cache and an FP8 one (latent with one
+scale, index keys with one each). The query projections are the same for both paths and left
+out.
    python benchmarks/sparse_attention.py
    python benchmarks/sparse_attention.py --batch 1 16 --context 2048 32768 131072
    python benchmarks/sparse_attention.py --sweep   # MLA kernel variants
@@ -26,13 +27,27 @@ from frugal.ops.triton.dsa import index_scores, index_topk, sparse_mla_attention
 from frugal.ops.triton.mla_decode import mla_decode
 
 LAT, ROPE, INDEX, HEADS, INDEX_HEADS, TOPK, PAGE = 512, 64, 128, 64, 32, 2048, 16
-ROW_BYTES = (LAT + ROPE + INDEX) * 2  # bf16
+FP8_ROW = LAT + ROPE + INDEX + 16  # bytes: an FP8 index key's scale and padding after it
 
 
-def bench(batch: int, context: int, cache: torch.Tensor) -> dict:
+def caches(tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A bf16 and an FP8 cache of random rows for `tokens` tokens, and the FP8 one's scales."""
+    pages = -(-tokens // PAGE) + 64
+    bf16 = torch.randn(pages, PAGE, 1, LAT + ROPE + INDEX, device="cuda", dtype=torch.bfloat16)
+    fp8 = torch.empty(pages, PAGE, 1, FP8_ROW, device="cuda", dtype=torch.float8_e4m3fn)
+    for i in range(0, pages, 4096):  # (in slices: the bf16 copy of all of it is 12 GB)
+        fp8[i:i + 4096, ..., :LAT + ROPE + INDEX] = bf16[i:i + 4096].mul(64).to(fp8.dtype)
+    fp8.view(torch.uint8)[..., LAT + ROPE + INDEX:LAT + ROPE + INDEX + 4] = torch.tensor(
+        [1 / 64], device="cuda").view(torch.uint8)  # (each index key's scale)
+    return bf16, fp8, torch.full((2, 1), 1 / 64, device="cuda")
+
+
+def bench(batch: int, context: int, cache: torch.Tensor,
+          kv_scales: torch.Tensor | None = None) -> dict:
     dev = "cuda"
+    row_bytes = cache.shape[-1] * cache.element_size()
     pages_each = -(-context // PAGE)
-    copies = max(1, min(20, -(-2**28 // (batch * context * ROW_BYTES)),
+    copies = max(1, min(20, -(-2**28 // (batch * context * row_bytes)),
                         cache.shape[0] // (batch * pages_each)))
     order = torch.randperm(cache.shape[0], device=dev)[: copies * batch * pages_each]
     tables = order.to(torch.int32).view(copies, batch, pages_each)
@@ -50,15 +65,17 @@ def bench(batch: int, context: int, cache: torch.Tensor) -> dict:
         return [lambda i=i: fn(i % copies) for i in range(20)]
 
     dense = graph_time(calls(lambda c: mla_decode(q, latent, tables[c], lens, scale, context,
-                                                  LAT)))
+                                                  LAT, kv_scales=kv_scales)))
     score = graph_time(calls(lambda c: index_scores(q_index, w, keys, tables[c], cu, lens,
                                                     context)))
-    topk = graph_time(calls(lambda c: scores.topk(min(TOPK, context), dim=-1)))
+    topk = graph_time(calls(lambda c: scores.topk(min(TOPK, context), dim=-1, sorted=False)))
     select = graph_time(calls(lambda c: index_topk(q_index, w, keys, tables[c], cu, lens, TOPK,
                                                    context)))
     attend = graph_time(calls(lambda c: sparse_mla_attention(q, latent, tables[c], cu,
-                                                             selections[c], scale, LAT)))
-    return {"dense": dense, "score": score, "topk": topk, "select": select, "attend": attend}
+                                                             selections[c], scale, LAT,
+                                                             kv_scales)))
+    return {k: v * 1e3 for k, v in (("dense", dense), ("score", score), ("topk", topk),
+                                     ("select", select), ("attend", attend))}
 
 
 # MLA kernel variants: (heads a program takes, keys an iteration, num_warps, num_stages)
@@ -77,7 +94,7 @@ def sweep(cache: torch.Tensor) -> None:
         for batch, context in shapes:
             try:
                 r = bench(batch, context, cache)
-                cells = f"{r['dense'] * 1e3:.1f} | {r['attend'] * 1e3:.1f}"
+                cells = f"{r['dense']:.1f} | {r['attend']:.1f}"
             except Exception as e:  # (a variant past the GPU's resources)
                 cells = f"{type(e).__name__} |"
             print(f"| {h} | {n} | {warps} | {stages} | {batch} | {context} | {cells} |",
@@ -93,26 +110,29 @@ def main() -> None:
     p.add_argument("--sweep", action="store_true",
                    help="time the MLA kernel's variants instead (SWEEP_MLA)")
     a = p.parse_args()
-    most = max(a.batch) * max(a.context)
-    cache = torch.randn(-(-most // PAGE) + 64, PAGE, 1, LAT + ROPE + INDEX, device="cuda",
-                        dtype=torch.bfloat16)
-    print(f"{torch.cuda.get_device_name()} | GLM-5 attention, one layer, bf16 | "
-          f"CUDA-graph replay medians, µs\n")
+    bf16, fp8, scales = caches(max(a.batch) * max(a.context))
+    print(f"{torch.cuda.get_device_name()} | GLM-5 attention, one layer | CUDA-graph replay "
+          "medians, µs\n")
     if a.sweep:
-        sweep(cache)
+        sweep(bf16)
         return
-    print(f"KV bytes a token and layer: latent {(LAT + ROPE) * 2} + index key {INDEX * 2} = "
-          f"{ROW_BYTES} (bf16)\n")
-    print("| batch | context | dense MLA | index scores | top-k | indexer (scores + top-k) | "
-          "sparse MLA (2,048) | sparse total | dense / sparse |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(f"KV bytes a token and layer: bf16 {(LAT + ROPE) * 2} latent + {INDEX * 2} index key "
+          f"= {(LAT + ROPE + INDEX) * 2}; FP8 {LAT + ROPE} latent + {INDEX} index key + 16 "
+          f"(its scale, padding) = {FP8_ROW}\n")
+    print("| batch | context | bf16: dense MLA | index scores | top-k | indexer | sparse MLA "
+          "(2,048) | sparse total | dense / sparse | FP8: dense MLA | indexer | sparse MLA | "
+          "sparse total | dense / sparse |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for batch in a.batch:
         for context in a.context:
-            r = {k: v * 1e3 for k, v in bench(batch, context, cache).items()}
-            total = r["select"] + r["attend"]
+            r = bench(batch, context, bf16)
+            f = bench(batch, context, fp8, scales)
+            total, total8 = r["select"] + r["attend"], f["select"] + f["attend"]
             print(f"| {batch} | {context} | {r['dense']:.1f} | {r['score']:.1f} | "
                   f"{r['topk']:.1f} | {r['select']:.1f} | {r['attend']:.1f} | {total:.1f} | "
-                  f"{r['dense'] / total:.2f}x |", flush=True)
+                  f"{r['dense'] / total:.2f}x | {f['dense']:.1f} | {f['select']:.1f} | "
+                  f"{f['attend']:.1f} | {total8:.1f} | {f['dense'] / total8:.2f}x |",
+                  flush=True)
 
 
 if __name__ == "__main__":

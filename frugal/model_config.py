@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+INDEX_SCALE_BYTES = 16  # an FP8 index key's fp32 scale and padding, after its bytes
+
 
 @dataclass(frozen=True)
 class MoeConfig:
@@ -192,6 +194,17 @@ class ModelConfig:
     def kv_parts(self) -> int:
         """Tensors the KV cache keeps per layer: K and V, or MLA's latent alone."""
         return 1 if self.mla is not None else 2
+
+    @property
+    def latent_width(self) -> int:
+        """MLA: the values of a cache row before the DSA index key, [latent | rotary key]."""
+        return self.mla.kv_lora_rank + self.mla.qk_rope_head_dim
+
+    def cache_width(self, fp8: bool) -> int:
+        """Values (bytes, for FP8) of a cache row a token and KV head: head_dim, but an FP8 DSA
+        row's index key takes 16 bytes more (its fp32 scale, padded: rows stay 16-byte
+        aligned, see ops.torch_ref.dsa)."""
+        return self.head_dim + (INDEX_SCALE_BYTES if fp8 and self.dsa is not None else 0)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",

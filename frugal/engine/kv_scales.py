@@ -1,4 +1,5 @@
-"""Scales of an FP8 KV cache: one per layer, KV head and K/V, values [num_layers, 2, num_kv_heads].
+"""Scales of an FP8 KV cache: one per layer, KV head and K/V, values [num_layers, 2, num_kv_heads]
+(MLA: one KV head, K and V the same latent rows; a DSA index key has its own scale a token).
 
 The cache stores x / scale saturated to ±448 (float8_e4m3fn's largest value), so a scale is the
 amax of what it covers over 448. Where they come from, in order: the checkpoint's k_scale /
@@ -164,9 +165,11 @@ def calibrate(runner: ModelRunner, prompts: list[list[int]], generate: int,
             _step(runner, requests, todo)
             todo = [1] * len(requests)
         written = sum(r.num_computed_tokens for r in requests)
-        amax = torch.stack([torch.stack([pool.k[i].abs().amax(dim=(0, 1, 3)),
-                                         pool.v[i].abs().amax(dim=(0, 1, 3))])
-                            for i in range(mc.num_layers)]).float().cpu()
+        # (MLA: K and V are the latent rows, before any DSA index key, one scale a layer)
+        parts = ([pool.k[i][..., :mc.latent_width]] * 2 if mc.mla is not None
+                 else [pool.k[i], pool.v[i]] for i in range(mc.num_layers))
+        amax = torch.stack([torch.stack([x.abs().amax(dim=(0, 1, 3)) for x in kv])
+                            for kv in parts]).float().cpu()
     finally:
         runner.pool, runner.graphs = saved_pool, saved_graphs
         if saved_pool is not None:

@@ -88,14 +88,12 @@ class ModelRunner:
         cache = config.cache
         kv_dtype = self.dtype if cache.kv_cache_dtype == "auto" else KV_DTYPES[cache.kv_cache_dtype]
         scales = None
-        if cache.fp8 and mc.mla is not None:
-            raise ValueError("kv_cache_dtype: an FP8 cache for latent attention (MLA) is not "
-                             "supported yet")
         if cache.fp8:
             scales = kv_scales.resolve(self, getattr(self.model, "kv_scales_found", {}),
                                        tokenizer)
-        page_bytes = KVPool.page_bytes(mc.num_layers, cache.page_size, mc.num_kv_heads,
-                                       mc.head_dim, kv_dtype, mc.kv_parts)
+        width = mc.cache_width(cache.fp8)
+        page_bytes = KVPool.page_bytes(mc.num_layers, cache.page_size, mc.num_kv_heads, width,
+                                       kv_dtype, mc.kv_parts)
         # (MLA attention runs PyTorch ops with host-side shapes: no graphs for it yet)
         self.use_graphs = (self.device.startswith("cuda") and not config.enforce_eager
                            and triton_ops and mc.mla is None)
@@ -104,8 +102,8 @@ class ModelRunner:
         if num_pages < 1:
             raise ValueError(f"kv_cache_memory: {budget} bytes is less than one page "
                              f"({page_bytes} bytes)")
-        self.pool = KVPool(mc.num_layers, num_pages, cache.page_size, mc.num_kv_heads,
-                           mc.head_dim, kv_dtype, self.device, mc.kv_parts)
+        self.pool = KVPool(mc.num_layers, num_pages, cache.page_size, mc.num_kv_heads, width,
+                           kv_dtype, self.device, mc.kv_parts)
         self.allocator = PageAllocator(num_pages)
         if scales is not None:
             self.pool.scales = scales.values.to(self.device)

@@ -38,8 +38,9 @@ class LatentProjection(nn.Module):
 
 class MlaAttention(nn.Module):
     """k_cache (= v_cache): [num_pages, page_size, 1, kv_lora_rank + qk_rope_head_dim (+
-    index_head_dim with DSA)], bound by the model runner. index: whether this layer runs the
-    DSA indexer (else it reuses the selection handed to it)."""
+    index_head_dim with DSA, + 16 bytes with DSA in FP8: ops.torch_ref.dsa)], bound by the model
+    runner, with kv_scales ([2, 1] fp32) when the cache is FP8. index: whether this layer runs
+    the DSA indexer (else it reuses the selection handed to it)."""
 
     def __init__(self, c: ModelConfig, rotary: RotaryEmbedding, index: bool = False) -> None:
         super().__init__()
@@ -86,26 +87,27 @@ class MlaAttention(nn.Module):
                                                            dim=-1)
         rotate = ops.apply_rotary_pairs if m.rope_interleave else ops.apply_rotary
         q_rope, k_rope = rotate(q_rope, k_rope[:, None, :], positions, self.rotary.cos_sin)
-        row = [self.kv_a_layernorm(latent)[:, None, :], k_rope]
-        if self.dsa is not None:  # (a shared layer's index columns stay zero)
-            row.append(self.indexer.key(x, positions)[:, None, :] if self.indexer is not None
-                       else k_rope.new_zeros(k_rope.shape[0], 1, self.dsa.head_dim))
-        ops.store_latent(torch.cat(row, dim=-1), self.k_cache, meta.slot_mapping)
+        width = m.kv_lora_rank + m.qk_rope_head_dim
+        cache = self.k_cache[..., :width]
+        ops.store_latent(torch.cat([self.kv_a_layernorm(latent)[:, None, :], k_rope], dim=-1),
+                         cache, meta.slot_mapping, self.kv_scales)
+        if self.indexer is not None:  # (a shared layer's index columns stay zero)
+            ops.store_index_key(self.indexer.key(x, positions), self.k_cache[..., width:],
+                                meta.slot_mapping)
         w = self.kv_b_proj.weight.view(heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
         w_uk, w_uv = w.split([m.qk_nope_head_dim, m.v_head_dim], dim=1)
         q_latent = torch.cat([torch.einsum("thn,hnc->thc", q_nope, w_uk), q_rope], dim=-1)
-        width = m.kv_lora_rank + m.qk_rope_head_dim
-        cache = self.k_cache[..., :width]
         if self.dsa is not None and meta.max_seq_len > self.dsa.topk:
             if self.indexer is not None:
                 selection = self.indexer.select(x, q_resid, positions,
                                                 self.k_cache[..., width:], meta)
             o = ops.sparse_mla_attention(q_latent, cache, meta.page_table, meta.cu_seqlens_q,
-                                         selection, self.scale, m.kv_lora_rank)
+                                         selection, self.scale, m.kv_lora_rank, self.kv_scales)
         else:
             selection = None
             o = ops.mla_attention(q_latent, cache, meta.page_table, meta.cu_seqlens_q,
                                   meta.seq_lens, self.scale, meta.max_query_len,
-                                  meta.max_seq_len, m.kv_lora_rank, meta.num_decodes)
+                                  meta.max_seq_len, m.kv_lora_rank, meta.num_decodes,
+                                  self.kv_scales)
         o = torch.einsum("thc,hvc->thv", o, w_uv)
         return self.o_proj(o.reshape(-1, heads * m.v_head_dim), residual=h), selection

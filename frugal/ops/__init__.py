@@ -16,7 +16,7 @@ from frugal.ops import torch_ref
 
 OPS = ("linear", "rms_norm", "silu_and_mul", "rotary_store_kv", "paged_attention",
        "check_kv_pages", "route_experts", "fused_moe", "apply_rotary", "apply_rotary_pairs",
-       "store_latent", "mla_attention", "index_topk", "sparse_mla_attention")
+       "store_latent", "mla_attention", "store_index_key", "index_topk", "sparse_mla_attention")
 BACKENDS = {"torch_ref": "frugal.ops.torch_ref", "triton": "frugal.ops.triton"}
 
 
@@ -51,5 +51,6 @@ apply_rotary = torch_ref.apply_rotary
 apply_rotary_pairs = torch_ref.apply_rotary_pairs
 store_latent = torch_ref.store_latent
 mla_attention = torch_ref.mla_attention
+store_index_key = torch_ref.store_index_key
 index_topk = torch_ref.index_topk
 sparse_mla_attention = torch_ref.sparse_mla_attention

@@ -66,12 +66,71 @@ def test_mla_logits_and_greedy_tokens_match_transformers(case, tmp_path):
 
 
 def test_mla_cache_holds_one_latent_row_per_token(tmp_path):
-    """MLA's cache: one tensor a layer (no V), (kv_lora_rank + rope) values a token."""
+    """MLA's cache: one tensor a layer (no V), (kv_lora_rank + rope) values a token; FP8: a
+    byte a value."""
     write_model("deepseek-v3", tmp_path)
     llm = LLM(str(tmp_path), dtype="float32", device="cpu", kv_cache_memory="8MiB")
     pool = llm.engine.runner.pool
     assert pool.v[0].data_ptr() == pool.k[0].data_ptr()
     assert pool.num_bytes == pool.num_pages * 16 * 3 * 40 * 4  # pages x tokens x layers x row
-    with pytest.raises(ValueError, match="FP8 cache for latent attention"):
-        LLM(str(tmp_path), dtype="float32", device="cpu", kv_cache_memory="8MiB",
-            kv_cache_dtype="fp8")
+    fp8 = LLM(str(tmp_path), dtype="float32", device="cpu", kv_cache_memory="8MiB",
+              kv_cache_dtype="fp8").engine.runner.pool
+    assert fp8.num_bytes == fp8.num_pages * 16 * 3 * 40 and fp8.k[0].shape[-2:] == (1, 40)
+
+
+def fake_quantized(monkeypatch, llm) -> None:
+    """Make llm's (non-FP8) cache hold what an FP8 one reads back: each latent row rounded
+    through FP8 with the scales of `llm.fp8_scales` ([layers, 2, 1]), each DSA index key
+    through FP8 with its own amax / 448."""
+    from frugal.ops import torch_ref
+    from frugal.quant.fp8 import FP8_MAX
+
+    caches = {a.k_cache.data_ptr(): i for i, a in enumerate(llm.engine.runner.model
+                                                               .attention_layers())}
+    store_latent, store_index_key = torch_ref.store_latent, torch_ref.store_index_key
+
+    def rounded(x, scale):
+        return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * scale
+
+    def latent(rows, cache, slots, kv_scales=None):
+        store_latent(rounded(rows, llm.fp8_scales[caches[cache.data_ptr()], 0]), cache, slots)
+
+    def index_key(key, cache, slots):
+        scale = key.float().abs().amax(-1, keepdim=True).clamp(min=1e-12) / FP8_MAX
+        store_index_key(rounded(key, scale), cache, slots)
+
+    monkeypatch.setattr(torch_ref, "store_latent", latent)
+    monkeypatch.setattr(torch_ref, "store_index_key", index_key)
+    if llm.engine.runner.backend is not torch_ref:  # (the Triton backend's, the same ops)
+        monkeypatch.setattr(llm.engine.runner.backend, "store_latent", latent)
+        monkeypatch.setattr(llm.engine.runner.backend, "store_index_key", index_key)
+
+
+@pytest.mark.parametrize("case,device", [
+    ("deepseek-v3", "cpu"), ("glm-5", "cpu"),
+    pytest.param("deepseek-v3-rope16", "cuda", marks=pytest.mark.gpu),
+    pytest.param("glm-5", "cuda", marks=pytest.mark.gpu)])
+def test_fp8_cache_reads_back_the_rounded_rows(case, device, tmp_path, monkeypatch):
+    """An FP8 latent cache (and FP8 DSA index keys) computes exactly what the fp32 cache does
+    when it holds the values rounded through FP8: quantization at the store, dequantization in
+    attention and the indexer, nothing else. The scales are calibrated, never 1.0. (On the GPU:
+    the Triton kernels, rotary width 16.)"""
+    if case == "glm-5":
+        from tests.models.test_dsa_vs_hf import config
+        save_random(config(qk_rope_head_dim=8 if device == "cpu" else 16), tmp_path)
+    else:
+        write_model(case, tmp_path)
+    kv = "8MiB" if device == "cpu" else "64MiB"
+    fp8 = LLM(str(tmp_path), dtype="float32", device=device, kv_cache_memory=kv,
+              kv_cache_dtype="fp8")
+    pool = fp8.engine.runner.pool
+    assert pool.dtype == torch.float8_e4m3fn and pool.scales.shape[1:] == (2, 1)
+    assert pool.scales_source.startswith("start-up: calibrated")
+    assert not bool(torch.isclose(pool.scales, torch.ones_like(pool.scales)).any())
+    ids = torch.randint(0, 320, (150,), generator=torch.Generator().manual_seed(1)).tolist()
+    got = frugal_logits(fp8, ids)
+    ref = LLM(str(tmp_path), dtype="float32", device=device, kv_cache_memory=kv)
+    ref.fp8_scales = pool.scales
+    fake_quantized(monkeypatch, ref)
+    want = frugal_logits(ref, ids)
+    torch.testing.assert_close(got.cpu(), want.cpu(), atol=1e-4, rtol=1e-4)

@@ -121,3 +121,56 @@ def test_dsa_kernels_bf16_glm5_shapes_gpu():
                                    *to("cuda", table, cu, ref), 0.07, lat).cpu()
     want = torch_ref.sparse_mla_attention(qa, cache[..., :lat + rope], table, cu, ref, 0.07, lat)
     torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+def fp8_index_keys(keys: torch.Tensor, dim: int) -> torch.Tensor:
+    """keys [P, S, 1, dim] -> an FP8 index-key cache [P, S, 1, dim + 16] holding them."""
+    out = torch.zeros(*keys.shape[:3], dim + 16, dtype=torch.float8_e4m3fn)
+    torch_ref.store_index_key(keys.reshape(-1, dim), out, torch.arange(keys[..., 0].numel()))
+    return out
+
+
+def test_fp8_index_keys_round_trip():
+    g = torch.Generator().manual_seed(4)
+    keys = torch.randn(3, 16, 1, 32, generator=g) * torch.rand(3, 16, 1, 1, generator=g) * 5
+    cache = fp8_index_keys(keys, 32)
+    back = torch_ref.dsa.index_key_rows(cache, torch.arange(48))
+    err = (back - keys.view(48, 32)).abs() / keys.view(48, 32).abs().amax(-1, keepdim=True)
+    assert err.max() < 1 / 16 and err.max() > 0  # (e4m3: 3 mantissa bits, amax at 448)
+    torch.testing.assert_close(back.abs().amax(-1), keys.view(48, 32).abs().amax(-1))
+
+
+def test_fp8_index_topk_and_mla_match_torch_ref():
+    """FP8 index keys (each with its scale) and an FP8 latent cache (one scale): the kernels
+    read them as torch_ref does."""
+    heads, dim, lat, rope = 16, 16, 32, 16
+    lens, new = [70, 30], [1, 6]
+    g, cache, table, cu, seq_lens = batch(lens, new, lat + rope + dim)
+    fp8 = torch.zeros(*cache.shape[:3], lat + rope + dim + 16, dtype=torch.float8_e4m3fn)
+    kv_scales = torch.tensor([[0.01], [0.01]])
+    slots = torch.arange(cache[..., 0].numel())
+    torch_ref.store_latent(cache[..., :lat + rope].reshape(-1, 1, lat + rope),
+                           fp8[..., :lat + rope], slots, kv_scales)
+    torch_ref.store_index_key(cache[..., lat + rope:].reshape(-1, dim), fp8[..., lat + rope:],
+                              slots)
+    q = torch.randn(7, heads, dim, generator=g)
+    w = torch.randn(7, heads, generator=g)
+    keys = fp8[..., lat + rope:]
+    ref = torch_ref.index_topk(q, w, keys, table, cu, seq_lens, 16, 70)
+    got = tri.index_topk(*to(DEVICE, q, w), fp8.to(DEVICE)[..., lat + rope:],
+                         *to(DEVICE, table, cu, seq_lens), 16, 70)
+    assert torch.equal(got.cpu().sort(-1).values, ref.sort(-1).values)
+    qa = torch.randn(7, 20, lat + rope, generator=g)
+    want = torch_ref.sparse_mla_attention(qa, fp8[..., :lat + rope], table, cu, ref, 0.1, lat,
+                                          kv_scales)
+    out = tri.sparse_mla_attention(qa.to(DEVICE), fp8.to(DEVICE)[..., :lat + rope],
+                                   *to(DEVICE, table, cu, ref), 0.1, lat,
+                                   kv_scales.to(DEVICE))
+    torch.testing.assert_close(out.cpu(), want, atol=1e-4, rtol=1e-4)
+    from frugal.ops.triton.mla_decode import mla_attention
+    dense = torch_ref.mla_attention(qa[:1], fp8[..., :lat + rope], table[:1], cu[:2],
+                                    seq_lens[:1], 0.1, 1, 70, lat, 1, kv_scales)
+    got = mla_attention(qa[:1].to(DEVICE), fp8.to(DEVICE)[..., :lat + rope],
+                        *to(DEVICE, table[:1], cu[:2], seq_lens[:1]), 0.1, 1, 70, lat, 1,
+                        kv_scales.to(DEVICE))
+    torch.testing.assert_close(got.cpu(), dense, atol=1e-4, rtol=1e-4)

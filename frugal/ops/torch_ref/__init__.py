@@ -2,7 +2,7 @@
 
 from frugal.ops.torch_ref.activation import silu_and_mul
 from frugal.ops.torch_ref.attention import paged_attention, rotary_store_kv, store_kv, v_key_minor
-from frugal.ops.torch_ref.dsa import index_topk, sparse_mla_attention
+from frugal.ops.torch_ref.dsa import index_topk, sparse_mla_attention, store_index_key
 from frugal.ops.torch_ref.integrity import check_kv_pages
 from frugal.ops.torch_ref.linear import linear, pack_weight
 from frugal.ops.torch_ref.mla import mla_attention, store_latent
@@ -12,5 +12,5 @@ from frugal.ops.torch_ref.rotary import apply_rotary, apply_rotary_pairs
 
 __all__ = ["apply_rotary", "apply_rotary_pairs", "check_kv_pages", "fused_moe", "index_topk",
            "linear", "mla_attention", "pack_weight", "paged_attention", "rms_norm",
-           "rotary_store_kv", "route_experts", "silu_and_mul", "sparse_mla_attention", "store_kv",
-           "store_latent", "v_key_minor"]
+           "rotary_store_kv", "route_experts", "silu_and_mul", "sparse_mla_attention",
+           "store_index_key", "store_kv", "store_latent", "v_key_minor"]

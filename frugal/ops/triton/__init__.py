@@ -7,7 +7,9 @@ cache, the KV store, the small ops between matmuls and the KV-cache integrity ch
 """
 
 # PyTorch ops on the GPU's tensors: routing (fixed shapes, so CUDA graphs capture it); MLA's
-# rotary, latent store and prompt attention (host-side shapes: MLA models run without graphs)
+# rotary, latent and index-key stores and prompt attention (host-side shapes: MLA models run
+# without graphs)
+from frugal.ops.torch_ref.dsa import store_index_key
 from frugal.ops.torch_ref.mla import store_latent
 from frugal.ops.torch_ref.moe import route_experts
 from frugal.ops.torch_ref.rotary import apply_rotary, apply_rotary_pairs
@@ -23,4 +25,4 @@ from frugal.ops.triton.moe import fused_moe
 __all__ = ["apply_rotary", "apply_rotary_pairs", "check_kv_pages", "fused_moe", "index_topk",
            "linear", "mla_attention", "pack_weight", "paged_attention", "rms_norm",
            "rotary_store_kv", "route_experts", "silu_and_mul", "sparse_mla_attention",
-           "store_latent"]
+           "store_index_key", "store_latent"]

@@ -24,10 +24,10 @@ BLOCK_N = 64  # positions a score program takes
 
 
 @triton.jit
-def _score_kernel(q_ptr, w_ptr, keys_ptr, page_table_ptr, request_ptr, visible_ptr, out_ptr,
-                  sqt, sqh, swt, srow, spt, sot, num_cols,
+def _score_kernel(q_ptr, w_ptr, keys_ptr, key_scales_ptr, page_table_ptr, request_ptr,
+                  visible_ptr, out_ptr, sqt, sqh, swt, srow, sscale, spt, sot, num_cols,
                   PAGE_SIZE: tl.constexpr, HEADS: tl.constexpr, DIM: tl.constexpr,
-                  F32_DOT: tl.constexpr, BLOCK_N: tl.constexpr):
+                  FP8: tl.constexpr, F32_DOT: tl.constexpr, BLOCK_N: tl.constexpr):
     t = tl.program_id(0)
     pos = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     b = tl.load(request_ptr + t)
@@ -39,10 +39,14 @@ def _score_kernel(q_ptr, w_ptr, keys_ptr, page_table_ptr, request_ptr, visible_p
     slot = page.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE
     k = tl.load(keys_ptr + slot[:, None] * srow + dims[None, :], mask=ok[:, None], other=0.0)
     q = tl.load(q_ptr + t * sqt + heads[:, None] * sqh + dims[None, :])
+    if FP8:
+        k = k.to(q.dtype)
     if F32_DOT:
         s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k))  # [HEADS, BLOCK_N] fp32
+    if FP8:
+        s = s * tl.load(key_scales_ptr + slot * sscale, mask=ok, other=0.0)[None, :]
     w = tl.load(w_ptr + t * swt + heads)
     score = tl.sum(tl.maximum(s, 0.0) * w[:, None], axis=0)
     tl.store(out_ptr + t * sot + pos, tl.where(ok, score, float("-inf")), mask=pos < num_cols)
@@ -73,11 +77,15 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
     num_tokens, heads, dim = q.shape
     request, visible = _layout(cu_seqlens_q, seq_lens, num_tokens)
     out = torch.empty(num_tokens, max_seq_len, dtype=torch.float32, device=q.device)
+    fp8 = keys.element_size() == 1
+    # an FP8 key's fp32 scale follows its dim bytes (torch_ref.dsa): a strided fp32 view
+    key_scales = keys.view(torch.uint8)[..., dim:dim + 4].view(torch.float32) if fp8 else out
     grid = (num_tokens, triton.cdiv(max_seq_len, BLOCK_N))
-    _score_kernel[grid](q, weights, keys, page_table, request, visible, out, q.stride(0),
-                        q.stride(1), weights.stride(0), keys.stride(1), page_table.stride(0),
+    _score_kernel[grid](q, weights, keys, key_scales, page_table, request, visible, out,
+                        q.stride(0), q.stride(1), weights.stride(0), keys.stride(1),
+                        key_scales.stride(1) if fp8 else 0, page_table.stride(0),
                         out.stride(0), max_seq_len, PAGE_SIZE=keys.shape[1], HEADS=heads,
-                        DIM=dim, F32_DOT=_INTERPRET or q.dtype == torch.float32,
+                        DIM=dim, FP8=fp8, F32_DOT=_INTERPRET or q.dtype == torch.float32,
                         BLOCK_N=BLOCK_N, num_warps=4)
     return out
 
@@ -97,14 +105,15 @@ def index_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
 
 def sparse_mla_attention(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor,
                          cu_seqlens_q: torch.Tensor, selection: torch.Tensor, scale: float,
-                         kv_lora_rank: int) -> torch.Tensor:
+                         kv_lora_rank: int, kv_scales: torch.Tensor | None = None
+                         ) -> torch.Tensor:
     """torch_ref.sparse_mla_attention's twin: every token (decode or prompt) one kernel row."""
     if not mla_supported(kv_lora_rank, q.shape[-1] - kv_lora_rank):
         return torch_ref.sparse_mla_attention(q, cache, page_table, cu_seqlens_q, selection,
-                                              scale, kv_lora_rank)
+                                              scale, kv_lora_rank, kv_scales)
     counts = cu_seqlens_q.diff()
     request = torch.repeat_interleave(torch.arange(counts.shape[0], device=q.device,
                                                    dtype=torch.int32), counts,
                                       output_size=q.shape[0])
     return mla_decode(q, cache, page_table, page_table, scale, 0, kv_lora_rank, selection,
-                      request)
+                      request, kv_scales)

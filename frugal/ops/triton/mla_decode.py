@@ -35,9 +35,10 @@ NUM_STAGES: int | None = None  # None: Triton's default
 @triton.jit
 def _kernel(q_ptr, cache_ptr, page_table_ptr, seq_lens_ptr, out_ptr, lse_ptr, scale,
             num_heads, keys_per_split, sqt, sqh, spt, srow, sob, sos, soh, slb, sls,
-            sel_ptr, request_ptr, num_selected, ssel,
+            sel_ptr, request_ptr, num_selected, ssel, kv_scale_ptr,
             PAGE_SIZE: tl.constexpr, LAT: tl.constexpr, ROPE: tl.constexpr, SPARSE: tl.constexpr,
-            F32_DOT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
+            FP8: tl.constexpr, F32_DOT: tl.constexpr, BLOCK_H: tl.constexpr,
+            BLOCK_N: tl.constexpr):
     b = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
@@ -57,6 +58,10 @@ def _kernel(q_ptr, cache_ptr, page_table_ptr, seq_lens_ptr, out_ptr, lse_ptr, sc
     q_rope = tl.load(q_row + LAT + rope[None, :], mask=h_ok[:, None], other=0.0)
     if F32_DOT:
         q_lat, q_rope = q_lat.to(tl.float32), q_rope.to(tl.float32)
+    qk_scale = scale
+    if FP8:
+        kv_scale = tl.load(kv_scale_ptr)
+        qk_scale = scale * kv_scale
     m = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
     total = tl.zeros((BLOCK_H,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_H, LAT), dtype=tl.float32)
@@ -70,13 +75,15 @@ def _kernel(q_ptr, cache_ptr, page_table_ptr, seq_lens_ptr, out_ptr, lse_ptr, sc
         row = cache_ptr + (page.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE)[:, None] * srow
         c = tl.load(row + lat[None, :], mask=ok[:, None], other=0.0)  # [BLOCK_N, LAT]
         k_rope = tl.load(row + LAT + rope[None, :], mask=ok[:, None], other=0.0)
+        if FP8:  # (the scale is applied to the scores and the output)
+            c, k_rope = c.to(q_lat.dtype), k_rope.to(q_lat.dtype)
         if F32_DOT:
             c, k_rope = c.to(tl.float32), k_rope.to(tl.float32)
             s = (tl.dot(q_lat, tl.trans(c), input_precision="ieee")
                  + tl.dot(q_rope, tl.trans(k_rope), input_precision="ieee"))
         else:
             s = tl.dot(q_lat, tl.trans(c)) + tl.dot(q_rope, tl.trans(k_rope))
-        s = tl.where(ok[None, :], s * scale, float("-inf"))
+        s = tl.where(ok[None, :], s * qk_scale, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m - m_new)
@@ -88,6 +95,8 @@ def _kernel(q_ptr, cache_ptr, page_table_ptr, seq_lens_ptr, out_ptr, lse_ptr, sc
         m = m_new
     safe = tl.where(total > 0, total, 1.0)
     out = acc / safe[:, None]
+    if FP8:
+        out = out * kv_scale
     tl.store(out_ptr + b * sob + split * sos + heads[:, None] * soh + lat[None, :], out,
              mask=h_ok[:, None])
     lse = tl.where(total > 0, m + tl.log(safe), float("-inf"))
@@ -102,7 +111,8 @@ def supported(kv_lora_rank: int, rope_dim: int) -> bool:
 def mla_decode(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor,
                seq_lens: torch.Tensor, scale: float, max_seq_len: int,
                kv_lora_rank: int, selection: torch.Tensor | None = None,
-               request: torch.Tensor | None = None) -> torch.Tensor:
+               request: torch.Tensor | None = None,
+               kv_scales: torch.Tensor | None = None) -> torch.Tensor:
     """q: [B, num_heads, kv_lora_rank + rope] absorbed queries, one token of each request;
     cache: [num_pages, page_size, 1, kv_lora_rank + rope] (a column view of wider rows is
     fine); page_table [B, max_pages] int32, seq_lens [B] int32 (the token's own row stored).
@@ -110,7 +120,8 @@ def mla_decode(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor,
 
     selection ([B, k] int32, see torch_ref.dsa) with request ([B] int32, each row's page_table
     row): the B rows are new tokens of any requests attending to their selected positions;
-    seq_lens and max_seq_len are then unused."""
+    seq_lens and max_seq_len are then unused. An FP8 cache comes with kv_scales ([2, 1],
+    torch_ref.mla)."""
     batch, num_heads, width = q.shape
     page_size = cache.shape[1]
     block_h = min(MAX_BLOCK_H, max(16, triton.next_power_of_2(num_heads)))
@@ -130,8 +141,10 @@ def mla_decode(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor,
                   q.stride(0), q.stride(1), page_table.stride(0), cache.stride(1),
                   out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
                   selection if sparse else seq_lens, request if sparse else seq_lens,
-                  max_seq_len, selection.stride(0) if sparse else 0, PAGE_SIZE=page_size,
+                  max_seq_len, selection.stride(0) if sparse else 0,
+                  seq_lens if kv_scales is None else kv_scales, PAGE_SIZE=page_size,
                   LAT=kv_lora_rank, ROPE=width - kv_lora_rank, SPARSE=sparse,
+                  FP8=cache.element_size() == 1,
                   F32_DOT=_INTERPRET or q.dtype == torch.float32, BLOCK_H=block_h,
                   BLOCK_N=BLOCK_N, num_warps=NUM_WARPS or (8 if kv_lora_rank >= 256 else 4),
                   **({} if NUM_STAGES is None else {"num_stages": NUM_STAGES}))
@@ -142,18 +155,20 @@ def mla_decode(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor,
 def mla_attention(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor,
                   cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                   max_query_len: int, max_seq_len: int, kv_lora_rank: int,
-                  num_decodes: int = 0) -> torch.Tensor:
+                  num_decodes: int = 0, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
     """torch_ref.mla_attention's twin: the step's leading decodes through mla_decode, the
     requests with prompt tokens through the PyTorch op (no Triton prefill kernel yet)."""
     if num_decodes == 0 or not supported(kv_lora_rank, q.shape[-1] - kv_lora_rank):
         return torch_ref.mla_attention(q, cache, page_table, cu_seqlens_q, seq_lens, scale,
-                                       max_query_len, max_seq_len, kv_lora_rank, num_decodes)
+                                       max_query_len, max_seq_len, kv_lora_rank, num_decodes,
+                                       kv_scales)
     out = torch.empty(*q.shape[:2], kv_lora_rank, dtype=q.dtype, device=q.device)
     out[:num_decodes] = mla_decode(q[:num_decodes], cache, page_table[:num_decodes],
-                                   seq_lens[:num_decodes], scale, max_seq_len, kv_lora_rank)
+                                   seq_lens[:num_decodes], scale, max_seq_len, kv_lora_rank,
+                                   kv_scales=kv_scales)
     if num_decodes < seq_lens.shape[0]:
         cu = cu_seqlens_q[num_decodes:] - num_decodes
         out[num_decodes:] = torch_ref.mla_attention(
             q[num_decodes:], cache, page_table[num_decodes:], cu, seq_lens[num_decodes:], scale,
-            max_query_len, max_seq_len, kv_lora_rank)
+            max_query_len, max_seq_len, kv_lora_rank, kv_scales=kv_scales)
     return out
