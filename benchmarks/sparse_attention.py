@@ -22,6 +22,7 @@ import argparse
 import torch
 from timing import graph_time
 
+from frugal.ops.triton import dsa
 from frugal.ops.triton import mla_decode as mla
 from frugal.ops.triton.dsa import index_scores, index_topk, sparse_mla_attention
 from frugal.ops.triton.mla_decode import mla_decode
@@ -80,10 +81,13 @@ def bench(batch: int, context: int, cache: torch.Tensor,
 
 # MLA kernel variants: (heads a program takes, keys an iteration, num_warps, num_stages)
 SWEEP_MLA = [(64, 32, 8, None), (32, 32, 8, None), (16, 32, 8, None), (32, 64, 8, None),
-             (16, 64, 8, None), (32, 32, 4, None), (64, 64, 8, None), (64, 32, 8, 2)]
+             (16, 64, 8, None), (64, 64, 8, None)]
 
 
-def sweep(cache: torch.Tensor) -> None:
+SWEEP_INDEX = [(64, 4), (128, 4), (128, 8), (256, 4), (256, 8)]  # (BLOCK_N, num_warps)
+
+
+def sweep(cache: torch.Tensor, fp8: torch.Tensor, scales: torch.Tensor) -> None:
     shapes = [(1, 131072), (16, 32768), (16, 131072), (64, 32768)]
     print("| heads a program | BLOCK_N | warps | stages | batch | context | dense MLA | "
           "sparse MLA |")
@@ -100,6 +104,35 @@ def sweep(cache: torch.Tensor) -> None:
             print(f"| {h} | {n} | {warps} | {stages} | {batch} | {context} | {cells} |",
                   flush=True)
     mla.MAX_BLOCK_H, mla.BLOCK_N, mla.NUM_WARPS, mla.NUM_STAGES = default
+    print("\n| FP8: heads a program | BLOCK_N | warps | stages | batch | context | dense MLA | "
+          "sparse MLA |")
+    print("|---|---|---|---|---|---|---|---|")
+    for h, n, warps, stages in [(64, 32, 8, None), (64, 64, 8, None), (32, 64, 8, None),
+                                (64, 32, 4, None), (64, 16, 8, None)]:
+        mla.MAX_BLOCK_H, mla.BLOCK_N, mla.NUM_WARPS, mla.NUM_STAGES = h, n, warps, stages
+        for batch, context in [(1, 131072), (16, 131072), (64, 32768)]:
+            r = bench(batch, context, fp8, scales)
+            print(f"| {h} | {n} | {warps} | {stages} | {batch} | {context} | "
+                  f"{r['dense']:.1f} | {r['attend']:.1f} |", flush=True)
+    mla.MAX_BLOCK_H, mla.BLOCK_N, mla.NUM_WARPS, mla.NUM_STAGES = default
+    print("\n| sparse: fewest keys a split | batch | bf16 sparse MLA | FP8 sparse MLA |")
+    print("|---|---|---|---|")
+    for keys in (256, 128, 64):
+        mla.MIN_SPLIT_KEYS = (256, keys)
+        for batch in (1, 16, 64):
+            r, f = bench(batch, 32768, cache), bench(batch, 32768, fp8, scales)
+            print(f"| {keys} | {batch} | {r['attend']:.1f} | {f['attend']:.1f} |", flush=True)
+    mla.MIN_SPLIT_KEYS = (256, 256)
+    print("\n| index scores: BLOCK_N | warps | batch | context | bf16 | FP8 |")
+    print("|---|---|---|---|---|---|")
+    saved = dsa.BLOCK_N, dsa.NUM_WARPS
+    for n, warps in SWEEP_INDEX:
+        dsa.BLOCK_N, dsa.NUM_WARPS = n, warps
+        for batch, context in [(1, 131072), (16, 131072), (64, 131072)]:
+            r, f = bench(batch, context, cache), bench(batch, context, fp8, scales)
+            print(f"| {n} | {warps} | {batch} | {context} | {r['score']:.1f} | "
+                  f"{f['score']:.1f} |", flush=True)
+    dsa.BLOCK_N, dsa.NUM_WARPS = saved
 
 
 def main() -> None:
@@ -108,13 +141,13 @@ def main() -> None:
     p.add_argument("--context", type=int, nargs="+",
                    default=[2048, 4096, 8192, 16384, 32768, 65536, 131072])
     p.add_argument("--sweep", action="store_true",
-                   help="time the MLA kernel's variants instead (SWEEP_MLA)")
+                   help="time the kernels' variants instead (SWEEP_*)")
     a = p.parse_args()
     bf16, fp8, scales = caches(max(a.batch) * max(a.context))
     print(f"{torch.cuda.get_device_name()} | GLM-5 attention, one layer | CUDA-graph replay "
           "medians, µs\n")
     if a.sweep:
-        sweep(bf16)
+        sweep(bf16, fp8, scales)
         return
     print(f"KV bytes a token and layer: bf16 {(LAT + ROPE) * 2} latent + {INDEX * 2} index key "
           f"= {(LAT + ROPE + INDEX) * 2}; FP8 {LAT + ROPE} latent + {INDEX} index key + 16 "

@@ -107,3 +107,20 @@ def test_greedy_tokens_match_transformers_gpu(tmp_path, prompt_len):
     with torch.inference_mode():
         want = ref_model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)
     assert out[0].outputs[0].token_ids == want[0, prompt_len:].tolist()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_cache_dtype,row", [("auto", 704), ("fp8", 720)])
+def test_glm5_real_shapes_gpu(kv_cache_dtype, row):
+    """GLM-5's shapes, 4 layers of random weights (3 dense, 1 MoE): prompts of 3,000 tokens
+    (past the top-2,048: sparse prefill chunks and decode), in a bf16 and an FP8 cache."""
+    import pathlib
+    path = pathlib.Path(__file__).parents[2] / "benchmarks" / "models" / "glm-5"
+    llm = LLM(str(path), load_format="dummy", num_layers=4, dtype="bfloat16", device="cuda",
+              kv_cache_memory="4GiB", kv_cache_dtype=kv_cache_dtype)
+    assert llm.engine.runner.pool.k[0].shape[-1] == row
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 150000, (3000,), generator=g).tolist() for _ in range(3)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert [len(o.outputs[0].token_ids) for o in outs] == [8, 8, 8]
+    assert llm.engine.check_integrity()

@@ -98,3 +98,23 @@ def test_fused_moe_bf16_gpu(form, tokens):
                         ids.cuda())
     torch.testing.assert_close(got.float().cpu(), ref, atol=2e-2 * ref.abs().max().item(),
                                rtol=2e-2)
+
+
+@pytest.mark.gpu
+def test_fused_moe_expert_offsets_past_2_31_gpu():
+    """72 experts of [2 x 4096, 4096]: the last ones start past 2**31 elements of the stack
+    (Kimi K2's 384 x [2 x 2048, 7168] and GLM-5's 256 x [2 x 2048, 6144] do)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    experts, hidden, inter, tokens = 72, 4096, 4096, 8
+    gate_up = torch.randn(experts, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16,
+                          generator=g) * 0.02
+    down = torch.randn(experts, hidden, inter, device="cuda", dtype=torch.bfloat16,
+                       generator=g) * 0.02
+    assert gate_up[70].storage_offset() > 2**31
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=g)
+    ids = torch.tensor([[71, 70], [0, 71]] * 4, device="cuda", dtype=torch.int32)
+    weights = torch.full((tokens, 2), 0.5, device="cuda")
+    ref = torch_ref.fused_moe(x, gate_up, down, weights, ids)
+    got = tri.fused_moe(x, gate_up, down, weights, ids)
+    torch.testing.assert_close(got.float(), ref.float(), atol=2e-2 * ref.abs().max().item(),
+                               rtol=2e-2)

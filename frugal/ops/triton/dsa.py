@@ -21,6 +21,7 @@ from frugal.ops.triton.mla_decode import supported as mla_supported
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 BLOCK_N = 64  # positions a score program takes
+NUM_WARPS = 4
 
 
 @triton.jit
@@ -86,7 +87,7 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
                         key_scales.stride(1) if fp8 else 0, page_table.stride(0),
                         out.stride(0), max_seq_len, PAGE_SIZE=keys.shape[1], HEADS=heads,
                         DIM=dim, FP8=fp8, F32_DOT=_INTERPRET or q.dtype == torch.float32,
-                        BLOCK_N=BLOCK_N, num_warps=4)
+                        BLOCK_N=BLOCK_N, num_warps=NUM_WARPS)
     return out
 
 

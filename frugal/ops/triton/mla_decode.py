@@ -29,6 +29,7 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_BLOCK_H = 64
 BLOCK_N = 32  # keys an iteration takes
 NUM_WARPS: int | None = None  # None: 8 for a latent of 256 or more, else 4
+MIN_SPLIT_KEYS = (256, 256)  # the fewest keys a split takes: dense, sparse
 NUM_STAGES: int | None = None  # None: Triton's default
 
 
@@ -127,8 +128,8 @@ def mla_decode(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor,
     block_h = min(MAX_BLOCK_H, max(16, triton.next_power_of_2(num_heads)))
     if selection is not None:
         max_seq_len = selection.shape[1]
-    # splits: enough programs for the GPU's SMs at a small batch, each at least 256 keys
-    want = max(1, min(triton.cdiv(max(max_seq_len, 1), 256),
+    # splits: enough programs for the GPU's SMs at a small batch, each of MIN_SPLIT_KEYS at least
+    want = max(1, min(triton.cdiv(max(max_seq_len, 1), MIN_SPLIT_KEYS[selection is not None]),
                       triton.cdiv(264, batch * triton.cdiv(num_heads, block_h))))
     keys_per_split = triton.cdiv(triton.cdiv(max(max_seq_len, 1), want), BLOCK_N) * BLOCK_N
     splits = triton.cdiv(max(max_seq_len, 1), keys_per_split)

@@ -99,7 +99,8 @@ def _kernel(a_ptr, w_ptr, s_ptr, out_ptr, sorted_ptr, block_expert_ptr, total_pt
     pid_n = pid % num_n
     if pid_m * BLOCK_M >= tl.load(total_ptr):
         return
-    expert = tl.load(block_expert_ptr + pid_m)
+    # (int64: an expert's offset passes 2**31 elements in Kimi K2's and GLM-5's stacks)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     slot = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     row_ok = slot < num_slots
     a_row = (slot // A_DIV).to(tl.int64)
