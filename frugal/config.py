@@ -155,6 +155,8 @@ class EngineConfig:
     # rounded to nearest
     quantization: str = "none"
     num_layers: int | None = None  # run only the model's first N decoder layers
+    # processes (GPUs) a model is split across (frugal.parallel; engine.worker)
+    tensor_parallel_size: int = 1
     # prefill/decode disaggregation (frugal.disagg): None, or "prefill", "decode", "both" (a
     # NIXL agent over the KV pool; requests' kv_transfer_params say what each one does)
     kv_role: str | None = None
@@ -177,6 +179,11 @@ class EngineConfig:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization: unsupported {self.quantization!r} "
                              f"({', '.join(QUANTIZATIONS)})")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size: must be >= 1, got "
+                             f"{self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.kv_role is not None:
+            raise ValueError("tensor_parallel_size: not with kv_role (disaggregation) yet")
         if self.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs: must be >= 1, got {self.cuda_graph_max_bs}")
         if self.kv_role not in (None, "prefill", "decode", "both"):

@@ -27,11 +27,12 @@ class LLM:
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
                  max_model_len: int | None = None, enforce_eager: bool = False,
                  quantization: str = "none", num_layers: int | None = None,
-                 enable_prefix_caching: bool = True) -> None:
+                 enable_prefix_caching: bool = True, tensor_parallel_size: int = 1) -> None:
         config = EngineConfig(
             model=model, load_format=load_format, dtype=dtype, device=device,
             ops_backend=ops_backend, seed=seed, enforce_eager=enforce_eager,
             quantization=quantization, num_layers=num_layers,
+            tensor_parallel_size=tensor_parallel_size,
             cache=CacheConfig(page_size=page_size, kv_cache_memory=kv_cache_memory,
                               gpu_memory_utilization=gpu_memory_utilization,
                               kv_cache_dtype=kv_cache_dtype, kv_scales_path=kv_scales_path,

@@ -25,6 +25,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "channel, activations per token (W8A8); weights the checkpoint "
                         "stores quantized (a GGUF's Q4_0/Q4_1, compressed-tensors, FP8 block "
                         "scales) are kept as they are, others rounded to nearest")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the model across this many processes (GPUs: cuda:0..N-1; CPU: "
+                        "Gloo)")
     g.add_argument("--num-layers", type=int, default=None,
                    help="run only the model's first N decoder layers (a model too large for "
                         "one GPU at its real per-layer shapes; for benchmarks)")
@@ -69,6 +72,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         model=args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
         ops_backend=args.ops_backend, seed=args.seed, enforce_eager=args.enforce_eager,
         quantization=args.quantization, num_layers=args.num_layers,
+        tensor_parallel_size=args.tensor_parallel_size,
         cuda_graph_max_bs=args.cuda_graph_max_bs,
         overlap_schedule=not args.disable_overlap_schedule,
         cache=CacheConfig(page_size=args.page_size, kv_cache_memory=args.kv_cache_memory,

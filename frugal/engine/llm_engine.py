@@ -9,6 +9,7 @@ import uuid
 
 from frugal.config import EngineConfig
 from frugal.disagg import wants_transfer
+from frugal.engine import worker
 from frugal.engine.detokenizer import IncrementalDetokenizer
 from frugal.engine.model_runner import ModelRunner
 from frugal.engine.outputs import check_stop, delta_output, is_token_id, prompt_token_ids
@@ -17,8 +18,7 @@ from frugal.engine.stats import EngineStats
 from frugal.engine.step import Launched, StepResult
 from frugal.kv_cache.page_allocator import IntegrityError
 from frugal.kv_cache.prefix_cache import PrefixCache
-from frugal.loader import open_checkpoint
-from frugal.model_config import first_layers
+from frugal.parallel import SINGLE
 from frugal.request import (
     FinishReason,
     Request,
@@ -34,17 +34,17 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = config = config or EngineConfig()
-        checkpoint = open_checkpoint(config.model, config.load_format, config.seed,
-                                     config.quantization)
+        checkpoint = worker.load_checkpoint(config)
         self.tokenizer = checkpoint.tokenizer
-        if config.num_layers is not None:
-            checkpoint.config = first_layers(checkpoint.config, config.num_layers)
         self.model_config = mc = checkpoint.config
         wanted = config.scheduler.max_model_len or mc.max_position_embeddings
         if wanted > mc.max_position_embeddings:
             raise ValueError(f"max_model_len: {wanted} exceeds the model's context length "
                              f"{mc.max_position_embeddings}")
-        self.runner = ModelRunner(config, checkpoint)
+        parallel, self._workers = SINGLE, []
+        if config.tensor_parallel_size > 1:
+            parallel, self._workers = worker.start(config)
+        self.runner = ModelRunner(config, checkpoint, parallel)
         pool = self.runner.pool
         self.max_model_len = self.runner.max_model_len
         if self.max_model_len < wanted:
@@ -63,7 +63,8 @@ class LLMEngine:
         self.num_preemptions = 0  # total, for metrics
         self.num_integrity_failures = 0  # requests failed by the KV-cache integrity check
         self.num_bookkeeping_errors = 0  # contradictions found by check_integrity
-        self.overlap = config.overlap_schedule
+        # (the other ranks mirror each model call as it is made: no step launched ahead)
+        self.overlap = config.overlap_schedule and parallel.size == 1
         self._inflight: Launched | None = None  # a step launched ahead (see step)
         self.handoff = None  # disagg.Handoff: KV pages to and from other workers
         if config.kv_role is not None:
@@ -150,6 +151,12 @@ class LLMEngine:
             logger.error("KV cache bookkeeping is inconsistent: %s (%d pages back in the free "
                          "list after a recount)", e, freed)
             return False
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do without tensor parallelism)."""
+        if self._workers:
+            worker.stop(self.runner.parallel, self._workers)
+            self._workers = []
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0

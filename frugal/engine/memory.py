@@ -77,8 +77,8 @@ def profile_step(runner: ModelRunner, config: EngineConfig) -> int:
         positions = torch.arange(tokens) % mc.max_position_embeddings  # rotary table rows
         rows = min(tokens, max(config.scheduler.max_num_seqs, LOGITS_ROWS))
         with ops.use(runner.backend):
-            hidden = runner.model(ids, positions, meta)
-            runner.model.compute_logits(hidden[:rows]).log_softmax(dim=-1)
+            hidden = runner.run_model(ids, positions, meta)
+            runner.compute_logits(hidden[:rows]).log_softmax(dim=-1)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - base
     del scratch, hidden, meta
@@ -111,8 +111,8 @@ def warm_up(runner: ModelRunner) -> None:
                 cu_seqlens_q=torch.tensor([0, *accumulate(lens)], dtype=torch.int32),
                 seq_lens=torch.full((len(lens),), n, dtype=torch.int32),
                 max_query_len=n, max_seq_len=n, num_decodes=decodes)
-            runner.model(torch.zeros(tokens, dtype=torch.int64),
-                         torch.arange(tokens) % mc.max_position_embeddings, meta)
+            runner.run_model(torch.zeros(tokens, dtype=torch.int64),
+                             torch.arange(tokens) % mc.max_position_embeddings, meta)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     logger.info("prompt kernels warmed up in %.1f s", time.perf_counter() - start)

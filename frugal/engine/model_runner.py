@@ -18,12 +18,15 @@ from frugal.engine.sampler import Sampler, token_logprobs
 from frugal.engine.scheduler import SchedulerOutput
 from frugal.engine.step import Launched, StepResult, failures, score_prompt, scores_prompt
 from frugal.engine.step_inputs import Pending, StepInputs, prepare
+from frugal.engine.worker import to_host
 from frugal.kv_cache.page_allocator import PageAllocator
 from frugal.kv_cache.pool import KVPool
+from frugal.layers.attention import AttentionMetadata
 from frugal.layers.linear import quantize_layers
 from frugal.layers.moe import quantize_moe
 from frugal.loader import Checkpoint
 from frugal.models.registry import model_class
+from frugal.parallel import SINGLE, Parallel
 from frugal.quant.experts import Fp8Experts
 from frugal.quant.fp8 import Fp8Weight
 
@@ -41,10 +44,18 @@ def _default_dtype(dtype: torch.dtype):
 
 
 class ModelRunner:
-    """Owns the model, the KV pool and the sampler on one device."""
+    """Owns the model, the KV pool and the sampler on one device.
 
-    def __init__(self, config: EngineConfig, checkpoint: Checkpoint) -> None:
+    parallel: this process's rank under tensor parallelism. Rank 0's runner is the engine's:
+    once built, before each model call it broadcasts the call to the other ranks' runners
+    (engine.worker), which make it too, so the collectives inside the model meet. While being
+    built, every rank makes the same calls (memory profile, warm-up) on its own."""
+
+    def __init__(self, config: EngineConfig, checkpoint: Checkpoint,
+                 parallel: Parallel = SINGLE) -> None:
         self.config = config
+        self.parallel = parallel
+        self.leads = False  # rank 0, built: its model calls are broadcast first
         self.device = config.resolved_device()
         self.model_config = mc = checkpoint.config
         self.dtype = config.resolved_dtype(mc)
@@ -55,7 +66,7 @@ class ModelRunner:
             torch.backends.cuda.preferred_blas_library("cublaslt")
         start = time.perf_counter()
         with _default_dtype(self.dtype), torch.device(self.device):
-            self.model = model_class(mc)(mc)
+            self.model = model_class(mc)(mc, parallel)
         checkpoint.load_into(self.model)
         if config.quantization != "none":
             quantize_layers(self.model, config.quantization)
@@ -88,21 +99,26 @@ class ModelRunner:
         cache = config.cache
         kv_dtype = self.dtype if cache.kv_cache_dtype == "auto" else KV_DTYPES[cache.kv_cache_dtype]
         scales = None
+        if cache.fp8 and parallel.size > 1:
+            raise ValueError("kv_cache_dtype: an FP8 cache is not split across ranks yet "
+                             "(tensor_parallel_size > 1)")
         if cache.fp8:
             scales = kv_scales.resolve(self, getattr(self.model, "kv_scales_found", {}),
                                        tokenizer)
         width = mc.cache_width(cache.fp8)
-        page_bytes = KVPool.page_bytes(mc.num_layers, cache.page_size, mc.num_kv_heads, width,
+        kv_heads = parallel.part(mc.num_kv_heads)[1]  # (this rank's, see LlamaAttention)
+        page_bytes = KVPool.page_bytes(mc.num_layers, cache.page_size, kv_heads, width,
                                        kv_dtype, mc.kv_parts)
         # (MLA attention runs PyTorch ops with host-side shapes: no graphs for it yet)
         self.use_graphs = (self.device.startswith("cuda") and not config.enforce_eager
-                           and triton_ops and mc.mla is None)
+                           and triton_ops and mc.mla is None and parallel.size == 1)
         budget = kv_budget(self, config)
         num_pages = budget // page_bytes
+        num_pages = parallel.fewest(num_pages, self.device)  # (the same pages on every rank)
         if num_pages < 1:
             raise ValueError(f"kv_cache_memory: {budget} bytes is less than one page "
                              f"({page_bytes} bytes)")
-        self.pool = KVPool(mc.num_layers, num_pages, cache.page_size, mc.num_kv_heads, width,
+        self.pool = KVPool(mc.num_layers, num_pages, cache.page_size, kv_heads, width,
                            kv_dtype, self.device, mc.kv_parts)
         self.allocator = PageAllocator(num_pages)
         if scales is not None:
@@ -113,7 +129,7 @@ class ModelRunner:
             warm_up(self)
         # tokens per byte against a cache in the activation dtype (FP8 under bf16: 2.0)
         self.kv_capacity_ratio = KVPool.page_bytes(mc.num_layers, cache.page_size,
-                                                   mc.num_kv_heads, mc.head_dim,
+                                                   kv_heads, mc.head_dim,
                                                    self.dtype, mc.kv_parts) / page_bytes
         logger.info("KV cache: %d pages x %d tokens = %d tokens (%.2f GiB, %s: %.2fx the tokens "
                     "of %s)", num_pages, cache.page_size, self.pool.capacity_tokens,
@@ -123,6 +139,7 @@ class ModelRunner:
                                  mc.max_position_embeddings, self.pool.capacity_tokens)
         self._graph_sets: dict[bool, DecodeGraphs] = {}
         self.set_integrity(cache.kv_integrity)
+        self.leads = parallel.size > 1 and parallel.rank == 0
 
     def kv_key(self) -> str:
         """What makes the KV of the same tokens differ between engines (the root of the prefix
@@ -160,10 +177,21 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """Final hidden states of every new token: [num_tokens, hidden]."""
-        with ops.use(self.backend):
-            return self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        return self.run_model(inputs.input_ids, inputs.positions, inputs.meta)
 
+    @torch.inference_mode()
+    def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                  meta: AttentionMetadata) -> torch.Tensor:
+        """The model on one batch (the other ranks told first: see the class docstring)."""
+        if self.leads:
+            self.parallel.broadcast(("model", to_host((input_ids, positions, meta))))
+        with ops.use(self.backend):
+            return self.model(input_ids, positions, meta)
+
+    @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.leads:
+            self.parallel.broadcast(("logits", hidden.cpu()))
         with ops.use(self.backend):
             return self.model.compute_logits(hidden)
 

@@ -9,6 +9,7 @@ from torch import nn
 
 from frugal import ops
 from frugal.layers.norm import RMSNorm
+from frugal.parallel import Parallel
 from frugal.quant.fp8 import Fp8Weight, quantize_fp8
 from frugal.quant.int4 import Int4Weight, quantize_rtn
 
@@ -23,16 +24,36 @@ def load_whole(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = Non
     param.data.copy_(loaded)
 
 
+def narrow(loaded: torch.Tensor, dim: int, share: tuple[int, int] | None) -> torch.Tensor:
+    """A checkpoint tensor's slice (start, length) along dim, or all of it for share None."""
+    if share is None or loaded.dim() <= dim:
+        return loaded
+    start, length = share
+    if start + length > loaded.shape[dim]:
+        raise ValueError(f"shape {tuple(loaded.shape)} in checkpoint, model expects at least "
+                         f"{start + length} along dim {dim}")
+    return loaded.narrow(dim, start, length)
+
+
 class Linear(nn.Module):
     """y = x @ weight.T (+ bias). weight: [out_features, in_features]; x: [num_tokens, in].
 
     A quantized layer keeps its weight as qweight (quant.int4.Int4Weight or quant.fp8.Fp8Weight,
     all shards concatenated; the ops backend may repack it for its kernel, see
-    engine.model_runner) and an empty float weight."""
+    engine.model_runner) and an empty float weight.
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+    Tensor parallelism (frugal.parallel): rows (start, length) names the checkpoint rows a
+    column-parallel layer holds (out_features = length), cols the inputs a row-parallel one
+    holds; reduce: the ranks whose partial outputs are summed (row-parallel) before the bias
+    (added once) and the residual."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None,
+                 reduce: Parallel | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
+        self.rows, self.cols = rows, cols
+        self.reduce = reduce if reduce is not None and reduce.size > 1 else None
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.weight.weight_loader = self.load_shard
         self.bias = None
@@ -44,11 +65,14 @@ class Linear(nn.Module):
 
     def load_shard(self, param: nn.Parameter, loaded: torch.Tensor,
                    shard_id: object = None) -> None:
-        load_whole(param, loaded)
+        load_whole(param, narrow(narrow(loaded, 0, self.rows), 1, self.cols))
 
     def load_quantized(self, loaded: Int4Weight | Fp8Weight, shard_id: object = None) -> None:
         """Take a quantized weight (or one shard of it); once all shards are in, the float
         weight is dropped."""
+        if self.rows is not None or self.cols is not None or getattr(self, "shard_rows", None):
+            raise ValueError("tensor_parallel_size: quantized checkpoint weights are not split "
+                             "across ranks yet")
         order = list(getattr(self, "shards", [None]))
         if shard_id not in order:
             raise ValueError(f"unknown shard {shard_id!r} (expected one of {order})")
@@ -81,30 +105,42 @@ class Linear(nn.Module):
         """Optionally fused around the matmul (see ops.linear): norm before, silu(gate)·up of
         the output halves and the residual add after."""
         weight = self.weight if self.qweight is None else self.qweight
+        if self.reduce is not None:  # (partial sums: the bias and residual once, after)
+            y = self.reduce.all_reduce(self._matmul(x, weight, None, norm, gated, None))
+            y = y if self.bias is None or self.reduce.rank else y + self.bias
+            return y if residual is None else y + residual
+        return self._matmul(x, weight, self.bias, norm, gated, residual)
+
+    @staticmethod
+    def _matmul(x, weight, bias, norm, gated, residual) -> torch.Tensor:
         if norm is None:
-            return ops.linear(x, weight, self.bias, gated=gated, residual=residual)
-        return ops.linear(x, weight, self.bias, norm.weight, norm.eps, gated, residual)
+            return ops.linear(x, weight, bias, gated=gated, residual=residual)
+        return ops.linear(x, weight, bias, norm.weight, norm.eps, gated, residual)
 
 
 class MergedLinear(Linear):
     """Several projections of the same input in one matmul (q|k|v, gate|up).
 
     shard_ids name the parts in output order; the checkpoint's separate tensors fill their rows.
+    shard_rows: with tensor parallelism, the (start, length) of each checkpoint tensor's rows
+    this rank holds (output_sizes are then the lengths).
     """
 
     def __init__(self, in_features: int, output_sizes: list[int], shard_ids: list[object],
-                 bias: bool = False) -> None:
+                 bias: bool = False, shard_rows: list[tuple[int, int]] | None = None) -> None:
         super().__init__(in_features, sum(output_sizes), bias)
         self.output_sizes = output_sizes
         offsets = [sum(output_sizes[:i]) for i in range(len(output_sizes))]
         self.shards = {s: (o, n) for s, o, n in zip(shard_ids, offsets, output_sizes)}
+        self.shard_rows = dict(zip(shard_ids, shard_rows)) if shard_rows else {}
 
     def load_shard(self, param: nn.Parameter, loaded: torch.Tensor,
                    shard_id: object = None) -> None:
         if shard_id not in self.shards:
             raise ValueError(f"unknown shard {shard_id!r} (expected one of {list(self.shards)})")
         offset, size = self.shards[shard_id]
-        load_whole(nn.Parameter(param.data.narrow(0, offset, size), requires_grad=False), loaded)
+        load_whole(nn.Parameter(param.data.narrow(0, offset, size), requires_grad=False),
+                   narrow(loaded, 0, self.shard_rows.get(shard_id)))
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return y.split(self.output_sizes, dim=-1)

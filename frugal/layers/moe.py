@@ -1,5 +1,7 @@
 """A mixture-of-experts block: router, routed experts and shared experts (Qwen3-MoE, GLM-4.5,
-DeepSeek-V3 routing). Parameter names are HF's, so checkpoints load as they are."""
+DeepSeek-V3 routing). Parameter names are HF's, so checkpoints load as they are. Tensor
+parallelism splits every expert's intermediate features across the ranks (the router is
+replicated: every rank routes the same)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from frugal import ops
 from frugal.layers.mlp import GatedMLP
 from frugal.layers.norm import RMSNorm
 from frugal.model_config import ModelConfig
+from frugal.parallel import SINGLE, Parallel
 from frugal.quant.experts import Experts as QuantizedExperts
 from frugal.quant.experts import quantize_experts, stack
 from frugal.quant.fp8 import Fp8Weight
@@ -37,10 +40,14 @@ class Experts(nn.Module):
     Quantized experts (quant.experts) replace the float tensors once every expert's matrix is
     in: qgate_up and qdown, and the float parameters shrink to nothing."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
+                 share: tuple[int, int] | None = None) -> None:
         super().__init__()
         self.num_experts = num_experts
         self.hidden_size = hidden_size
+        # tensor parallelism: this rank's (start, length) of every expert's intermediate features
+        self.share, self.full_size = share, intermediate_size
+        intermediate_size = share[1] if share else intermediate_size
         self.intermediate_size = intermediate_size
         self.qgate_up: QuantizedExperts | None = None
         self.qdown: QuantizedExperts | None = None
@@ -57,6 +64,8 @@ class Experts(nn.Module):
 
     def load(self, param: nn.Parameter, loaded: torch.Tensor, shard: tuple | None = None) -> None:
         """shard None: the whole tensor (transformers 5's fused layout); (expert, part)."""
+        if self.share is not None:
+            loaded = self._narrow(param, loaded, shard)
         if shard is None:
             target = param.data
         else:
@@ -70,8 +79,25 @@ class Experts(nn.Module):
                              f"{tuple(target.shape)}")
         target.copy_(loaded)
 
+    def _narrow(self, param: nn.Parameter, loaded: torch.Tensor,
+                shard: tuple | None) -> torch.Tensor:
+        """This rank's intermediate features of a checkpoint expert tensor."""
+        start, length = self.share
+        if shard is None and param is self.gate_up_proj:  # [E, gate rows | up rows, hidden]
+            full = self.full_size
+            return torch.cat([loaded[:, start:start + length],
+                              loaded[:, full + start:full + start + length]], dim=1)
+        if shard is None:  # down [E, hidden, inter]
+            return loaded[:, :, start:start + length]
+        if shard[1] == "down":  # [hidden, inter]
+            return loaded[:, start:start + length]
+        return loaded[start:start + length]
+
     def load_quantized(self, loaded: Int4Weight | Fp8Weight, shard: tuple) -> None:
         """One expert's quantized matrix (shard (expert, part)); stacked once all are in."""
+        if self.share is not None:
+            raise ValueError("tensor_parallel_size: quantized experts are not split across "
+                             "ranks yet")
         expert, part = shard
         inter, hidden = self.intermediate_size, self.hidden_size
         want = (hidden, inter) if part == "down" else (inter, hidden)
@@ -109,12 +135,16 @@ class Experts(nn.Module):
 class MoE(nn.Module):
     """h + Σ_k w_k · expert_k(norm(h)) + shared_experts(norm(h)), for h: [num_tokens, hidden]."""
 
-    def __init__(self, c: ModelConfig) -> None:
+    def __init__(self, c: ModelConfig, parallel: Parallel = SINGLE) -> None:
         super().__init__()
         m = self.config = c.moe
+        self.parallel = parallel
         self.gate = Router(m.num_experts, c.hidden_size, m.correction_bias)
-        self.experts = Experts(m.num_experts, c.hidden_size, m.intermediate_size)
-        self.shared_experts = (GatedMLP(c.hidden_size, m.shared_intermediate_size)
+        share = parallel.part(m.intermediate_size) if parallel.size > 1 else None
+        self.experts = Experts(m.num_experts, c.hidden_size, m.intermediate_size, share)
+        # (under tensor parallelism the shared experts' partial sum joins the routed one's)
+        self.shared_experts = (GatedMLP(c.hidden_size, m.shared_intermediate_size, parallel,
+                                        reduce=False)
                                if m.shared_intermediate_size else None)
 
     def forward(self, h: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
@@ -124,6 +154,10 @@ class MoE(nn.Module):
                                          m.top_k, m.scoring, m.norm_topk_prob, m.n_group,
                                          m.topk_group, m.routed_scaling_factor)
         y = ops.fused_moe(x, *self.experts.weights(), weights, ids)
+        if self.parallel.size > 1:  # (partial sums over the ranks' intermediate features)
+            if self.shared_experts is not None:
+                y = y + self.shared_experts(x)
+            return h + self.parallel.all_reduce(y)
         if self.shared_experts is None:
             return h + y
         return self.shared_experts(x, residual=h + y)

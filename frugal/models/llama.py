@@ -4,7 +4,9 @@ with mixture-of-experts layers (layers.moe) Qwen3-MoE and GLM-4.5, and with late
 
 Parameter names follow HF transformers so checkpoints load as they are; q/k/v and gate/up are fused
 into one matmul each and filled shard by shard (packed_modules), per-expert tensors into their
-expert's slice of the stacked expert weights.
+expert's slice of the stacked expert weights. Under tensor parallelism (frugal.parallel) every
+rank builds the same model with its share of heads, features and vocabulary, and its loaders
+take their slices of the checkpoint's full tensors.
 """
 
 from __future__ import annotations
@@ -17,24 +19,38 @@ from torch import nn
 
 from frugal.config import ModelConfig
 from frugal.layers.attention import Attention, AttentionMetadata
+from frugal.layers.embedding import VocabEmbedding
 from frugal.layers.linear import Linear, MergedLinear, load_whole
 from frugal.layers.mla import MlaAttention
 from frugal.layers.mlp import GatedMLP
 from frugal.layers.moe import MoE
 from frugal.layers.norm import RMSNorm
 from frugal.layers.rotary import RotaryEmbedding
+from frugal.parallel import SINGLE, Parallel
 from frugal.quant.fp8 import Fp8Weight
 from frugal.quant.int4 import Int4Weight
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, c: ModelConfig, rotary: RotaryEmbedding) -> None:
+    """Under tensor parallelism a rank holds a share of the KV heads with their query groups."""
+
+    def __init__(self, c: ModelConfig, rotary: RotaryEmbedding,
+                 parallel: Parallel = SINGLE) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
-        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        group, d = c.num_heads // c.num_kv_heads, c.head_dim
+        kv_start, kv_heads = parallel.part(c.num_kv_heads)
+        if kv_heads == 0:
+            raise ValueError(f"tensor_parallel_size: {parallel.size} ranks for "
+                             f"{c.num_kv_heads} KV heads")
+        self.num_heads, self.num_kv_heads, self.head_dim = kv_heads * group, kv_heads, d
+        q_size, kv_size = self.num_heads * d, kv_heads * d
+        q_rows, kv_rows = (kv_start * group * d, q_size), (kv_start * d, kv_size)
+        split = parallel.size > 1
         self.qkv_proj = MergedLinear(c.hidden_size, [q_size, kv_size, kv_size], ["q", "k", "v"],
-                                     bias=c.qkv_bias)
-        self.o_proj = Linear(q_size, c.hidden_size, bias=c.o_bias)
+                                     bias=c.qkv_bias,
+                                     shard_rows=[q_rows, kv_rows, kv_rows] if split else None)
+        self.o_proj = Linear(q_size, c.hidden_size, bias=c.o_bias, cols=q_rows if split else None,
+                             reduce=parallel)
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.attn = Attention(c.num_heads, c.num_kv_heads, c.head_dim, rotary)
@@ -53,14 +69,15 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, c: ModelConfig, rotary: RotaryEmbedding, index: int) -> None:
+    def __init__(self, c: ModelConfig, rotary: RotaryEmbedding, index: int,
+                 parallel: Parallel = SINGLE) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.self_attn = (MlaAttention(c, rotary, c.dsa is not None and index in c.dsa.full_layers)
-                          if c.mla is not None else LlamaAttention(c, rotary))
+                          if c.mla is not None else LlamaAttention(c, rotary, parallel))
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.mlp = (MoE(c) if c.moe is not None and index in c.moe.layers
-                    else GatedMLP(c.hidden_size, c.intermediate_size))
+        self.mlp = (MoE(c, parallel) if c.moe is not None and index in c.moe.layers
+                    else GatedMLP(c.hidden_size, c.intermediate_size, parallel))
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 selection: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -77,13 +94,13 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, c: ModelConfig) -> None:
+    def __init__(self, c: ModelConfig, parallel: Parallel = SINGLE) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens = VocabEmbedding(c.vocab_size, c.hidden_size, parallel)
         rotary = RotaryEmbedding(c.rotary_dim or c.head_dim, c.max_position_embeddings,
                                  c.rope_theta, c.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(c, rotary, i) for i in range(c.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(c, rotary, i, parallel)
+                                    for i in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -110,16 +127,22 @@ class LlamaForCausalLM(nn.Module):
                       "v_proj": ("qkv_proj", "v"), "gate_proj": ("gate_up_proj", 0),
                       "up_proj": ("gate_up_proj", 1)}
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, parallel: Parallel = SINGLE) -> None:
         super().__init__()
         self.config = config
+        self.parallel = parallel
+        if parallel.size > 1 and config.mla is not None:
+            raise ValueError("tensor_parallel_size: latent attention (MLA) models are not split "
+                             "across ranks yet")
         if config.mla is not None:  # (MLA's q_proj is its own matrix)
             self.packed_modules = {k: v for k, v in self.packed_modules.items()
                                    if v[0] == "gate_up_proj"}
-        self.model = LlamaModel(config)
+        self.model = LlamaModel(config, parallel)
         # FP8-KV checkpoints' k_scale / v_scale tensors, (layer, "k" | "v") -> tensor
         self.kv_scales_found: dict[tuple[int, str], torch.Tensor] = {}
-        self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        vocab = self.model.embed_tokens.rows  # (vocab-parallel: the embedding's rows)
+        self.lm_head = Linear(config.hidden_size, vocab[1],
+                              rows=vocab if parallel.size > 1 else None)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -131,6 +154,8 @@ class LlamaForCausalLM(nn.Module):
         """[n, hidden] -> [n, vocab] logits, fp32 unless upcast is False (then the model's
         dtype: half the bytes for a greedy argmax, which picks the same token either way)."""
         logits = self.lm_head(hidden)
+        if self.parallel.size > 1:
+            logits = self.parallel.all_gather(logits, self.parallel.parts(self.config.vocab_size))
         return logits.float() if upcast else logits
 
     def attention_layers(self) -> list[Attention | MlaAttention]:
