@@ -93,6 +93,8 @@ class AsyncEngine:
         self._wakeup.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        if not self._thread.is_alive():  # (the loop is done with the engine)
+            self.engine.close()
 
     def fail_all(self, error: BaseException) -> None:
         """Error every request in flight (e.g. a shutdown past its grace time); the loop goes on."""
