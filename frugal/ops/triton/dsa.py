@@ -20,7 +20,7 @@ from frugal.ops.triton.mla_decode import mla_decode
 from frugal.ops.triton.mla_decode import supported as mla_supported
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-BLOCK_N = 64  # positions a score program takes
+BLOCK_N = 128  # positions a score program takes (64-256 measured: 128 by up to 8 %)
 NUM_WARPS = 4
 
 

@@ -24,10 +24,11 @@ from frugal.ops import torch_ref
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Heads a program takes: all of them up to 64 (tl.dot needs at least 16), so each cached row is
-# read once. Against 16, measured on the H200 at GLM-5's shapes: dense decode 2.4x faster at 16
-# requests of 128k, 1.4x at one; sparse over 2,048 positions 1.5x faster at 16 requests.
+# read once, 64 keys an iteration. Against 16 heads and 32 keys, measured on the H200 at GLM-5's
+# shapes: dense decode 3.3x faster at 16 requests of 128k, 1.5x at one; sparse over 2,048
+# positions 1.6x faster at 16 requests (benchmarks/sparse_attention.py --sweep).
 MAX_BLOCK_H = 64
-BLOCK_N = 32  # keys an iteration takes
+BLOCK_N = 64  # keys an iteration takes
 NUM_WARPS: int | None = None  # None: 8 for a latent of 256 or more, else 4
 MIN_SPLIT_KEYS = (256, 256)  # the fewest keys a split takes: dense, sparse
 NUM_STAGES: int | None = None  # None: Triton's default
