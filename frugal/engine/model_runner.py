@@ -106,7 +106,8 @@ class ModelRunner:
             scales = kv_scales.resolve(self, getattr(self.model, "kv_scales_found", {}),
                                        tokenizer)
         width = mc.cache_width(cache.fp8)
-        kv_heads = parallel.part(mc.num_kv_heads)[1]  # (this rank's, see LlamaAttention)
+        # this rank's KV heads (LlamaAttention); MLA's latent is replicated (layers.mla)
+        kv_heads = mc.num_kv_heads if mc.mla is not None else parallel.part(mc.num_kv_heads)[1]
         page_bytes = KVPool.page_bytes(mc.num_layers, cache.page_size, kv_heads, width,
                                        kv_dtype, mc.kv_parts)
         # (MLA attention runs PyTorch ops with host-side shapes: no graphs for it yet)

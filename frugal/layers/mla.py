@@ -21,44 +21,67 @@ from torch import nn
 from frugal import ops
 from frugal.layers.attention import AttentionMetadata
 from frugal.layers.dsa import Indexer
-from frugal.layers.linear import Linear
+from frugal.layers.linear import Linear, load_whole, narrow
 from frugal.layers.norm import RMSNorm
 from frugal.layers.rotary import RotaryEmbedding, softmax_mscale
 from frugal.model_config import ModelConfig
+from frugal.parallel import SINGLE, Parallel
 
 
 class LatentProjection(nn.Module):
     """kv_b_proj's weight [num_heads * (nope + v), kv_lora_rank], read as W_UK and W_UV per head
-    (kept in the model's dtype: weight quantization leaves it)."""
+    (kept in the model's dtype: weight quantization leaves it); share: the checkpoint rows of
+    this rank's heads under tensor parallelism."""
 
-    def __init__(self, rows: int, kv_lora_rank: int) -> None:
+    def __init__(self, rows: int, kv_lora_rank: int,
+                 share: tuple[int, int] | None = None) -> None:
         super().__init__()
+        self.share = share
         self.weight = nn.Parameter(torch.empty(rows, kv_lora_rank), requires_grad=False)
+        self.weight.weight_loader = self.load
+
+    def load(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        load_whole(param, narrow(loaded, 0, self.share))
 
 
 class MlaAttention(nn.Module):
     """k_cache (= v_cache): [num_pages, page_size, 1, kv_lora_rank + qk_rope_head_dim (+
     index_head_dim with DSA, + 16 bytes with DSA in FP8: ops.torch_ref.dsa)], bound by the model
     runner, with kv_scales ([2, 1] fp32) when the cache is FP8. index: whether this layer runs
-    the DSA indexer (else it reuses the selection handed to it)."""
+    the DSA indexer (else it reuses the selection handed to it).
 
-    def __init__(self, c: ModelConfig, rotary: RotaryEmbedding, index: bool = False) -> None:
+    Tensor parallelism splits the heads (q_b_proj / q_proj, kv_b_proj and o_proj); the latent,
+    its cache and the DSA indexer are replicated on every rank, as vLLM and SGLang keep them."""
+
+    def __init__(self, c: ModelConfig, rotary: RotaryEmbedding, index: bool = False,
+                 parallel: Parallel = SINGLE) -> None:
         super().__init__()
         m = self.mla = c.mla
-        self.num_heads = c.num_heads
-        q_size = c.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim)
+        first, self.num_heads = parallel.part(c.num_heads)
+        if self.num_heads == 0:
+            raise ValueError(f"tensor_parallel_size: {parallel.size} ranks for {c.num_heads} "
+                             "heads")
+        split = parallel.size > 1
+
+        def heads(width: int) -> tuple[int, int] | None:  # this rank's rows of a per-head matrix
+            return (first * width, self.num_heads * width) if split else None
+
+        q_size = self.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim)
+        q_rows = heads(m.qk_nope_head_dim + m.qk_rope_head_dim)
         if m.q_lora_rank is None:
-            self.q_proj = Linear(c.hidden_size, q_size)
+            self.q_proj = Linear(c.hidden_size, q_size, rows=q_rows)
         else:
             self.q_a_proj = Linear(c.hidden_size, m.q_lora_rank, bias=c.o_bias)
             self.q_a_layernorm = RMSNorm(m.q_lora_rank, c.rms_norm_eps)
-            self.q_b_proj = Linear(m.q_lora_rank, q_size)
+            self.q_b_proj = Linear(m.q_lora_rank, q_size, rows=q_rows)
         self.kv_a_proj_with_mqa = Linear(c.hidden_size, m.kv_lora_rank + m.qk_rope_head_dim,
                                          bias=c.o_bias)
         self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, c.rms_norm_eps)
-        self.kv_b_proj = LatentProjection(c.num_heads * (m.qk_nope_head_dim + m.v_head_dim),
-                                          m.kv_lora_rank)
-        self.o_proj = Linear(c.num_heads * m.v_head_dim, c.hidden_size, bias=c.o_bias)
+        self.kv_b_proj = LatentProjection(
+            self.num_heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank,
+            heads(m.qk_nope_head_dim + m.v_head_dim))
+        self.o_proj = Linear(self.num_heads * m.v_head_dim, c.hidden_size, bias=c.o_bias,
+                             cols=heads(m.v_head_dim), reduce=parallel)
         self.rotary = rotary
         self.scale = ((m.qk_nope_head_dim + m.qk_rope_head_dim) ** -0.5
                       * softmax_mscale(c.rope_scaling))

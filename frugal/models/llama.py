@@ -73,8 +73,9 @@ class LlamaDecoderLayer(nn.Module):
                  parallel: Parallel = SINGLE) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = (MlaAttention(c, rotary, c.dsa is not None and index in c.dsa.full_layers)
-                          if c.mla is not None else LlamaAttention(c, rotary, parallel))
+        full = c.dsa is not None and index in c.dsa.full_layers
+        self.self_attn = (MlaAttention(c, rotary, full, parallel) if c.mla is not None
+                          else LlamaAttention(c, rotary, parallel))
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = (MoE(c, parallel) if c.moe is not None and index in c.moe.layers
                     else GatedMLP(c.hidden_size, c.intermediate_size, parallel))
@@ -131,9 +132,6 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.parallel = parallel
-        if parallel.size > 1 and config.mla is not None:
-            raise ValueError("tensor_parallel_size: latent attention (MLA) models are not split "
-                             "across ranks yet")
         if config.mla is not None:  # (MLA's q_proj is its own matrix)
             self.packed_modules = {k: v for k, v in self.packed_modules.items()
                                    if v[0] == "gate_up_proj"}

@@ -1,7 +1,8 @@
 """Tensor parallelism over Gloo, two processes on the CPU, against one process: the default model
-(9 query and 3 KV heads: an uneven split, 2 KV heads on rank 0 and 1 on rank 1) and a tiny
-Qwen3-MoE and GLM-4.5 (experts and shared experts split by intermediate features), fp32 logits
-within 1e-4 and greedy tokens identical."""
+(9 query and 3 KV heads: an uneven split, 2 KV heads on rank 0 and 1 on rank 1), a tiny
+Qwen3-MoE and GLM-4.5 (experts and shared experts split by intermediate features), and tiny
+DeepSeek-V3 and GLM-5 (MLA heads split, the latent replicated): fp32 logits within 1e-4 and
+greedy tokens identical."""
 
 import pytest
 import torch
@@ -46,8 +47,11 @@ def compare(model: str | None, **kwargs) -> None:
         assert runner.parallel == Parallel(0, 2) and all(w.is_alive() for w in two.engine._workers)
         # rank 0 holds its share: the first KV heads, half the vocabulary and features
         attn = runner.model.model.layers[0].self_attn
-        assert attn.num_kv_heads == -(-mc.num_kv_heads // 2) < mc.num_kv_heads
-        assert runner.pool.k[0].shape[2] == attn.num_kv_heads
+        if mc.mla is None:
+            assert attn.num_kv_heads == -(-mc.num_kv_heads // 2) < mc.num_kv_heads
+            assert runner.pool.k[0].shape[2] == attn.num_kv_heads
+        else:  # (the latent is replicated, the heads split)
+            assert attn.num_heads == mc.num_heads // 2 and runner.pool.k[0].shape[2] == 1
         assert runner.model.model.embed_tokens.weight.shape[0] == mc.vocab_size // 2
         assert runner.model.lm_head.weight.shape[0] == mc.vocab_size // 2
         g = torch.Generator().manual_seed(0)
@@ -83,3 +87,16 @@ def test_tp_refuses_what_it_cannot_split_yet(tmp_path):
         EngineConfig(tensor_parallel_size=0)
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         EngineConfig(tensor_parallel_size=2, kv_role="prefill")
+
+
+@pytest.mark.parametrize("kind", ["deepseek-v3", "glm-5"])
+def test_mla_tp2_matches_tp1(kind, tmp_path):
+    """Latent attention: heads split, the latent (and GLM-5's indexer) replicated; GLM-5's
+    contexts pass its top-k (24), so the sparse path runs on both ranks."""
+    if kind == "glm-5":
+        from tests.models.test_dsa_vs_hf import config
+        save_random(config(), tmp_path)
+    else:
+        from tests.models.test_mla_vs_hf import CASES
+        save_random(CASES[kind](), tmp_path)
+    compare(str(tmp_path))
