@@ -18,7 +18,7 @@ from frugal.engine.sampler import Sampler, token_logprobs
 from frugal.engine.scheduler import SchedulerOutput
 from frugal.engine.step import Launched, StepResult, failures, score_prompt, scores_prompt
 from frugal.engine.step_inputs import Pending, StepInputs, prepare
-from frugal.engine.worker import to_host
+from frugal.engine.worker import to_device
 from frugal.kv_cache.page_allocator import PageAllocator
 from frugal.kv_cache.pool import KVPool
 from frugal.layers.attention import AttentionMetadata
@@ -185,7 +185,7 @@ class ModelRunner:
                   meta: AttentionMetadata) -> torch.Tensor:
         """The model on one batch (the other ranks told first: see the class docstring)."""
         if self.leads:
-            self.parallel.broadcast(("model", to_host((input_ids, positions, meta))))
+            self.parallel.broadcast(("model", to_device((input_ids, positions, meta), "cpu")))
         with ops.use(self.backend):
             return self.model(input_ids, positions, meta)
 

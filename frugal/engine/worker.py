@@ -27,18 +27,8 @@ logger = logging.getLogger("frugal")
 TIMEOUT = datetime.timedelta(minutes=10)  # a rank that stops answering fails the others then
 
 
-def to_host(x):
-    """Tensors (in tuples and AttentionMetadata) on the host, for a broadcast."""
-    if isinstance(x, torch.Tensor):
-        return x.cpu()
-    if isinstance(x, tuple):
-        return tuple(to_host(v) for v in x)
-    if isinstance(x, AttentionMetadata):
-        return AttentionMetadata(**{k: to_host(v) for k, v in vars(x).items()})
-    return x
-
-
 def to_device(x, device: str):
+    """Tensors (in tuples and AttentionMetadata) moved to device ("cpu" for a broadcast)."""
     if isinstance(x, torch.Tensor):
         return x.to(device)
     if isinstance(x, tuple):

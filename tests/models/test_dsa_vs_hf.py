@@ -9,7 +9,7 @@ import torch
 from frugal import LLM, SamplingParams
 from frugal.layers.mla import MlaAttention
 from tests.loader.test_hf_dir import save_random
-from tests.models.test_llama_vs_hf import frugal_logits
+from tests.models.test_llama_vs_hf import assert_greedy_matches, assert_logits_match, frugal_logits
 
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "GlmMoeDsaConfig"):
@@ -58,9 +58,7 @@ def test_logits_match_transformers(model_dir, length):
     ours = frugal_logits(llm, ids)
     with torch.inference_mode():
         ref = ref_model(torch.tensor([ids])).logits[0]
-    rel = (ours - ref).norm(dim=-1) / ref.norm(dim=-1)
-    assert rel.max().item() < 1e-3, rel.max()
-    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+    assert_logits_match(ours, ref)
 
 
 @pytest.mark.parametrize("prompt_len,chunk", [(TOPK - 6, 2048), (90, 32)])
@@ -72,11 +70,7 @@ def test_greedy_tokens_match_transformers(model_dir, prompt_len, chunk):
               max_num_batched_tokens=chunk)
     prompt = torch.randint(0, 320, (prompt_len,),
                            generator=torch.Generator().manual_seed(7)).tolist()
-    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
-    ref_model.generation_config.eos_token_id = None
-    with torch.inference_mode():
-        want = ref_model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)
-    assert out[0].outputs[0].token_ids == want[0, prompt_len:].tolist()
+    assert_greedy_matches(llm, ref_model, prompt, 16)
 
 
 def test_selection_changes_the_output(model_dir):
@@ -102,11 +96,7 @@ def test_greedy_tokens_match_transformers_gpu(tmp_path, prompt_len):
               max_num_batched_tokens=32)
     prompt = torch.randint(0, 320, (prompt_len,),
                            generator=torch.Generator().manual_seed(5)).tolist()
-    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
-    ref_model.generation_config.eos_token_id = None
-    with torch.inference_mode():
-        want = ref_model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)
-    assert out[0].outputs[0].token_ids == want[0, prompt_len:].tolist()
+    assert_greedy_matches(llm, ref_model, prompt, 16)
 
 
 @pytest.mark.gpu

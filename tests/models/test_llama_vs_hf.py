@@ -23,6 +23,24 @@ def frugal_logits(llm, token_ids: list[int]) -> torch.Tensor:
         engine.scheduler.finish(request, FinishReason.ABORT)
 
 
+
+def assert_logits_match(ours: torch.Tensor, ref: torch.Tensor) -> None:
+    """fp32 logits [n, vocab] within 1e-3 of transformers' (relative, per row), argmax equal."""
+    rel = (ours - ref).norm(dim=-1) / ref.norm(dim=-1)
+    assert rel.max().item() < 1e-3, rel.max()
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+def assert_greedy_matches(llm, ref_model, prompt: list[int], max_tokens: int) -> None:
+    """llm's greedy tokens after prompt are transformers' generate's (EOS ignored by both)."""
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=max_tokens,
+                                              ignore_eos=True))
+    ref_model.generation_config.eos_token_id = None  # as ignore_eos
+    with torch.inference_mode():
+        want = ref_model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens,
+                                  do_sample=False)
+    assert out[0].outputs[0].token_ids == want[0, len(prompt):].tolist()
+
 def test_logits_match_transformers(llm, hf):
     tok, model = hf
     texts = ["The capital of France is", "def fibonacci(n):\n    if n < 2:\n        return n",

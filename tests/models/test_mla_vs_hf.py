@@ -7,9 +7,9 @@ keeps one latent row per token and layer."""
 import pytest
 import torch
 
-from frugal import LLM, SamplingParams
+from frugal import LLM
 from tests.loader.test_hf_dir import save_random
-from tests.models.test_llama_vs_hf import frugal_logits
+from tests.models.test_llama_vs_hf import assert_greedy_matches, assert_logits_match, frugal_logits
 
 transformers = pytest.importorskip("transformers")
 
@@ -54,15 +54,8 @@ def test_mla_logits_and_greedy_tokens_match_transformers(case, tmp_path):
     ours = frugal_logits(llm, ids)  # (past the YaRN's original 128 positions)
     with torch.inference_mode():
         ref = ref_model(torch.tensor([ids])).logits[0]
-    rel = (ours - ref).norm(dim=-1) / ref.norm(dim=-1)
-    assert rel.max().item() < 1e-3, rel.max()
-    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
-    prompt = ids[:20]
-    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    ref_model.generation_config.eos_token_id = None
-    with torch.inference_mode():
-        want = ref_model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)
-    assert out[0].outputs[0].token_ids == want[0, len(prompt):].tolist()
+    assert_logits_match(ours, ref)
+    assert_greedy_matches(llm, ref_model, ids[:20], 8)
 
 
 def test_mla_cache_holds_one_latent_row_per_token(tmp_path):

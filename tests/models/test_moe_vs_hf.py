@@ -6,10 +6,10 @@ bias, partial rotary), fp32 logits and greedy tokens compared."""
 import pytest
 import torch
 
-from frugal import LLM, SamplingParams
+from frugal import LLM
 from frugal.ops import torch_ref
 from tests.loader.test_hf_dir import save_random
-from tests.models.test_llama_vs_hf import frugal_logits
+from tests.models.test_llama_vs_hf import assert_greedy_matches, assert_logits_match, frugal_logits
 
 transformers = pytest.importorskip("transformers")
 
@@ -44,14 +44,8 @@ def test_moe_logits_and_greedy_tokens_match_transformers(case, tmp_path):
     ours = frugal_logits(llm, ids)
     with torch.inference_mode():
         ref = ref_model(torch.tensor([ids])).logits[0]
-    rel = (ours - ref).norm(dim=-1) / ref.norm(dim=-1)
-    assert rel.max().item() < 1e-3, rel.max()
-    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
-    out = llm.generate(ids, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    ref_model.generation_config.eos_token_id = None  # as ignore_eos
-    with torch.inference_mode():
-        gen = ref_model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)
-    assert out[0].outputs[0].token_ids == gen[0, 40:].tolist()
+    assert_logits_match(ours, ref)
+    assert_greedy_matches(llm, ref_model, ids, 8)
 
 
 def test_grouped_routing_keeps_to_the_best_groups():

@@ -58,15 +58,20 @@ def supported(heads: int, dim: int) -> bool:
     return all(d >= 16 and d & (d - 1) == 0 for d in (heads, dim))
 
 
+def _requests(cu_seqlens_q: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """Each new token's request [num_tokens] int32, without a host sync."""
+    counts = cu_seqlens_q.diff()
+    return torch.repeat_interleave(torch.arange(counts.shape[0], device=counts.device,
+                                                dtype=torch.int32), counts,
+                                   output_size=num_tokens)
+
+
 def _layout(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
             num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each new token's request [num_tokens] int32 and how many positions it sees (its own
-    position + 1) [num_tokens] int32, without a host sync."""
-    counts = cu_seqlens_q.diff()
-    request = torch.repeat_interleave(torch.arange(counts.shape[0], device=counts.device,
-                                                   dtype=torch.int32), counts,
-                                      output_size=num_tokens)
-    token = torch.arange(num_tokens, device=counts.device, dtype=torch.int32)
+    """Each new token's request and how many positions it sees (its own position + 1), both
+    [num_tokens] int32."""
+    request = _requests(cu_seqlens_q, num_tokens)
+    token = torch.arange(num_tokens, device=request.device, dtype=torch.int32)
     visible = seq_lens[request] - (cu_seqlens_q[1:][request] - token) + 1
     return request, visible.to(torch.int32)
 
@@ -112,9 +117,5 @@ def sparse_mla_attention(q: torch.Tensor, cache: torch.Tensor, page_table: torch
     if not mla_supported(kv_lora_rank, q.shape[-1] - kv_lora_rank):
         return torch_ref.sparse_mla_attention(q, cache, page_table, cu_seqlens_q, selection,
                                               scale, kv_lora_rank, kv_scales)
-    counts = cu_seqlens_q.diff()
-    request = torch.repeat_interleave(torch.arange(counts.shape[0], device=q.device,
-                                                   dtype=torch.int32), counts,
-                                      output_size=q.shape[0])
     return mla_decode(q, cache, page_table, page_table, scale, 0, kv_lora_rank, selection,
-                      request, kv_scales)
+                      _requests(cu_seqlens_q, q.shape[0]), kv_scales)
