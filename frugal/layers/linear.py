@@ -107,7 +107,7 @@ class Linear(nn.Module):
         weight = self.weight if self.qweight is None else self.qweight
         if self.reduce is not None:  # (partial sums: the bias and residual once, after)
             y = self.reduce.all_reduce(self._matmul(x, weight, None, norm, gated, None))
-            y = y if self.bias is None or self.reduce.rank else y + self.bias
+            y = y if self.bias is None else y + self.bias
             return y if residual is None else y + residual
         return self._matmul(x, weight, self.bias, norm, gated, residual)
 

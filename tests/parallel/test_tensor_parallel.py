@@ -81,6 +81,16 @@ def test_tiny_moe_tp2_matches_tp1(kind, tmp_path):
     compare(str(tmp_path))
 
 
+def test_row_parallel_bias_is_added_once_on_every_rank(tmp_path):
+    """A tiny Llama with attention biases: o_proj's bias (row-parallel) joins the all-reduced
+    sum on each rank, so the ranks' residual streams agree."""
+    save_random(transformers.LlamaConfig(
+        vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        attention_bias=True, tie_word_embeddings=False), tmp_path)
+    compare(str(tmp_path))
+
+
 def test_tp_refuses_what_it_cannot_split_yet(tmp_path):
     from frugal.config import EngineConfig
     with pytest.raises(ValueError, match="tensor_parallel_size"):
