@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import torch
 
+from frugal.model_config import INDEX_SCALE_BYTES as SCALE_BYTES
 from frugal.ops.torch_ref.mla import store_rows
 from frugal.quant.fp8 import FP8_MAX
-
-SCALE_BYTES = 16  # (model_config.INDEX_SCALE_BYTES)
 
 
 def store_index_key(key: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
