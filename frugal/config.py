@@ -162,6 +162,10 @@ class EngineConfig:
     kv_role: str | None = None
     kv_lease_s: float = 120.0  # a prefill's pages wait this long for the decode side's read
     kv_transfer_timeout_s: float = 30.0  # a decode worker's read of a prompt's KV
+    # the deployment's shared secret (disagg.signing): hand-offs signed and verified with it
+    kv_secret: str | None = field(default=None, repr=False)
+    kv_address: tuple[str, int] | None = None  # where decode workers reach this worker
+    kv_max_held_fraction: float = 0.5  # of the pool, held for decode workers at most
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -190,6 +194,9 @@ class EngineConfig:
             raise ValueError(f"kv_role: unsupported {self.kv_role!r} (prefill, decode, both)")
         if not self.kv_lease_s > 0 or not self.kv_transfer_timeout_s > 0:
             raise ValueError("kv_lease_s / kv_transfer_timeout_s: must be > 0")
+        if not 0 < self.kv_max_held_fraction <= 1:
+            raise ValueError(f"kv_max_held_fraction: must be in (0, 1], got "
+                             f"{self.kv_max_held_fraction}")
 
     def resolved_device(self) -> str:
         if self.device == "auto":

@@ -24,6 +24,10 @@ _GGUF_PRE = {"default": [], "gpt2": [], "smollm": [pre_tokenizers.Digits(individ
 _CONTROL, _USER_DEFINED = 3, 4
 
 
+class TooManyTokens(ValueError):
+    """A text of more tokens than the caller allows (a server: the context length)."""
+
+
 class Tokenizer:
     """Text <-> token ids, special tokens and the chat template.
 
@@ -39,6 +43,7 @@ class Tokenizer:
         self.add_bos = add_bos
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
         self._template: jinja2.Template | None = None
+        self._max_token_chars: int | None = None
 
     @property
     def eos_token_id(self) -> int | None:
@@ -47,14 +52,33 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 
-    def encode(self, text: str, add_special_tokens: bool = True,
-               field: str = "prompt") -> list[int]:
+    @property
+    def max_token_chars(self) -> int:
+        """The most characters one token stands for (a bound: the longest token's text)."""
+        if self._max_token_chars is None:
+            vocab = self._tok.get_vocab(with_added_tokens=True)
+            self._max_token_chars = max(len(t.encode("utf-8", "surrogatepass")) for t in vocab)
+        return self._max_token_chars
+
+    def encode(self, text: str, add_special_tokens: bool = True, field: str = "prompt",
+               max_tokens: int | None = None) -> list[int]:
         """Token ids of text; a BOS is prepended when the model wants one and add_special_tokens.
-        Text that is not valid Unicode (a lone surrogate) raises ValueError naming `field`.
-        Releases the GIL while it runs (encode_batch does; encode does not), so a long text
-        tokenized on a worker thread does not stall the server's event loop."""
+        Text that is not valid Unicode (a lone surrogate) raises ValueError naming `field`, as
+        does text of more than max_tokens tokens: refused unread when its length alone proves
+        it (more than max_tokens * max_token_chars * 4 characters; 4 for normalizers that
+        shorten text), else before its ids become a list. Releases the GIL while it tokenizes
+        (encode_batch does; encode does not), so a long text tokenized on a worker thread does
+        not stall the server's event loop; what a 15 MB text would cost with the GIL held (its
+        ids as a list, its encoding's release) is what max_tokens spares."""
+        too_long = TooManyTokens(f"{field}: more than {max_tokens} tokens, this model's "
+                                 "maximum context length")
+        if max_tokens is not None and len(text) > 4 * max_tokens * self.max_token_chars:
+            raise too_long
         check_unicode(text, field)
-        ids = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        encoding = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+        if max_tokens is not None and len(encoding) > max_tokens:
+            raise too_long
+        ids = encoding.ids
         if add_special_tokens and self.add_bos and self.bos_token_id is not None:
             if not ids or ids[0] != self.bos_token_id:
                 ids = [self.bos_token_id, *ids]
@@ -83,11 +107,11 @@ class Tokenizer:
         return self._template.render(messages=conversation,
                                      add_generation_prompt=add_generation_prompt, **special)
 
-    def encode_chat(self, conversation: Conversation,
-                    add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, conversation: Conversation, add_generation_prompt: bool = True,
+                    max_tokens: int | None = None) -> list[int]:
         """Token ids of a rendered conversation (the template writes any BOS itself)."""
         return self.encode(self.apply_chat_template(conversation, add_generation_prompt),
-                           add_special_tokens=False, field="messages")
+                           add_special_tokens=False, field="messages", max_tokens=max_tokens)
 
     def _token_text(self, token_id: int | None) -> str:
         return "" if token_id is None else (self._tok.id_to_token(token_id) or "")

@@ -131,10 +131,13 @@ CACHE_COUNTERS = (("frugal_prefix_cache_queries_total", "frugal_prefix_cache_hit
                   ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"))
 
 
-def cache_counters(url: str) -> tuple[float, float] | None:
+def cache_counters(url: str, api_key: str | None = None) -> tuple[float, float] | None:
     """The server's prefix-cache (queries, hits) token counters, None if it reports none."""
+    req = urllib.request.Request(url.rstrip("/") + "/metrics")
+    if api_key:
+        req.add_header("Authorization", f"Bearer {api_key}")
     try:
-        with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=5) as r:
+        with urllib.request.urlopen(req, timeout=5) as r:
             text = r.read().decode()
     except Exception:
         return None
@@ -191,10 +194,10 @@ async def _main(args: argparse.Namespace) -> list[ServeResult]:
     with tqdm(total=len(concurrencies) * len(prompts), file=sys.stderr,
               desc="bench serve") as bar:
         for c in concurrencies:
-            before = await asyncio.to_thread(cache_counters, args.url)
+            before = await asyncio.to_thread(cache_counters, args.url, args.api_key)
             results.append(await measure(client, model, prompts, c, args.output_len, bar))
             results[-1].prefix_hit_rate = hit_rate(
-                before, await asyncio.to_thread(cache_counters, args.url))
+                before, await asyncio.to_thread(cache_counters, args.url, args.api_key))
     await client.close()
     return results
 

@@ -5,18 +5,23 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import ipaddress
 import json
 import logging
 import os
 import shlex
 import signal
 import socket
+import threading
 
 from frugal.cli.args import add_engine_args, engine_config
 
 logger = logging.getLogger("frugal")
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
 FLUSH_S = 5.0  # after the shutdown timeout, what the error events get to reach their clients
+# a dead engine's server goes on answering (503; /health says why) this long before it exits 1,
+# so a health check or load balancer sees the reason rather than a refused connection
+DEAD_GRACE_S = 2.0
 
 
 def add_serve_parser(subparsers) -> None:
@@ -26,7 +31,12 @@ def add_serve_parser(subparsers) -> None:
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=_port, default=8000)
     g.add_argument("--api-key", default=os.environ.get("FRUGAL_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1 (default: $FRUGAL_API_KEY)")
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health "
+                        "(and /metrics with --metrics-public) (default: $FRUGAL_API_KEY)")
+    g.add_argument("--metrics-public", action="store_true",
+                   help="serve /metrics without the API key (a Prometheus scraper or "
+                        "vllm-router that has none); its counters say what others' requests "
+                        "did, prefix-cache hits included")
     g.add_argument("--served-model-name", default=None,
                    help="the name clients pass as 'model' (default: the model argument)")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -45,6 +55,16 @@ def add_serve_parser(subparsers) -> None:
                    help="take part in prefill/decode disaggregation behind vllm-router: a "
                         "NIXL agent over the KV pool (needs the 'pd' extra); requests' "
                         "kv_transfer_params say what each does")
+    g.add_argument("--kv-secret", default=os.environ.get("FRUGAL_KV_SECRET"),
+                   help="the deployment's shared secret (16+ characters; default: "
+                        "$FRUGAL_KV_SECRET): hand-offs are signed with it and the KV side "
+                        "channel asks for it; required with a non-loopback --kv-host")
+    g.add_argument("--kv-peers", default=None,
+                   help="host:port,...: the only workers this one exchanges KV pages with "
+                        "(default: any that holds the secret)")
+    g.add_argument("--kv-max-held-fraction", type=float, default=0.5,
+                   help="share of the pool a prefill worker holds for decode workers at most; "
+                        "past it such prefills get a 503")
     g.add_argument("--kv-host", default=None,
                    help="the address decode workers reach this worker at (default: --host, "
                         "or this machine's address when --host is 0.0.0.0)")
@@ -73,12 +93,16 @@ def run_serve(args: argparse.Namespace) -> int:
 
     name = args.served_model_name or args.model or DEFAULT_SERVED_NAME
     metrics = Metrics(name)
+    kv_peers = check_kv_flags(args)
     engine_cfg = dataclasses.replace(engine_config(args), kv_role=args.kv_role,
                                      kv_lease_s=args.kv_lease_timeout,
-                                     kv_transfer_timeout_s=args.kv_transfer_timeout)
+                                     kv_transfer_timeout_s=args.kv_transfer_timeout,
+                                     kv_secret=args.kv_secret if args.kv_role else None,
+                                     kv_address=kv_address(args) if args.kv_role else None,
+                                     kv_max_held_fraction=args.kv_max_held_fraction)
     engine = AsyncEngine(LLMEngine(engine_cfg), metrics, args.step_timeout)
     app = build_app(engine, name, args.api_key, metrics, args.max_request_bytes,
-                    args.max_queued_requests, kv_address(args) if args.kv_role else None)
+                    args.max_queued_requests, kv_peers, metrics_public=args.metrics_public)
     config = uvicorn.Config(app, host=args.host, port=args.port,
                             log_level=args.log_level.lower(),
                             timeout_graceful_shutdown=args.shutdown_timeout + FLUSH_S)
@@ -103,8 +127,10 @@ def run_serve(args: argparse.Namespace) -> int:
 
     server = Server(config)
 
-    def on_dead(reason: str) -> None:
-        server.should_exit = True
+    def on_dead(reason: str) -> None:  # (any thread) answer 503s a moment, then exit 1
+        timer = threading.Timer(DEAD_GRACE_S, lambda: setattr(server, "should_exit", True))
+        timer.daemon = True
+        timer.start()
 
     engine.on_dead = on_dead
     # uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown; a handler of ours turns that
@@ -116,6 +142,31 @@ def run_serve(args: argparse.Namespace) -> int:
         return 1
     logger.info("server stopped")
     return 0 if server.started else 1
+
+
+def check_kv_flags(args: argparse.Namespace) -> set[tuple[str, int]] | None:
+    """--kv-peers as a set; ValueError for a worker that would expose its KV pool to any
+    network peer without a secret."""
+    from frugal.disagg.signing import Signer
+    from frugal.server.side_channel import parse_peers
+
+    if args.kv_role is None:
+        return None
+    if args.kv_secret:
+        Signer(args.kv_secret)  # (too short: refused before the model loads)
+    if not args.kv_secret:
+        host = kv_address(args)[0]
+        try:
+            loopback = ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            loopback = host == "localhost"
+        if not loopback:
+            raise ValueError(f"kv_secret: a worker reached at {host} (not a loopback address) "
+                             "needs the deployment's secret: --kv-secret or $FRUGAL_KV_SECRET "
+                             "(docs/disaggregation.md)")
+        logger.warning("no --kv-secret: the KV side channel answers any local process and "
+                       "hand-offs are not signed (docs/disaggregation.md)")
+    return parse_peers(args.kv_peers)
 
 
 def kv_address(args: argparse.Namespace) -> tuple[str, int]:

@@ -6,3 +6,8 @@ def wants_transfer(params: dict | None) -> bool:
     """kv_transfer_params that ask for a transfer (vllm-router sends them with every field null
     to a worker that should not take part)."""
     return bool(params and (params.get("do_remote_decode") or params.get("do_remote_prefill")))
+
+
+class HeldPagesFull(RuntimeError):
+    """A prefill for a decode worker refused: the pages held for decode workers are at their
+    cap (--kv-max-held-fraction). The server answers 503, which vllm-router may retry."""

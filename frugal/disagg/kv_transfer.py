@@ -1,8 +1,9 @@
 """KV pages between workers over NIXL: one agent per engine, its whole pool registered once.
 
-A page is num_layers * parts contiguous chunks (KVPool.storage); the pool is described to NIXL
-as one list of chunks, chunk (c, page) at index c * num_pages + page, so moving pages is one
-prepared transfer of their chunks. The decode side READs from the prefill side (pull, as vLLM's
+A page is num_layers * parts contiguous chunks (KVPool.storage); the local pool is described to
+NIXL once, as one list of chunks (chunk (c, page) at index c * num_pages + page), and each read
+prepares the peer's side for the pages it takes alone, so what a peer's pool claims to hold
+costs nothing here. The decode side READs from the prefill side (pull, as vLLM's
 NixlConnector does), and the READ's notification tells the prefill side which request's pages
 it may free. Memory is DRAM for a CPU pool, VRAM for a CUDA one (UCX moves both).
 """
@@ -15,6 +16,8 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+
+import numpy as np
 
 from frugal.kv_cache.pool import KVPool
 
@@ -64,17 +67,32 @@ class KVLayout:
                              f"cache this worker cannot read: {'; '.join(wrong)}")
 
 
+MAX_REMOTE_PAGES = 1 << 24  # no pool has more: a claim of more is refused unread
+MEM_TYPES = ("DRAM", "VRAM")
+
+
 @dataclass
 class _Remote:
-    name: str
-    pages: object  # prepared descriptor list of its pool
+    name: str  # NIXL's name of the peer's agent
+    base_addr: int
     num_pages: int
+    device_id: int
+    mem_type: str
 
 
 @dataclass
 class _Read:
     handle: object
+    pages: object  # the prepared list of the peer's chunks this read takes
     started: float
+
+
+def _int(meta: dict, name: str, low: int = 0, high: int = 1 << 64) -> int:
+    value = meta.get(name)
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value < high:
+        raise ValueError(f"the prefill worker's metadata: {name} is not an integer in "
+                         f"[{low}, {high})")
+    return value
 
 
 class NixlTransfer:
@@ -101,18 +119,21 @@ class NixlTransfer:
         self._registered = self.agent.register_memory(storage)
         self._chunks = self.layout.num_layers * self.layout.parts
         self._local = self.agent.prep_xfer_dlist(
-            "", self._descs(storage.data_ptr(), pool.num_pages, pool.chunk_bytes,
+            "", self._descs(storage.data_ptr(), pool.num_pages, range(pool.num_pages),
                             self.device_id), self.mem_type)
         self._remotes: dict[str, _Remote] = {}
         self._reads: dict[str, _Read] = {}
 
-    def _descs(self, base: int, num_pages: int, size: int,
-               device_id: int) -> list[tuple[int, int, int]]:
-        """A pool's chunks as NIXL descriptors, chunk (c, page) at index c * num_pages + page."""
-        return [(base + i * size, size, device_id) for i in range(self._chunks * num_pages)]
-
-    def _indices(self, pages: list[int], num_pages: int) -> list[int]:
-        return [c * num_pages + p for c in range(self._chunks) for p in pages]
+    def _descs(self, base: int, num_pages: int, pages, device_id: int) -> np.ndarray:
+        """NIXL descriptors [n, 3] (address, bytes, device) of the chunks of `pages` in a pool of
+        num_pages, chunk-major: row c * len(pages) + i is chunk c of pages[i]."""
+        size = self.pool.chunk_bytes
+        pages = np.asarray(pages, dtype=np.uint64)
+        chunks = np.arange(self._chunks, dtype=np.uint64)[:, None] * np.uint64(num_pages)
+        descs = np.empty((self._chunks * len(pages), 3), dtype=np.uint64)
+        descs[:, 0] = np.uint64(base) + (chunks + pages[None, :]).reshape(-1) * np.uint64(size)
+        descs[:, 1], descs[:, 2] = size, device_id
+        return descs
 
     def metadata(self) -> dict:
         """What a peer needs to read this pool (served on the prefill worker's side channel)."""
@@ -124,20 +145,36 @@ class NixlTransfer:
 
     def connect(self, meta: dict, where: str) -> None:
         """Know the peer described by `meta` (its metadata()); ValueError if its pool's layout
-        differs from this one's. Idempotent per engine_id."""
-        engine_id = meta["engine_id"]
+        differs from this one's or a field is not what metadata() makes. Idempotent per
+        engine_id. Every field is checked before anything is built, and nothing is built per
+        page of the peer's pool (a read prepares the descriptors of its own pages)."""
+        engine_id = meta.get("engine_id")
+        if not isinstance(engine_id, str):
+            raise ValueError(f"the prefill worker at {where} sent no engine_id")
         if engine_id in self._remotes:
             return
-        self.layout.check(KVLayout(**meta["layout"]), where)
-        if meta["chunk_bytes"] != self.pool.chunk_bytes:
+        layout = meta.get("layout")
+        try:
+            remote = KVLayout(**layout)
+        except TypeError:
+            raise ValueError(f"the prefill worker at {where} sent no KV layout") from None
+        self.layout.check(remote, where)
+        if meta.get("chunk_bytes") != self.pool.chunk_bytes:
             raise ValueError(f"kv_transfer_params: the prefill worker at {where} has pages of "
-                             f"{meta['chunk_bytes']} bytes a chunk, this one "
+                             f"{meta.get('chunk_bytes')!r} bytes a chunk, this one "
                              f"{self.pool.chunk_bytes}")
-        name = self.agent.add_remote_agent(base64.b64decode(meta["agent_metadata"]))
-        descs = self._descs(meta["base_addr"], meta["num_pages"], meta["chunk_bytes"],
-                            meta["device_id"])
-        pages = self.agent.prep_xfer_dlist(name, descs, meta["mem_type"])
-        self._remotes[engine_id] = _Remote(name, pages, meta["num_pages"])
+        num_pages = _int(meta, "num_pages", 1, MAX_REMOTE_PAGES + 1)
+        base_addr = _int(meta, "base_addr")
+        device_id = _int(meta, "device_id", 0, 1 << 16)
+        mem_type = meta.get("mem_type")
+        agent = meta.get("agent_metadata")
+        if mem_type not in MEM_TYPES or not isinstance(agent, str):
+            raise ValueError(f"the prefill worker at {where} sent no memory type or agent")
+        name = self.agent.add_remote_agent(base64.b64decode(agent, validate=True))
+        self._remotes[engine_id] = _Remote(name, base_addr, num_pages, device_id, mem_type)
+
+    def num_remote_pages(self, engine_id: str) -> int:
+        return self._remotes[engine_id].num_pages
 
     def read(self, key: str, local_pages: list[int], engine_id: str, remote_pages: list[int],
              notif: bytes) -> None:
@@ -149,14 +186,22 @@ class NixlTransfer:
         if bad:
             raise ValueError(f"kv_transfer_params: remote_block_ids: page {bad[0]} is not in "
                              f"[0, {remote.num_pages})")
-        handle = self.agent.make_prepped_xfer(
-            "READ", self._local, self._indices(local_pages, self.pool.num_pages), remote.pages,
-            self._indices(remote_pages, remote.num_pages), notif)
-        state = self.agent.transfer(handle)
+        pages = self.agent.prep_xfer_dlist(
+            remote.name, self._descs(remote.base_addr, remote.num_pages, remote_pages,
+                                     remote.device_id), remote.mem_type)
+        local = [c * self.pool.num_pages + p for c in range(self._chunks) for p in local_pages]
+        try:
+            handle = self.agent.make_prepped_xfer("READ", self._local, local, pages,
+                                                  list(range(len(local))), notif)
+            state = self.agent.transfer(handle)
+        except Exception:
+            self.agent.release_dlist_handle(pages)
+            raise
         if state == "ERR":
             self.agent.release_xfer_handle(handle)
+            self.agent.release_dlist_handle(pages)
             raise RuntimeError(f"NIXL refused the read from {engine_id}")
-        self._reads[key] = _Read(handle, time.monotonic())
+        self._reads[key] = _Read(handle, pages, time.monotonic())
 
     def done(self, min_age: float = 0.0) -> list[tuple[str, str | None]]:
         """Reads that ended since the last call: (key, None) or (key, what went wrong); a read
@@ -168,10 +213,27 @@ class NixlTransfer:
             state = self.agent.check_xfer_state(read.handle)
             if state == "PROC":
                 continue
-            self.agent.release_xfer_handle(read.handle)
-            del self._reads[key]
+            self._release(key)
             ended.append((key, None if state == "DONE" else f"the NIXL read ended in {state}"))
         return ended
+
+    def cancel(self, key: str) -> bool:
+        """Give up the read under key: True once it can no longer write the local pages (NIXL
+        cancelled it, or it had ended), False while NIXL cannot cancel it yet (ask again)."""
+        if key not in self._reads:
+            return True
+        try:
+            self._release(key)
+        except Exception as e:
+            logger.warning("NIXL could not cancel the KV read %s yet: %s", key, e)
+            return False
+        return True
+
+    def _release(self, key: str) -> None:
+        read = self._reads[key]
+        self.agent.release_xfer_handle(read.handle)  # raises while it cannot be cancelled
+        del self._reads[key]
+        self.agent.release_dlist_handle(read.pages)
 
     def in_flight(self, key: str) -> float | None:
         """Seconds since the read under key started, None if it is not in flight."""

@@ -7,8 +7,10 @@ that stops reading holds only what it has not read, and only its own request wai
 The loop survives any one request's failure: a rejected add, an abort or a token that raises
 errors that request alone; a step that raises errors the requests in flight and the loop goes on.
 It dies only when the device does (a step raises and the device fails a probe, or a step has not
-returned within step_timeout): every waiting caller gets EngineDeadError at once, `alive` turns
-False and on_dead is called, so the server can exit for a supervisor to restart it.
+returned within step_timeout) or the tensor-parallel group does (a rank's process exited, seen by
+the watchdog within WATCH_S even while idle, or a step's collective failed): every waiting
+caller gets EngineDeadError at once, `alive` turns False and on_dead is called, so the server
+can exit for a supervisor to restart it.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+from frugal.disagg import HeldPagesFull
 from frugal.engine.llm_engine import LLMEngine
 from frugal.engine.output_stream import OutputStream, send
 from frugal.metrics import Metrics
@@ -29,6 +32,8 @@ from frugal.request import RequestOutput, SamplingParams
 logger = logging.getLogger("frugal")
 
 IDLE_CHECK_S = 1.0  # idle this long before check_integrity (never in the way of a next request)
+WATCH_S = 1.0  # how often the watchdog looks (at most) for a hung step or a lost rank
+DEAD_JOIN_S = 1.0  # what shutdown waits for a dead engine's loop before killing the ranks
 
 
 class EngineDeadError(RuntimeError):
@@ -84,14 +89,20 @@ class AsyncEngine:
 
     def start(self) -> None:
         self._thread.start()
-        if self.step_timeout is not None:
-            self._watchdog.start()
+        self._watchdog.start()  # (a lost rank is its to notice, with or without step_timeout)
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the loop (what is left gets EngineDeadError) and wait for it."""
+        """Stop the loop (what is left gets EngineDeadError), wait for it (a dead engine's loop
+        DEAD_JOIN_S at most: it is done, or stuck in a step) and close the engine. Returns with
+        no tensor-parallel rank process left, even when a step never returned."""
         self._stop.set()
         self._wakeup.set()
+        if self._thread.is_alive():  # (a dead engine's loop is done, or stuck in a step)
+            self._thread.join(timeout if self.dead is None else min(timeout, DEAD_JOIN_S))
         if self._thread.is_alive():
+            # inside a step that never returned: kill the tensor-parallel ranks, so that none
+            # outlives the server (and their collective fails, freeing the loop: not on NCCL)
+            self.engine.close(leave=False)
             self._thread.join(timeout)
         if not self._thread.is_alive():  # (the loop is done with the engine)
             self.engine.close()
@@ -213,7 +224,7 @@ class AsyncEngine:
         self._counts.drained += 1
         try:
             self.engine.add_request(prompt, params, request_id, kv_transfer, cache_salt)
-        except ValueError as e:  # the client's fault: a 400
+        except (ValueError, HeldPagesFull) as e:  # the client's fault (a 400), or a 503
             send([(stream, e)])
             return
         except Exception as e:  # a bug, but this request's alone
@@ -240,6 +251,13 @@ class AsyncEngine:
             send([(stream, output)])
 
     def _step_failed(self, error: Exception) -> None:
+        if self.dead is not None:  # the watchdog gave up on this step: it failed everything
+            return
+        lost = self.engine.lost_rank(error)
+        if lost is not None:  # the other ranks' half of the step is gone: no step can run
+            logger.error("engine step failed: %r", error)
+            self._die(lost)
+            return
         if not self.engine.runner.device_ok():
             logger.exception("engine step failed and the device does not answer")
             self._die(f"the device failed: {error!r}")
@@ -278,10 +296,18 @@ class AsyncEngine:
             self.on_dead(reason)
 
     def _watch(self) -> None:
-        while not self._stop.wait(min(1.0, self.step_timeout / 4)):
+        """(the watchdog thread) Die when a step has not returned within step_timeout (if set)
+        or a tensor-parallel rank's process is gone: while idle nothing else would notice, and
+        a rank that hangs rather than exits holds a step until step_timeout."""
+        timeout = self.step_timeout
+        while not self._stop.wait(WATCH_S if timeout is None else min(WATCH_S, timeout / 4)):
             started = self._step_started
-            if started is not None and time.monotonic() - started > self.step_timeout:
-                self._die(f"a step has not returned in {self.step_timeout:g} s")
+            if timeout is not None and started is not None and \
+                    time.monotonic() - started > timeout:
+                self._die(f"a step has not returned in {timeout:g} s")
+            lost = self.engine.lost_rank()
+            if lost is not None:
+                self._die(lost)
 
     def _check_integrity(self) -> None:
         self.engine.check_integrity()

@@ -70,8 +70,7 @@ class LLMEngine:
         if config.kv_role is not None:
             from frugal.disagg.handoff import Handoff
             self.handoff = Handoff(self.scheduler, pool, f"frugal-{uuid.uuid4().hex[:12]}",
-                                   mc.vocab_size, config.kv_lease_s,
-                                   config.kv_transfer_timeout_s)
+                                   mc.vocab_size, config)
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -115,9 +114,10 @@ class LLMEngine:
         self.scheduler.add(request)
         return request_id
 
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
-        """Validated prompt token ids (ValueError naming what is wrong)."""
-        return prompt_token_ids(prompt, self.tokenizer, self.model_config.vocab_size)
+    def tokenize(self, prompt: str | list[int], max_tokens: int | None = None) -> list[int]:
+        """Validated prompt token ids (ValueError naming what is wrong; see prompt_token_ids)."""
+        return prompt_token_ids(prompt, self.tokenizer, self.model_config.vocab_size,
+                                max_tokens)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Finish a request with reason 'abort' and free its pages now; None if there is no
@@ -152,11 +152,22 @@ class LLMEngine:
                          "list after a recount)", e, freed)
             return False
 
-    def close(self) -> None:
-        """Stop the other tensor-parallel ranks (nothing to do without tensor parallelism)."""
-        if self._workers:
-            worker.stop(self.runner.parallel, self._workers)
-            self._workers = []
+    def close(self, leave: bool = True) -> None:
+        """Stop the other tensor-parallel ranks, wait for them and leave their group (nothing to
+        do without tensor parallelism); never hangs, even on a broken group (see worker.stop).
+        leave=False: a step may still be running on another thread (it never returned): the
+        ranks are killed (failing its collective) and the group is left to a later close()."""
+        workers = self._workers
+        if leave:
+            self._workers = []  # (lost_rank sees them no more: their exit is no news now)
+        if workers:
+            worker.stop(self.runner.parallel, workers, leave)
+
+    def lost_rank(self, error: BaseException | None = None) -> str | None:
+        """Why the tensor-parallel group can run no more steps, or None (always None without
+        tensor parallelism): a rank's process exited, or `error` (what a step raised) came from
+        a collective (see worker.lost). Cheap without error; safe from any thread."""
+        return worker.lost(self._workers, error)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0

@@ -15,15 +15,15 @@ def is_token_id(value: object, vocab_size: int) -> bool:
 
 
 def prompt_token_ids(prompt: str | list[int], tokenizer: Tokenizer | None,
-                     vocab_size: int) -> list[int]:
+                     vocab_size: int, max_tokens: int | None = None) -> list[int]:
     """The token ids of a prompt (text, or token ids checked against the vocabulary); ValueError
-    naming what is wrong."""
+    naming what is wrong (a text of more than max_tokens tokens too: Tokenizer.encode)."""
     if isinstance(prompt, str):
         if not prompt:
             raise ValueError("prompt: must not be empty")
         if tokenizer is None:
             raise ValueError("prompt: this model has no tokenizer; pass token ids")
-        return tokenizer.encode(prompt)
+        return tokenizer.encode(prompt, max_tokens=max_tokens)
     if not isinstance(prompt, (list, tuple)):
         raise ValueError(f"prompt: expected text or a list of token ids, got "
                          f"{type(prompt).__name__}")

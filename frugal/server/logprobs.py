@@ -1,9 +1,26 @@
-"""Log-probabilities in the two OpenAI shapes: legacy completions and chat."""
+"""Log-probabilities in the two OpenAI shapes: legacy completions and chat.
+
+Every logprob leaves through `finite`: JSON has no -Infinity or NaN (the response would fail to
+encode, a 500, or a stream would carry a token no client parses), so they go out as vLLM sends
+-inf, -9999.0.
+"""
 
 from __future__ import annotations
 
+import math
+
 from frugal.request import TokenLogprob
 from frugal.tokenizer import Tokenizer
+
+MIN_LOGPROB = -9999.0  # vLLM's value for a logprob of -inf
+
+
+def finite(logprob: float) -> float:
+    """logprob as JSON can carry it: -inf and NaN -> MIN_LOGPROB, +inf (impossible for a
+    log-probability, but a broken model could make one) -> 0.0."""
+    if math.isfinite(logprob):
+        return max(logprob, MIN_LOGPROB)
+    return 0.0 if logprob > 0 else MIN_LOGPROB
 
 
 def token_text(tokenizer: Tokenizer | None, token_id: int) -> str:
@@ -31,9 +48,9 @@ def completion_logprobs(tokenizer: Tokenizer | None, token_ids: list[int],
             values.append(None)
             tops.append(None)
             continue
-        values.append(entry.logprob)
-        top = {token_text(tokenizer, t): v for t, v in entry.top}
-        top.setdefault(text, entry.logprob)
+        values.append(finite(entry.logprob))
+        top = {token_text(tokenizer, t): finite(v) for t, v in entry.top}
+        top.setdefault(text, values[-1])
         tops.append(top)
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
             "text_offset": offsets}
@@ -44,7 +61,7 @@ def chat_entries(tokenizer: Tokenizer | None, entries: list[TokenLogprob]) -> li
 
     def item(token_id: int, value: float) -> dict:
         text = token_text(tokenizer, token_id)
-        return {"token": text, "logprob": value, "bytes": list(text.encode("utf-8"))}
+        return {"token": text, "logprob": finite(value), "bytes": list(text.encode("utf-8"))}
 
     return [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, v) for t, v in e.top]}
             for e in entries]

@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP server (FastAPI): routes, auth, errors, metrics.
 
-Every error a client can cause comes back as a 4xx with {"error": {message, type, param, code}};
-nothing a client sends reaches the engine thread unvalidated.
+Every error a client can cause comes back as a 4xx with {"error": {message, type, param, code}},
+and every other error as a 500 with the same body; nothing a client sends reaches the engine
+thread unvalidated. Work that grows with what a client sends (tokenizing, decoding, encoding a
+long answer) runs in the thread pool, so /health and other clients are answered meanwhile.
 """
 
 from __future__ import annotations
@@ -31,7 +33,13 @@ from frugal.server.protocol import (
     conversation,
 )
 from frugal.server.serving import Serving, encode_chat
-from frugal.server.side_channel import HANDSHAKE_PATH, Peers
+from frugal.server.side_channel import (
+    AUTH_HEADER,
+    HANDSHAKE_PATH,
+    Peers,
+    may_handshake,
+    peer_addresses,
+)
 
 logger = logging.getLogger("frugal")
 
@@ -39,14 +47,19 @@ logger = logging.getLogger("frugal")
 def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
               metrics: Metrics | None = None, max_request_bytes: int | None = None,
               max_queued_requests: int | None = None,
-              kv_address: tuple[str, int] | None = None) -> FastAPI:
+              kv_peers: set[tuple[str, int]] | None = None,
+              metrics_public: bool = False) -> FastAPI:
     """An app serving `engine` as `model_name`. The engine thread starts and stops with the app.
 
-    max_request_bytes: bodies over it get a 413 before anything reads them; max_queued_requests:
-    requests beyond that many accepted and not yet running get a 429. kv_address: the host and
-    port decode workers reach this one at (prefill/decode disaggregation; see side_channel)."""
-    serving = Serving(engine, model_name, kv_address)
-    peers = Peers()
+    api_key: needed on every path but /health (and /metrics when metrics_public) and the side
+    channel's /kv/* (see Gate); max_request_bytes: bodies over it get a 413 before anything
+    reads them; max_queued_requests: requests beyond that many accepted and not yet running get
+    a 429. kv_peers: the only (host, port)s of workers this one exchanges KV pages with
+    (prefill/decode disaggregation; see side_channel), None for any holding the secret."""
+    serving = Serving(engine, model_name)
+    handoff = engine.engine.handoff
+    signer = handoff.signer if handoff is not None else None
+    peers, addresses = Peers(signer, kv_peers), peer_addresses(kv_peers)
     tokenizer = engine.engine.tokenizer
     created = int(time.time())
 
@@ -54,10 +67,13 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     async def lifespan(app: FastAPI):
         engine.start()
         yield
+        peers.close()
         engine.shutdown()
 
     app = FastAPI(title="frugal", lifespan=lifespan, responses=ERROR_RESPONSES)
-    app.add_middleware(Gate, api_key=api_key, max_request_bytes=max_request_bytes)
+    public = {"/health", "/metrics"} if metrics_public else {"/health"}
+    app.add_middleware(Gate, api_key=api_key, max_request_bytes=max_request_bytes,
+                       public_paths=frozenset(public))
 
     @app.exception_handler(APIError)
     async def api_error(request: HTTPRequest, e: APIError):
@@ -76,6 +92,12 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             return _error(APIError("request body is not valid JSON", code="invalid_json"))
         param = ".".join(loc) or None
         return _error(APIError(f"{param or 'body'}: {first.get('msg', 'invalid')}", param))
+
+    @app.exception_handler(Exception)
+    async def server_error(request: HTTPRequest, e: Exception):
+        # Starlette's own answer is a plain-text 500, which OpenAI clients cannot parse; it
+        # still logs the exception after this answer.
+        return _error(APIError("internal server error", status=500, kind="server_error"))
 
     @app.exception_handler(HTTPException)
     async def http_error(request: HTTPRequest, e: HTTPException):
@@ -133,10 +155,14 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         return {"status": "ok"}
 
     @app.get(HANDSHAKE_PATH, include_in_schema=False)
-    async def kv_handshake():
-        if engine.engine.handoff is None:
+    async def kv_handshake(http: HTTPRequest):
+        if handoff is None:
             raise APIError("this worker was started without --kv-role", status=404)
-        return engine.engine.handoff.metadata
+        if not may_handshake(signer, addresses, http.headers.get(AUTH_HEADER),
+                             http.client.host if http.client else None):
+            raise APIError("the KV side channel answers only workers of this deployment "
+                           "(--kv-secret, --kv-peers)", status=401, code="invalid_kv_secret")
+        return handoff.metadata
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus():
@@ -144,26 +170,44 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             raise APIError("metrics are off", status=404)
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    # vLLM's tokenizer routes, which lm-evaluation-harness uses instead of a local tokenizer
+    # vLLM's tokenizer routes, which lm-evaluation-harness uses instead of a local tokenizer.
+    # Their answers are made whole in the thread pool (a 15 MB text is 7.5 M ids).
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):
         if tokenizer is None:
             raise APIError("this model has no tokenizer", status=404)
         if (req.prompt is None) == (req.messages is None):
             raise APIError("prompt: give exactly one of prompt and messages", "prompt")
+        return Response(await run_in_threadpool(tokenize_answer, req),
+                        media_type="application/json")
+
+    def tokenize_answer(req: TokenizeRequest) -> bytes:
+        """(a pool thread) More tokens than the context holds are a 400, as for a prompt."""
+        limit = serving.max_model_len
         if req.messages is not None:
-            ids = await run_in_threadpool(encode_chat, tokenizer, conversation(req.messages))
+            ids = encode_chat(tokenizer, conversation(req.messages), max_tokens=limit)
         else:
-            ids = await run_in_threadpool(tokenizer.encode, req.prompt, req.add_special_tokens)
-        return {"tokens": ids, "count": len(ids), "max_model_len": serving.max_model_len}
+            try:
+                ids = tokenizer.encode(req.prompt, req.add_special_tokens, max_tokens=limit)
+            except ValueError as e:
+                raise APIError.from_value_error(e) from e
+        return (f'{{"tokens":{json_ids(ids)},"count":{len(ids)},'
+                f'"max_model_len":{serving.max_model_len}}}').encode()
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):
         if tokenizer is None:
             raise APIError("this model has no tokenizer", status=404)
-        if any(not 0 <= t < tokenizer.vocab_size for t in req.tokens):
+        if len(req.tokens) > serving.max_model_len:
+            raise APIError(f"tokens: {len(req.tokens)} ids, more than this model's maximum "
+                           f"context length of {serving.max_model_len} tokens", "tokens",
+                           code="context_length_exceeded")
+        return await run_in_threadpool(detokenize_answer, req.tokens)
+
+    def detokenize_answer(ids: list[int]) -> JSONResponse:  # encoded as it is made
+        if any(not 0 <= t < tokenizer.vocab_size for t in ids):
             raise APIError(f"tokens: ids must be in [0, {tokenizer.vocab_size})", "tokens")
-        return {"prompt": tokenizer.decode(req.tokens, skip_special_tokens=False)}
+        return JSONResponse({"prompt": tokenizer.decode(ids, skip_special_tokens=False)})
 
     @app.get("/tokenizer_info")
     async def tokenizer_info():
@@ -194,6 +238,14 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
 _STREAMED = {200: {"description": "The completion, or with stream=true its Server-Sent Events",
                    "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
 _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
+_SLICE = 1 << 16  # ids json_ids encodes at once: ~5 ms with the GIL held
+
+
+def json_ids(ids: list[int]) -> str:
+    """ids as a JSON array, made slice by slice: between slices the GIL can go back to the event
+    loop (json.dumps of 7.5 M ids holds it for half a second, the loop with it)."""
+    return "[" + ",".join([",".join(map(str, ids[i:i + _SLICE]))
+                           for i in range(0, len(ids), _SLICE)]) + "]"
 
 
 def _error(e: APIError) -> JSONResponse:

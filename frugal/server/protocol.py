@@ -7,18 +7,31 @@ request never silently means something else.
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+)
 from pydantic_core import PydanticCustomError
 
 from frugal.disagg import wants_transfer
 from frugal.request import SamplingParams
-from frugal.tokenizer import lone_surrogate
+from frugal.tokenizer import TooManyTokens, lone_surrogate
 
 MAX_N = 64
 MAX_PROMPTS = 1024  # prompts in one /v1/completions request
 MAX_STOP = 16  # stop strings in one request
+# Characters in all of a request's stop strings: every step of the request looks for each of them
+# in its recent text (engine.detokenizer), and 16 stop strings of 1 MB made other requests 1.9x
+# slower.
+MAX_STOP_CHARS = 4096
 
 
 def _valid_unicode(text: str) -> str:
@@ -31,6 +44,47 @@ def _valid_unicode(text: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_valid_unicode)]  # every string a client sends
+
+
+def at_most(limit: int) -> BeforeValidator:
+    """Refuses a list longer than `limit` before its items are validated. Field(max_length=...)
+    alone counts only after validating every item, on the event loop: seconds for a body of
+    millions of items (it stays beside this one for the schema)."""
+
+    def check(value: Any) -> Any:
+        if isinstance(value, list) and len(value) > limit:
+            raise PydanticCustomError("too_long", "at most {limit} items, got {n}",
+                                      {"limit": limit, "n": len(value)})
+        return value
+
+    return BeforeValidator(check)
+
+
+def _prompt_form(value: Any) -> str | None:
+    """Which form of prompt `value` is, from its first item, so that only that form is validated
+    (a union tries every form: 7 s for a list of 8 M token ids)."""
+    if isinstance(value, str):
+        return "str"
+    if not isinstance(value, list):
+        return None
+    if not value or isinstance(value[0], str):
+        return "list[str]"
+    return "list[list[int]]" if isinstance(value[0], list) else "list[int]"
+
+
+# Token ids: the first wrong item ends validation. Their length is checked against the model's
+# max_model_len where that is known (Serving, the tokenizer routes), in the thread pool.
+TokenIds = Annotated[list[int], Field(fail_fast=True)]
+Prompt = Annotated[
+    Annotated[Text, Tag("str")]
+    | Annotated[list[Text], Field(max_length=MAX_PROMPTS), at_most(MAX_PROMPTS), Tag("list[str]")]
+    | Annotated[TokenIds, Tag("list[int]")]
+    | Annotated[list[TokenIds], Field(max_length=MAX_PROMPTS), at_most(MAX_PROMPTS),
+                Tag("list[list[int]]")],
+    Discriminator(_prompt_form, custom_error_type="prompt_type",
+                  custom_error_message="must be a string, a list of strings, a list of token "
+                                       "ids or a list of lists of token ids")]
+
 # Unknown fields are ignored (clients send many); known ones take their own JSON type only
 # (no "1" for 1, no false for 0), so a request never quietly means something else.
 _STRICT = ConfigDict(extra="ignore", strict=True)
@@ -50,7 +104,8 @@ class APIError(Exception):
         """'field: what is wrong' -> a 400 naming the field."""
         text = str(e)
         field = text.split(":", 1)[0] if ":" in text else None
-        return cls(text, param=field if field and field.isidentifier() else None)
+        return cls(text, param=field if field and field.isidentifier() else None,
+                   code="context_length_exceeded" if isinstance(e, TooManyTokens) else None)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param,
@@ -93,7 +148,7 @@ class _Common(BaseModel):
     temperature: float | None = None
     top_p: float | None = None
     n: int = 1
-    stop: Text | Annotated[list[Text], Field(max_length=MAX_STOP)] | None = None
+    stop: Text | Annotated[list[Text], Field(max_length=MAX_STOP), at_most(MAX_STOP)] | None = None
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -107,11 +162,18 @@ class _Common(BaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     # prefill/decode disaggregation, as vLLM's NixlConnector and vllm-router speak it
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # its values: check_json_values
     # prefix caching: requests share cached KV pages only when their salts are equal (vLLM's)
     cache_salt: Text | None = None
 
     def check_common(self) -> None:
+        """Checks past what pydantic does on the event loop: these run in the thread pool."""
+        if self.kv_transfer_params is not None:
+            check_json_values(self.kv_transfer_params, "kv_transfer_params")
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        if (num_chars := sum(map(len, stops))) > MAX_STOP_CHARS:
+            raise APIError(f"stop: {num_chars} characters in all, at most {MAX_STOP_CHARS}",
+                           "stop")
         if not 1 <= self.n <= MAX_N:
             raise APIError(f"n: must be in [1, {MAX_N}], got {self.n}", "n")
         for name in ("frequency_penalty", "presence_penalty"):
@@ -153,7 +215,7 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: Text | list[Text] | list[int] | list[list[int]]
+    prompt: Prompt
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
@@ -166,10 +228,7 @@ class CompletionRequest(_Common):
             return [p]
         if not p:
             raise APIError("prompt: must not be empty", "prompt")
-        if len(p) > MAX_PROMPTS:
-            raise APIError(f"prompt: {len(p)} prompts in one request, at most {MAX_PROMPTS}",
-                           "prompt")
-        return list(p)
+        return list(p)  # at most MAX_PROMPTS (see Prompt)
 
     def check(self) -> None:
         self.check_common()
@@ -236,4 +295,23 @@ class TokenizeRequest(BaseModel):
 class DetokenizeRequest(BaseModel):
     model_config = _STRICT
 
-    tokens: list[int]
+    tokens: TokenIds
+
+
+def check_json_values(value: Any, field: str) -> None:
+    """A 400 naming `field` for a lone surrogate in any string (keys included) or a NaN or
+    infinite number anywhere in a JSON value: neither can be sent on (JSON has no NaN, UTF-8
+    no lone surrogates), so they would fail later as a 500. Iterative: the nesting is as deep
+    as json.loads allowed, which a recursion here might not be."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str) and lone_surrogate(v) is not None:
+            raise APIError(f"{field}: not valid Unicode (a lone surrogate)", field)
+        if isinstance(v, float) and not math.isfinite(v):
+            raise APIError(f"{field}: {v} is not a JSON number", field)
+        if isinstance(v, dict):
+            stack.extend(v)
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)

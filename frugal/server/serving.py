@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from starlette.requests import Request as HTTPRequest
 
+from frugal.disagg import HeldPagesFull
 from frugal.engine.async_engine import AsyncEngine, EngineDeadError
 from frugal.request import RequestOutput, SamplingParams, join
 from frugal.server import logprobs as lp
@@ -24,7 +25,7 @@ from frugal.server.protocol import (
     CompletionRequest,
     conversation,
 )
-from frugal.tokenizer import Tokenizer
+from frugal.tokenizer import Tokenizer, TooManyTokens
 
 
 @dataclass
@@ -51,11 +52,9 @@ class Job:
 class Serving:
     """Turns validated requests into engine requests and engine outputs into responses."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str,
-                 kv_address: tuple[str, int] | None = None) -> None:
+    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
         self.engine = engine
         self.model_name = model_name
-        self.kv_address = kv_address  # where decode workers reach this one's side channel
         self.tokenizer = engine.engine.tokenizer
         self.max_model_len = engine.engine.max_model_len
 
@@ -82,7 +81,7 @@ class Serving:
     def chat_job(self, req: ChatCompletionRequest) -> Job:
         req.check()
         ids = self._tokenize(encode_chat(self.tokenizer, conversation(req.messages),
-                                         req.add_generation_prompt))
+                                         req.add_generation_prompt, self.max_model_len))
         max_tokens = (req.max_completion_tokens if req.max_completion_tokens is not None
                       else req.max_tokens)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -93,10 +92,12 @@ class Serving:
                    cache_salt=req.cache_salt)
 
     def _tokenize(self, prompt: str | list[int]) -> list[int]:
-        try:
-            ids = self.engine.engine.tokenize(prompt)
-        except ValueError as e:
-            raise APIError.from_value_error(e) from e
+        ids = prompt  # token ids too many for the context are refused before each is checked
+        if isinstance(prompt, str) or len(prompt) < self.max_model_len:
+            try:
+                ids = self.engine.engine.tokenize(prompt, self.max_model_len)
+            except ValueError as e:
+                raise APIError.from_value_error(e) from e
         if len(ids) >= self.max_model_len:
             raise APIError(f"prompt: {len(ids)} tokens, but this model's maximum context length "
                            f"is {self.max_model_len} tokens", "prompt",
@@ -149,9 +150,8 @@ class Serving:
         body = {"id": job.id, "object": job.object, "created": int(time.time()),
                 "model": job.model, "choices": choices, "usage": _usage(job, completion_tokens)}
         kv = outputs[0].kv_transfer_params if outputs else None
-        if kv is not None and self.kv_address is not None:
-            body["kv_transfer_params"] = {**kv, "remote_host": self.kv_address[0],
-                                          "remote_port": self.kv_address[1]}
+        if kv is not None:  # (signed by the engine: relayed as they are)
+            body["kv_transfer_params"] = kv
         return body
 
     def _choice(self, job: Job, index: int, out: RequestOutput) -> dict:
@@ -222,14 +222,16 @@ class Serving:
 
 
 def encode_chat(tokenizer: Tokenizer | None, messages: list[dict[str, str]],
-                add_generation_prompt: bool = True) -> list[int]:
-    """Token ids of a conversation through the model's chat template; bad messages -> 400."""
+                add_generation_prompt: bool = True, max_tokens: int | None = None) -> list[int]:
+    """Token ids of a conversation through the model's chat template; bad messages, or more
+    than max_tokens tokens -> 400."""
     if tokenizer is None:
         raise APIError("messages: this model has no tokenizer", "messages")
     try:
-        return tokenizer.encode_chat(messages, add_generation_prompt)
+        return tokenizer.encode_chat(messages, add_generation_prompt, max_tokens)
     except ValueError as e:
-        raise APIError(str(e), "messages") from e
+        raise APIError(str(e), "messages", code="context_length_exceeded"
+                       if isinstance(e, TooManyTokens) else None) from e
 
 
 def _api_error(e: Exception) -> APIError:
@@ -241,6 +243,9 @@ def _api_error(e: Exception) -> APIError:
         return APIError.from_value_error(e)
     if isinstance(e, EngineDeadError):
         return APIError(str(e), status=503, kind="server_error")
+    if isinstance(e, HeldPagesFull):
+        return APIError(str(e), "kv_transfer_params", status=503, code="kv_pages_held",
+                        kind="server_error")
     return APIError(f"engine error: {e}", status=500, kind="server_error")
 
 

@@ -1,7 +1,9 @@
-"""Prefill/decode disaggregation as users run it: `frugal serve-pd` (one prefill and two decode
-workers behind vllm-router from PyPI, NIXL over UCX between processes on 127.0.0.1), against a
-co-located `frugal serve` with the same model; plus decode workers started with injected faults
-and one with an FP8 cache, called the way the router calls them."""
+"""Prefill/decode disaggregation as users run it: `frugal serve-pd --api-key` (one prefill and two
+decode workers behind vllm-router from PyPI and frugal's key-checking relay, NIXL over UCX
+between processes on 127.0.0.1, one secret for the deployment), against a co-located `frugal
+serve` with the same model; plus decode workers started with injected faults and one with an
+FP8 cache, called the way the router calls them; and clients that try to turn the workers
+against each other."""
 
 from __future__ import annotations
 
@@ -18,7 +20,8 @@ import urllib.request
 
 import pytest
 
-from tests.server.conftest import MODEL, Server, metrics, start_server, stop_server
+from frugal.disagg.signing import Signer
+from tests.server.conftest import API_KEY, MODEL, Server, metrics, start_server, stop_server
 
 pytest.importorskip("nixl_cu13")
 openai = pytest.importorskip("openai")
@@ -27,6 +30,8 @@ if not os.path.exists(os.path.join(os.path.dirname(sys.executable), "vllm-router
     pytest.skip("vllm-router is not installed (the pd extra)", allow_module_level=True)
 
 FLAGS = ["--dtype", "float32", "--kv-cache-memory", "64MiB", "--log-level", "WARNING"]
+SECRET = "secret-of-the-test-deployment"
+KEYED = {"FRUGAL_API_KEY": API_KEY, "FRUGAL_KV_SECRET": SECRET}  # workers started by the tests
 PROMPTS = [f"{start} {topic}" for start in ("Tell me about", "Write one sentence on",
                                             "What do you know about", "Describe")
            for topic in ("the sea.", "Paris, the capital of France, and its river", "bread",
@@ -56,44 +61,62 @@ def _free(port: int) -> bool:
 @pytest.fixture(scope="module")
 def system(tmp_path_factory):
     logs = tmp_path_factory.mktemp("pd")
-    base = free_ports(4)
+    base = free_ports(5)  # relay, prefill, 2 decode, the router behind the relay
     log = (logs / "serve-pd.log").open("w")
     pd = subprocess.Popen(
         [sys.executable, "-m", "frugal.cli.main", "serve-pd", "--port", str(base),
          "--num-decode", "2", "--args", " ".join(FLAGS), "--prefill-args",
-         "--kv-lease-timeout 10", "--log-level", "WARNING"],
-        stdout=log, stderr=subprocess.STDOUT, text=True)
-    others = concurrent.futures.ThreadPoolExecutor(2).map(lambda a: start_server(*a), [
-        (logs / "colocated.log", *FLAGS),
-        (logs / "fp8.log", *FLAGS, "--kv-role", "decode", "--kv-cache-dtype", "fp8")])
-    colocated, fp8 = list(others)
-    urls = [f"http://127.0.0.1:{base + i}" for i in range(4)]
-    router, prefill, decode = (Server(urls[0], pd, logs / "serve-pd.log"),
-                               Server(urls[1], pd, logs / "serve-pd.log"),
-                               [Server(u, pd, logs / "serve-pd.log") for u in urls[2:]])
-    deadline = time.time() + 300
-    while time.time() < deadline and not _ready(router):
-        assert pd.poll() is None, router.output()
-        time.sleep(0.5)
-    assert _ready(router), router.output()
-    yield {"router": router, "prefill": prefill, "decode": decode, "colocated": colocated,
-           "fp8": fp8}
-    pd.send_signal(signal.SIGTERM)
-    assert pd.wait(timeout=60) == 0, router.output()
-    for s in (colocated, fp8):
-        stop_server(s)
+         "--kv-lease-timeout 10", "--log-level", "WARNING", "--api-key", API_KEY],
+        stdout=log, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "FRUGAL_KV_SECRET": SECRET}, start_new_session=True)
+    started = []
+    try:
+        jobs = [((logs / "colocated.log", *FLAGS), {}),
+                ((logs / "fp8.log", *FLAGS, "--kv-role", "decode", "--kv-cache-dtype", "fp8"),
+                 {"env": KEYED})]
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            futures = [pool.submit(start_server, *a, **kw) for a, kw in jobs]
+            for future in futures:
+                try:
+                    started.append(future.result())
+                except Exception:
+                    started.append(None)
+        assert None not in started, "a server of the fixture did not start"
+        colocated, fp8 = started
+        urls = [f"http://127.0.0.1:{base + i}" for i in range(4)]
+        router, prefill, decode = (Server(urls[0], pd, logs / "serve-pd.log"),
+                                   Server(urls[1], pd, logs / "serve-pd.log"),
+                                   [Server(u, pd, logs / "serve-pd.log") for u in urls[2:]])
+        deadline = time.time() + 300
+        while time.time() < deadline and not _ready(router):
+            assert pd.poll() is None, router.output()
+            time.sleep(0.5)
+        assert _ready(router), router.output()
+        yield {"router": router, "prefill": prefill, "decode": decode, "colocated": colocated,
+               "fp8": fp8}
+        pd.send_signal(signal.SIGTERM)
+        assert pd.wait(timeout=60) == 0, router.output()
+    finally:
+        for s in started:
+            if s is not None:
+                stop_server(s)
+        try:  # whatever happened, nothing of serve-pd's outlives the module
+            os.killpg(pd.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        pd.wait()
 
 
 def _ready(router: Server) -> bool:
     try:
         return router.request("POST", "/v1/completions", {
-            "model": MODEL, "prompt": "Hi", "max_tokens": 1}, key=None)[0] == 200
+            "model": MODEL, "prompt": "Hi", "max_tokens": 1})[0] == 200
     except OSError:
         return False
 
 
 def client(server: Server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0,
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0,
                          timeout=120)
 
 
@@ -139,7 +162,7 @@ def prefill(system, prompt: str, max_tokens: int = MAX_TOKENS) -> dict:
     """What the router sends a prefill worker, and the params it hands the decode side."""
     status, body = system["prefill"].request("POST", "/v1/completions", {
         "model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0,
-        "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}}, key=None)
+        "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}})
     assert status == 200, body
     return {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "kv_transfer_params": body["kv_transfer_params"]}
@@ -156,7 +179,7 @@ def wait_empty(*servers: Server, timeout: float = 20.0) -> bool:
 
 def test_kv_dtype_mismatch_is_refused_at_the_handshake(system):
     status, body = system["fp8"].request("POST", "/v1/completions",
-                                         prefill(system, PROMPTS[0]), key=None)
+                                         prefill(system, PROMPTS[0]))
     assert status == 400, body
     message = body["error"]["message"]
     assert "kv_cache_dtype 'float32' there, 'float8_e4m3fn' here" in message, message
@@ -166,12 +189,13 @@ def test_kv_dtype_mismatch_is_refused_at_the_handshake(system):
 
 def test_injected_checksum_fault_fails_only_its_request(tmp_path, system):
     faulty = start_server(tmp_path / "corrupt.log", *FLAGS, "--kv-role", "decode",
-                          env={"FRUGAL_KV_FAULTS": "corrupt:2"})
+                          env={**KEYED, "FRUGAL_KV_FAULTS": "corrupt:2"})
     try:
         bodies = [prefill(system, p) for p in PROMPTS[:3]]
-        results = [faulty.request("POST", "/v1/completions", b, key=None) for b in bodies]
+        results = [faulty.request("POST", "/v1/completions", b) for b in bodies]
         assert [s for s, _ in results] == [200, 500, 200], results
-        assert "checksum" in results[1][1]["error"]["message"]
+        message = results[1][1]["error"]["message"]
+        assert "checksum" in message and "0x" not in message  # which page, not its checksum
         want = completions_of(system["colocated"], PROMPTS[:3])
         assert [results[0][1]["choices"][0]["text"], results[2][1]["choices"][0]["text"]] == [
             want[0], want[2]]
@@ -183,18 +207,19 @@ def test_injected_checksum_fault_fails_only_its_request(tmp_path, system):
 
 def completions_of(server: Server, prompts: list[str]) -> list[str]:
     return [server.request("POST", "/v1/completions", {
-        "model": MODEL, "prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0},
-        key=None)[1]["choices"][0]["text"] for p in prompts]
+        "model": MODEL, "prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0}
+        )[1]["choices"][0]["text"] for p in prompts]
 
 
 def test_abort_mid_transfer_leaves_both_pools_full(tmp_path, system):
     slow = start_server(tmp_path / "slow.log", *FLAGS, "--kv-role", "decode",
-                        env={"FRUGAL_KV_FAULTS": "delay:3"})
+                        env={**KEYED, "FRUGAL_KV_FAULTS": "delay:3"})
     try:
         body = prefill(system, PROMPTS[3])
         request = urllib.request.Request(slow.url + "/v1/completions",
                                          data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
+                                         headers={"Content-Type": "application/json",
+                                                  "Authorization": f"Bearer {API_KEY}"})
         with pytest.raises((TimeoutError, urllib.error.URLError)):
             urllib.request.urlopen(request, timeout=1.0)  # gone while its KV is on its way
         assert wait_for_metric(slow, "frugal_requests_aborted_total", 1)
@@ -214,6 +239,115 @@ def wait_for_metric(server: Server, name: str, value: float, timeout: float = 10
             return True
         time.sleep(0.1)
     return False
+
+
+def test_serve_pd_with_a_key_refuses_unkeyed_clients(system):
+    """The relay refuses clients without the key, and so does every worker; the router's own
+    calls (with the key as $OPENAI_API_KEY) go through, which the other tests show."""
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 1}
+    for server in (system["router"], system["prefill"], *system["decode"]):
+        status, answer = server.request("POST", "/v1/completions", body, key=None)
+        assert status == 401 and answer["error"]["code"] == "invalid_api_key", answer
+        assert server.request("POST", "/v1/completions", body, key="wrong")[0] == 401
+    assert system["router"].request("POST", "/v1/completions", body)[0] == 200
+
+
+def test_the_kv_side_channel_needs_the_secret(system):
+    """No metadata (the pool's address, NIXL's keys to it) for anyone without the secret."""
+    prefill = system["prefill"]
+    for headers in ({}, {"X-Frugal-KV-Auth": Signer("not-the-deployment-secret").token(
+            "handshake")}, {"X-Frugal-KV-Auth": "1.2.3"}):
+        status, body = _get(prefill, "/kv/handshake", headers)
+        assert status == 401 and "agent_metadata" not in str(body), body
+    status, body = _get(prefill, "/kv/handshake",
+                        {"X-Frugal-KV-Auth": Signer(SECRET).token("handshake")})
+    assert status == 200 and "agent_metadata" in body
+
+
+def _get(server: Server, path: str, headers: dict) -> tuple[int, dict | str]:
+    request = urllib.request.Request(server.url + path, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+SECRET_PROMPT = "The launch code is 7 3 1 9. Repeat the launch code: 7 3"
+FRANCE = "Answer in one word. The capital of France is"
+
+
+def test_a_client_cannot_read_or_poison_through_a_decode_worker(system):
+    """With a victim's pages held for a decode worker, an attacker's made-up or altered params
+    get one 400 that says nothing (no checksum), before any read; the victim's own hand-off
+    still decodes, and a plain request's answer is the co-located one afterwards."""
+    decode, prefill = system["decode"][0], system["prefill"]
+    want_france = completions_of(system["colocated"], [FRANCE])
+    victim = prefill_params(system, SECRET_PROMPT)
+    mine = prefill_params(system, FRANCE)
+    attempts = [
+        {**mine, "remote_block_ids": victim["remote_block_ids"][:len(mine["remote_block_ids"])]},
+        {**mine, "page_checksums": victim["page_checksums"][:len(mine["page_checksums"])]},
+        {**mine, "remote_host": "127.0.0.1", "remote_port": 1},
+        {k: v for k, v in mine.items() if k != "frugal_signature"},
+        {**mine, "prompt_sha256": victim["prompt_sha256"]},
+    ]
+    loads = metrics(decode)["frugal_kv_transfer_loads_total"]
+    for params in attempts:
+        status, body = decode.request("POST", "/v1/completions", {
+            "model": MODEL, "prompt": FRANCE, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "kv_transfer_params": params})
+        assert status == 400 and body["error"]["param"] == "kv_transfer_params", body
+        text = json.dumps(body)
+        assert not any(str(c) in text for c in victim["page_checksums"] + mine["page_checksums"])
+    assert metrics(decode)["frugal_kv_transfer_loads_total"] == loads  # nothing was read
+    ok = decode.request("POST", "/v1/completions", {
+        "model": MODEL, "prompt": SECRET_PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0,
+        "kv_transfer_params": victim})
+    assert ok[0] == 200 and ok[1]["choices"][0]["text"] == completions_of(
+        system["colocated"], [SECRET_PROMPT])[0]
+    replay = decode.request("POST", "/v1/completions", {
+        "model": MODEL, "prompt": SECRET_PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0,
+        "kv_transfer_params": victim})
+    assert replay[0] == 400, replay
+    assert completions_of(decode, [FRANCE]) == want_france
+    status, body = decode.request("POST", "/v1/completions", {
+        "model": MODEL, "prompt": FRANCE, "max_tokens": 1,
+        "kv_transfer_params": {"do_remote_decode": True}})
+    assert status == 400 and "decode worker" in body["error"]["message"]
+    decode.request("POST", "/v1/completions", {  # frees the lease the attempts left
+        "model": MODEL, "prompt": FRANCE, "max_tokens": MAX_TOKENS, "temperature": 0,
+        "kv_transfer_params": mine})
+    assert wait_empty(prefill, decode)
+
+
+def prefill_params(system, prompt: str) -> dict:
+    return prefill(system, prompt)["kv_transfer_params"]
+
+
+def test_pinning_clients_get_503_and_others_are_served(system):
+    """Prefills for decode workers past --kv-max-held-fraction (half the prefill pool) get a
+    503; a normal request through the router is not held up by them. (Last: the leases stay
+    for the fixture's 10 s.)"""
+    prefill = system["prefill"]
+    long_prompt = " ".join(["pin"] * 170)  # 11 of the pool's 91 pages
+    start = time.monotonic()
+    completions_of(system["router"], PROMPTS[:1])
+    alone = time.monotonic() - start
+    statuses = []
+    for _ in range(8):
+        status, body = prefill.request("POST", "/v1/completions", {
+            "model": MODEL, "prompt": long_prompt, "max_tokens": 1,
+            "kv_transfer_params": {"do_remote_decode": True}})
+        statuses.append(status)
+        if status == 503:
+            assert "--kv-max-held-fraction" in body["error"]["message"]
+    assert statuses.count(200) == 4 and statuses.count(503) == 4, statuses
+    assert metrics(prefill)["frugal_kv_cache_pages_held"] <= 45
+    start = time.monotonic()
+    assert completions_of(system["router"], PROMPTS[:1]) == completions_of(
+        system["colocated"], PROMPTS[:1])
+    assert time.monotonic() - start < alone + 5.0
 
 
 def test_a_decode_worker_killed_mid_stream(system):

@@ -49,8 +49,9 @@ class Server:
             return status, raw
 
 
-def metrics(server) -> dict[str, float]:
-    status, text = server.request("GET", "/metrics", key=None)
+def metrics(server, key: str | None = API_KEY) -> dict[str, float]:
+    """/metrics as {name: value}; the key is ignored by a server without one."""
+    status, text = server.request("GET", "/metrics", key=key)
     assert status == 200
     values = {}
     for family in text_string_to_metric_families(text):

@@ -142,11 +142,11 @@ def test_models_and_health(client, server):
 
 def test_tokenizer_routes(server, llm):
     status, body = server.request("POST", "/tokenize", {"prompt": "Hello world",
-                                                       "add_special_tokens": False}, key=None)
+                                                       "add_special_tokens": False})
     assert status == 200 and body["tokens"] == llm.get_tokenizer().encode("Hello world")
-    status, body = server.request("POST", "/detokenize", {"tokens": body["tokens"]}, key=None)
+    status, body = server.request("POST", "/detokenize", {"tokens": body["tokens"]})
     assert body["prompt"] == "Hello world"
-    status, info = server.request("GET", "/tokenizer_info", key=None)
+    status, info = server.request("GET", "/tokenizer_info")
     assert info["eos_token"] == "<|im_end|>" and "im_start" in info["chat_template"]
 
 

@@ -168,13 +168,13 @@ def test_bad_chat_input_is_400(server, body, param):
     ({"messages": [{"role": "user", "content": "\ud800"}]}, "messages.0.content"),
 ])
 def test_tokenize_refuses_invalid_unicode(server, body, param):
-    got, err = server.request("POST", "/tokenize", body, key=None)
+    got, err = server.request("POST", "/tokenize", body)
     assert got == 400 and err["error"]["param"] == param, err
 
 
 def test_tokenize_messages_counts_what_chat_sends(server):
     messages = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
-    _, tokens = server.request("POST", "/tokenize", {"messages": messages}, key=None)
+    _, tokens = server.request("POST", "/tokenize", {"messages": messages})
     _, chat = server.request("POST", "/v1/chat/completions", {"model": MODEL,
                                                               "messages": messages,
                                                               "max_tokens": 1})
