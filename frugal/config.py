@@ -194,6 +194,10 @@ class EngineConfig:
             raise ValueError(f"kv_role: unsupported {self.kv_role!r} (prefill, decode, both)")
         if not self.kv_lease_s > 0 or not self.kv_transfer_timeout_s > 0:
             raise ValueError("kv_lease_s / kv_transfer_timeout_s: must be > 0")
+        if self.kv_role is not None and not self.kv_secret:
+            raise ValueError("kv_secret: prefill/decode workers need the deployment's shared "
+                             "secret (--kv-secret or $FRUGAL_KV_SECRET; `frugal serve-pd` makes "
+                             "one): it signs hand-offs and guards the KV side channel")
         if not 0 < self.kv_max_held_fraction <= 1:
             raise ValueError(f"kv_max_held_fraction: must be in (0, 1], got "
                              f"{self.kv_max_held_fraction}")

@@ -21,14 +21,16 @@ def describe() -> list[str]:
         triton_version = triton.__version__
     except ImportError:
         triton_version = "not installed (the GPU kernels need it)"
-    cuda = torch.version.cuda or "none"
+    build = (f"CUDA {torch.version.cuda} build" if torch.version.cuda else
+             f"ROCm {torch.version.hip} build" if getattr(torch.version, "hip", None) else
+             "CPU-only build")
     if torch.cuda.is_available():
         gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         gpu = f"{len(gpus)} x {gpus[0]}" if len(set(gpus)) == 1 else ", ".join(gpus)
     else:
         gpu = "none (the CPU path runs: plain PyTorch ops)"
     return [f"frugal {__version__}", f"python {platform.python_version()}",
-            f"torch {torch.__version__} (CUDA {cuda})", f"triton {triton_version}",
+            f"torch {torch.__version__} ({build})", f"triton {triton_version}",
             f"GPU: {gpu}", *(f"tested on the {where}: {pair}" for where, pair in TESTED.items())]
 
 

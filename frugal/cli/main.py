@@ -9,6 +9,8 @@ import sys
 
 from frugal.cli.env import VersionAction
 
+QUIET = ("httpx2", "httpx")  # the openai client's line per request
+
 
 def build_parser() -> argparse.ArgumentParser:
     from frugal.bench.offline import add_bench_parser
@@ -39,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=getattr(args, "log_level", "INFO").upper(), stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    for name in QUIET:  # a line per request or per second is noise unless asked for
+        logging.getLogger(name).setLevel(max(logging.WARNING, logging.getLogger().level))
     try:
         return args.func(args)
     except ValueError as e:  # bad input: say what is wrong, no traceback

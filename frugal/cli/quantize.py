@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -139,8 +140,8 @@ def run_quantize(args: argparse.Namespace) -> int:
     (out / "config.json").write_text(json.dumps(hf, indent=2))
     if ckpt.tokenizer is not None:
         ckpt.tokenizer.save(out)
-    for name, err in errors:
-        print(f"{name}: relative error {err:.4f}")
+    worst = sorted(errors, key=lambda e: -e[1])[:3]
+    print("largest relative errors: " + ", ".join(f"{n} {e:.4f}" for n, e in worst))
     total_before = bf16_bytes + kept_bytes
     what = "INT4" if int4 else "FP8"
     print(f"quantized {len(errors)} matrices: {bf16_bytes / 1e6:.1f} MB as bf16 -> "
@@ -150,6 +151,13 @@ def run_quantize(args: argparse.Namespace) -> int:
           f"{sum(e for _, e in errors) / max(len(errors), 1):.4f}")
     print(f"wrote {out}")
     return 0
+
+
+def _usual_mode(path: Path) -> None:
+    """The mode a new file gets from the umask (safetensors writes 0600)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    path.chmod(0o666 & ~umask)
 
 
 class Shards:
@@ -181,6 +189,7 @@ class Shards:
         path = self.out / name
         self.files.append(path)  # (before writing: a half-written file is removed too)
         save_file(self.pending, str(path), metadata={"format": "pt"})
+        _usual_mode(path)
         self.weight_map.update(dict.fromkeys(self.pending, name))
         self.bytes += self.pending_bytes
         self.pending, self.pending_bytes = {}, 0

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import ipaddress
 import json
 import logging
 import os
@@ -47,6 +46,8 @@ def add_serve_parser(subparsers) -> None:
     g.add_argument("--max-queued-requests", type=int, default=None,
                    help="requests waiting for a place in the batch beyond this get a 429 "
                         "(default: no limit)")
+    g.add_argument("--no-ready-message", action="store_true",
+                   help=argparse.SUPPRESS)  # (serve-pd's workers: it prints the router's)
     g.add_argument("--step-timeout", type=float, default=120.0,
                    help="a step that has not returned after this many seconds marks the "
                         "engine dead: every request gets an error and the server exits 1")
@@ -57,8 +58,8 @@ def add_serve_parser(subparsers) -> None:
                         "kv_transfer_params say what each does")
     g.add_argument("--kv-secret", default=os.environ.get("FRUGAL_KV_SECRET"),
                    help="the deployment's shared secret (16+ characters; default: "
-                        "$FRUGAL_KV_SECRET): hand-offs are signed with it and the KV side "
-                        "channel asks for it; required with a non-loopback --kv-host")
+                        "$FRUGAL_KV_SECRET; required with --kv-role): hand-offs are signed with "
+                        "it and the KV side channel asks for it")
     g.add_argument("--kv-peers", default=None,
                    help="host:port,...: the only workers this one exchanges KV pages with "
                         "(default: any that holds the secret)")
@@ -73,6 +74,12 @@ def add_serve_parser(subparsers) -> None:
     g.add_argument("--kv-transfer-timeout", type=float, default=30.0,
                    help="seconds a decode worker waits for a prompt's KV")
     p.set_defaults(func=run_serve)
+
+
+def _no_probes(record: logging.LogRecord) -> bool:
+    """Access-log lines, but not the health checks and scrapes that come every second."""
+    path = record.args[2] if isinstance(record.args, tuple) and len(record.args) > 2 else ""
+    return path not in ("/health", "/metrics")
 
 
 def _port(text: str) -> int:
@@ -107,10 +114,12 @@ def run_serve(args: argparse.Namespace) -> int:
                             log_level=args.log_level.lower(),
                             timeout_graceful_shutdown=args.shutdown_timeout + FLUSH_S)
 
+    logging.getLogger("uvicorn.access").addFilter(_no_probes)  # (after uvicorn's own config)
+
     class Server(uvicorn.Server):
         async def startup(self, sockets=None) -> None:
             await super().startup(sockets)
-            if self.started:  # bound: now the request can work
+            if self.started and not args.no_ready_message:  # bound: now the request works
                 print(ready_message(name, args), flush=True)
 
         async def shutdown(self, sockets=None) -> None:
@@ -145,27 +154,18 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def check_kv_flags(args: argparse.Namespace) -> set[tuple[str, int]] | None:
-    """--kv-peers as a set; ValueError for a worker that would expose its KV pool to any
-    network peer without a secret."""
+    """--kv-peers as a set; ValueError, before the model loads, for a worker without the
+    deployment's secret (or a short one) or with a bad --kv-peers."""
     from frugal.disagg.signing import Signer
     from frugal.server.side_channel import parse_peers
 
     if args.kv_role is None:
         return None
-    if args.kv_secret:
-        Signer(args.kv_secret)  # (too short: refused before the model loads)
     if not args.kv_secret:
-        host = kv_address(args)[0]
-        try:
-            loopback = ipaddress.ip_address(host).is_loopback
-        except ValueError:
-            loopback = host == "localhost"
-        if not loopback:
-            raise ValueError(f"kv_secret: a worker reached at {host} (not a loopback address) "
-                             "needs the deployment's secret: --kv-secret or $FRUGAL_KV_SECRET "
-                             "(docs/disaggregation.md)")
-        logger.warning("no --kv-secret: the KV side channel answers any local process and "
-                       "hand-offs are not signed (docs/disaggregation.md)")
+        raise ValueError("kv_secret: a prefill/decode worker needs the deployment's shared "
+                         "secret: --kv-secret or $FRUGAL_KV_SECRET (`frugal serve-pd` makes one; "
+                         "docs/disaggregation.md)")
+    Signer(args.kv_secret)
     return parse_peers(args.kv_peers)
 
 

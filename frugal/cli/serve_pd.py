@@ -5,16 +5,19 @@ ports after the router's, waits for their /health, then runs `vllm-router
 --vllm-pd-disaggregation` in front of them; SIGTERM or Ctrl-C stops them all. Across machines,
 start the workers and the router yourself (docs/disaggregation.md).
 
-The workers share a secret made for this deployment (or $FRUGAL_KV_SECRET), passed in their
-environment: hand-offs are signed with it and the KV side channel asks for it. With an API key
-(--api-key or $FRUGAL_API_KEY) the workers require it too, the router calls them with it
-(vllm-router sends $OPENAI_API_KEY, not the client's key) on a loopback port after the
-workers', and frugal's relay (server.proxy) checks clients' keys on the public port.
+The workers listen on loopback and share a secret made for this deployment (or
+$FRUGAL_KV_SECRET), passed in their environment: hand-offs are signed with it and the KV side
+channel asks for it. They also require a key of the deployment's own (or $FRUGAL_WORKER_KEY),
+which the router sends (vllm-router calls workers with $OPENAI_API_KEY, not a client's key), so
+no client reaches a worker. With an API key (--api-key or $FRUGAL_API_KEY) the router listens
+on a loopback port after the workers' and frugal's relay (server.proxy) checks clients' keys on
+the public port.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import secrets
 import shlex
@@ -25,6 +28,8 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+
+from frugal.cli.serve import DEFAULT_SERVED_NAME
 
 
 def add_serve_pd_parser(subparsers) -> None:
@@ -51,7 +56,8 @@ def add_serve_pd_parser(subparsers) -> None:
 
 def worker_command(model: str | None, role: str, host: str, port: int, flags: str) -> list[str]:
     return [sys.executable, "-m", "frugal.cli.main", "serve", *([model] if model else []),
-            "--host", host, "--port", str(port), "--kv-role", role, *shlex.split(flags)]
+            "--host", host, "--port", str(port), "--kv-role", role, "--no-ready-message",
+            *shlex.split(flags)]
 
 
 def router_command(host: str, port: int, prefill: list[str], decode: list[str],
@@ -60,7 +66,7 @@ def router_command(host: str, port: int, prefill: list[str], decode: list[str],
     on loopback."""
     exe = shutil.which("vllm-router") or str(_venv_bin("vllm-router"))
     command = [exe, "--vllm-pd-disaggregation", "--host", host, "--port", str(port),
-               "--prometheus-host", "127.0.0.1",
+               "--log-level", "warning", "--prometheus-host", "127.0.0.1",
                "--prometheus-port", str(port + 20000 if port < 45535 else port - 20000),
                "--health-check-interval-secs", "1", "--health-failure-threshold", "1"]
     for url in prefill:
@@ -93,6 +99,19 @@ def wait_healthy(url: str, process: subprocess.Popen, timeout: float = 600.0) ->
     raise RuntimeError(f"{url}: not healthy after {timeout:g} s")
 
 
+def try_command(args: argparse.Namespace) -> str:
+    """A request to paste, at the router's address (the key from the environment)."""
+    flags = shlex.split(args.args)
+    name = (flags[flags.index("--served-model-name") + 1] if "--served-model-name" in flags[:-1]
+            else args.model or DEFAULT_SERVED_NAME)
+    body = json.dumps({"model": name,
+                       "messages": [{"role": "user", "content": "What is the capital of "
+                                     "France?"}], "max_tokens": 64})
+    auth = ' -H "Authorization: Bearer $FRUGAL_API_KEY"' if args.api_key else ""
+    return (f"curl http://{args.host}:{args.port}/v1/chat/completions -H 'Content-Type: "
+            f"application/json'{auth} -d {shlex.quote(body)}")
+
+
 def relay_command(host: str, port: int, upstream: str, log_level: str) -> list[str]:
     """frugal's API-key relay in front of the router (the key from $FRUGAL_API_KEY)."""
     return [sys.executable, "-m", "frugal.server.proxy", "--upstream", upstream, "--host", host,
@@ -104,38 +123,38 @@ def run_serve_pd(args: argparse.Namespace) -> int:
         raise ValueError("serve-pd needs vllm-router: pip install 'frugal[pd]'")
     common = f"{args.args} --log-level {args.log_level}"
     roles = [("prefill", args.prefill_args)] + [("decode", args.decode_args)] * args.num_decode
-    # secrets travel in the environment, which other users cannot read (argv they can)
-    env = {**os.environ, "FRUGAL_KV_SECRET": os.environ.get("FRUGAL_KV_SECRET")
-           or secrets.token_urlsafe(32)}
-    env.pop("FRUGAL_API_KEY", None)
-    if args.api_key:
-        env["FRUGAL_API_KEY"] = args.api_key
+    # Secrets travel in the environment, which other users cannot read (argv they can). The
+    # workers listen on loopback and require a key of the deployment's own, which the router
+    # sends; clients reach the router (or the relay, which checks their key) alone.
+    base = {k: v for k, v in os.environ.items() if k not in ("FRUGAL_API_KEY", "OPENAI_API_KEY",
+                                                             "FRUGAL_KV_SECRET")}
+    worker_key = os.environ.get("FRUGAL_WORKER_KEY") or secrets.token_urlsafe(32)
+    worker_env = {**base, "FRUGAL_API_KEY": worker_key, "FRUGAL_KV_SECRET":
+                  os.environ.get("FRUGAL_KV_SECRET") or secrets.token_urlsafe(32)}
     processes, urls = [], {"prefill": [], "decode": []}
     try:
         for i, (role, flags) in enumerate(roles):
             port = args.port + 1 + i
-            processes.append(subprocess.Popen(worker_command(args.model, role, args.host, port,
-                                                             f"{common} {flags}"), env=env))
-            urls[role].append(f"http://{args.host}:{port}")
+            processes.append(subprocess.Popen(worker_command(
+                args.model, role, "127.0.0.1", port, f"{common} {flags}"), env=worker_env))
+            urls[role].append(f"http://127.0.0.1:{port}")
         for process, url in zip(processes, urls["prefill"] + urls["decode"]):
             wait_healthy(url, process)
         if args.api_key:  # the router behind frugal's relay, on loopback
             host, port = "127.0.0.1", args.port + 1 + len(roles)
         else:
             host, port = args.host, args.port
-        router_env = {k: v for k, v in env.items() if k not in ("FRUGAL_KV_SECRET",
-                                                                 "FRUGAL_API_KEY")}
-        if args.api_key:
-            router_env["OPENAI_API_KEY"] = args.api_key
         router = subprocess.Popen(router_command(host, port, urls["prefill"], urls["decode"],
-                                                 args.router_args), env=router_env)
+                                                 args.router_args),
+                                  env={**base, "OPENAI_API_KEY": worker_key})
         processes.append(router)
         if args.api_key:
-            relay_env = {k: v for k, v in env.items() if k != "FRUGAL_KV_SECRET"}
             processes.append(subprocess.Popen(relay_command(
-                args.host, args.port, f"http://{host}:{port}", args.log_level), env=relay_env))
+                args.host, args.port, f"http://{host}:{port}", args.log_level),
+                env={**base, "FRUGAL_API_KEY": args.api_key}))
         print(f"frugal: serve-pd on http://{args.host}:{args.port} (vllm-router; prefill "
-              f"{', '.join(urls['prefill'])}; decode {', '.join(urls['decode'])})", flush=True)
+              f"{', '.join(urls['prefill'])}; decode {', '.join(urls['decode'])}). Try:\n  "
+              f"{try_command(args)}", flush=True)
         signal.signal(signal.SIGTERM, _interrupt)
         workers = dict(zip(processes, urls["prefill"] + urls["decode"]))
         while all(p.poll() is None for p in processes[len(roles):]):  # router (and relay)

@@ -6,12 +6,12 @@ output carries the kv_transfer_params a decode worker needs: the pages, a checks
 computed on the device, the first token. The pages are freed when the decode side's read
 notifies its end, or when the lease runs out.
 
-With a secret (disagg.signing) the prefill worker signs those params, expiring with the lease,
-and a decode worker admits only params it can verify, once each: page ids, host, checksums and
-prompt hash are the prefill worker's, never a client's, and its prefix cache takes the loaded
-pages only under the tokens the prefill worker computed (the signed prompt hash). Pages held
-for decode workers are capped (max_held_fraction of the pool); past it a new prefill for a
-decode worker is refused (HeldPagesFull, a 503 the router may retry elsewhere).
+With the deployment's secret (disagg.signing) the prefill worker signs those params, expiring
+with the lease, and a decode worker admits only params it can verify, once each: page ids,
+host, checksums and prompt hash are the prefill worker's, never a client's, and its prefix
+cache takes the loaded pages only under the tokens the prefill worker computed (the signed
+prompt hash). Pages held for decode workers are capped (max_held_fraction of the pool); past it
+a new prefill for a decode worker is refused (HeldPagesFull, a 503).
 
 Decode worker: a request with {"do_remote_prefill": true, ...} (those params, plus "peer": the
 prefill worker's NixlTransfer.metadata() that the server fetched from its side channel) waits in
@@ -137,10 +137,9 @@ class Handoff:
         self.lease_s, self.timeout_s = config.kv_lease_s, config.kv_transfer_timeout_s
         self.address = config.kv_address
         self.max_held_pages = int(config.kv_max_held_fraction * pool.num_pages)
-        self.signer = Signer(config.kv_secret) if config.kv_secret else None
+        self.signer = Signer(config.kv_secret)
         self.transfer = NixlTransfer(pool, engine_id)
-        meta = self.transfer.metadata()
-        self.metadata = self.signer.sign(meta) if self.signer else meta
+        self.metadata = self.signer.sign(self.transfer.metadata())
         self.faults = faults.from_env()
         self._replays = Replays()
         self._pinning: dict[str, int] = {}  # prefills for decode workers: pages they will hold
@@ -166,9 +165,7 @@ class Handoff:
         peer = params.get("peer")
         if not isinstance(peer, dict):
             raise ValueError("kv_transfer_params: the prefill worker's metadata is missing")
-        fields = {k: v for k, v in params.items() if k != "peer"}
-        if self.signer is not None:
-            fields = self.signer.verify(fields)
+        fields = self.signer.verify({k: v for k, v in params.items() if k != "peer"})
         num_pages = -(-request.num_prompt_tokens // self.pool.page_size)
         if fields.get("prompt_sha256") != prompt_hash(request.prompt_token_ids):
             raise _bad("prompt_sha256", "the prefill worker ran a different prompt (the two "
@@ -185,8 +182,7 @@ class Handoff:
                       _int_list(fields, "page_checksums", num_pages, -(1 << 63), 1 << 63),
                       _token(fields.get("first_token_id"), self.vocab_size, "first_token_id"),
                       _first_logprob(fields.get("first_logprob"), self.vocab_size), where)
-        if self.signer is not None and not self._replays.first(
-                params[SIGNATURE], fields.get("expires_at")):
+        if not self._replays.first(params[SIGNATURE], fields.get("expires_at")):
             raise Rejected()
         request.kv_load = load
 
@@ -210,8 +206,7 @@ class Handoff:
     # -- prefill side -----------------------------------------------------------------------
 
     def hold(self, request: Request) -> tuple[dict, tuple[str, float]]:
-        """A finished prefill's kv_transfer_params (signed when there is a secret) and the hold
-        for Scheduler.finish."""
+        """A finished prefill's kv_transfer_params, signed, and the hold for Scheduler.finish."""
         self._pinning.pop(request.request_id, None)
         pages = list(request.page_table.ids)
         logprob = request.logprobs[0] if request.logprobs else None
@@ -228,9 +223,8 @@ class Handoff:
                 "top": [[t, _text(v)] for t, v in logprob.top]},
             "prompt_sha256": prompt_hash(request.prompt_token_ids),
         }
-        if self.signer is not None:
-            params = self.signer.sign(params, ttl_s=self.lease_s)
-        return params, ("lease:" + request.request_id, self.lease_s)
+        return (self.signer.sign(params, ttl_s=self.lease_s),
+                ("lease:" + request.request_id, self.lease_s))
 
     # -- decode side ------------------------------------------------------------------------
 

@@ -190,17 +190,17 @@ class NixlTransfer:
             remote.name, self._descs(remote.base_addr, remote.num_pages, remote_pages,
                                      remote.device_id), remote.mem_type)
         local = [c * self.pool.num_pages + p for c in range(self._chunks) for p in local_pages]
+        handle = None
         try:
             handle = self.agent.make_prepped_xfer("READ", self._local, local, pages,
                                                   list(range(len(local))), notif)
-            state = self.agent.transfer(handle)
-        except Exception:
+            if self.agent.transfer(handle) == "ERR":
+                raise RuntimeError(f"NIXL refused the read from {engine_id}")
+        except Exception:  # (a peer gone: NIXL raises a disconnect error)
+            if handle is not None:
+                self._forget(handle)
             self.agent.release_dlist_handle(pages)
             raise
-        if state == "ERR":
-            self.agent.release_xfer_handle(handle)
-            self.agent.release_dlist_handle(pages)
-            raise RuntimeError(f"NIXL refused the read from {engine_id}")
         self._reads[key] = _Read(handle, pages, time.monotonic())
 
     def done(self, min_age: float = 0.0) -> list[tuple[str, str | None]]:
@@ -210,10 +210,17 @@ class NixlTransfer:
         for key, read in list(self._reads.items()):
             if now - read.started < min_age:
                 continue
-            state = self.agent.check_xfer_state(read.handle)
+            try:
+                state = self.agent.check_xfer_state(read.handle)
+            except Exception as e:  # a peer that died mid-read
+                state = f"an error ({e})"
             if state == "PROC":
                 continue
-            self._release(key)
+            try:
+                self._release(key)
+            except Exception as e:  # it ended: what NIXL keeps of it is no longer ours to free
+                logger.warning("NIXL could not release the ended KV read %s: %s", key, e)
+                self._reads.pop(key, None)
             ended.append((key, None if state == "DONE" else f"the NIXL read ended in {state}"))
         return ended
 
@@ -235,17 +242,33 @@ class NixlTransfer:
         del self._reads[key]
         self.agent.release_dlist_handle(read.pages)
 
+    def _forget(self, handle) -> None:
+        """Release a transfer that never started (or failed at once)."""
+        try:
+            self.agent.release_xfer_handle(handle)
+        except Exception as e:
+            logger.warning("NIXL kept a failed transfer's handle: %s", e)
+
     def in_flight(self, key: str) -> float | None:
         """Seconds since the read under key started, None if it is not in flight."""
         read = self._reads.get(key)
         return None if read is None else time.monotonic() - read.started
 
     def notify(self, engine_id: str, message: bytes) -> None:
-        """Tell a known peer something (a prefill worker: free these pages)."""
+        """Tell a known peer something (a prefill worker: free these pages); never raises (a
+        peer that died: its later hand-offs fail in their reads, each alone)."""
         remote = self._remotes.get(engine_id)
-        if remote is not None:
+        if remote is None:
+            return
+        try:
             self.agent.send_notif(remote.name, message)
+        except Exception as e:
+            logger.warning("the prefill worker %s does not answer: %s", engine_id, e)
 
     def notifications(self) -> list[bytes]:
         """Messages peers sent (a read's completion included) since the last call."""
-        return [m for msgs in self.agent.get_new_notifs().values() for m in msgs]
+        try:
+            return [m for msgs in self.agent.get_new_notifs().values() for m in msgs]
+        except Exception as e:  # (a peer's disconnect): the leases run out instead
+            logger.warning("NIXL notifications failed: %s", e)
+            return []

@@ -42,21 +42,30 @@ class Rejected(ValueError):
         super().__init__(message)
 
 
+MAX_DEPTH = 6  # of nested lists and objects in signed fields (a hand-off has 4)
+MAX_ITEMS = 1 << 18  # values in all (2 per page of a prompt, and a few)
+
+
 def canonical(fields: dict) -> bytes:
-    """The bytes a signature covers; TypeError for a float anywhere (see the module docstring)."""
-    _no_floats(fields)
+    """The bytes a signature covers; TypeError for a float anywhere (see the module docstring)
+    or for fields deeper or larger than any hand-off (MAX_DEPTH, MAX_ITEMS), checked before
+    anything is encoded."""
+    _check_shape(fields)
     return json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
 
 
-def _no_floats(value) -> None:
-    if isinstance(value, float):
-        raise TypeError("a signed field holds a float")
-    if isinstance(value, dict):
-        for v in value.values():
-            _no_floats(v)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            _no_floats(v)
+def _check_shape(fields: dict) -> None:
+    stack, count = [(fields, 0)], 0
+    while stack:
+        value, depth = stack.pop()
+        count += 1
+        if isinstance(value, float) or depth > MAX_DEPTH or count > MAX_ITEMS:
+            raise TypeError("signed fields hold a float, or are deeper or larger than any "
+                            "hand-off")
+        if isinstance(value, dict):
+            stack.extend((v, depth + 1) for v in value.values())
+        elif isinstance(value, (list, tuple)):
+            stack.extend((v, depth + 1) for v in value)
 
 
 class Signer:

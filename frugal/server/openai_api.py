@@ -59,7 +59,8 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     serving = Serving(engine, model_name)
     handoff = engine.engine.handoff
     signer = handoff.signer if handoff is not None else None
-    peers, addresses = Peers(signer, kv_peers), peer_addresses(kv_peers)
+    peers = Peers(signer, kv_peers) if signer is not None else None
+    addresses = peer_addresses(kv_peers)
     tokenizer = engine.engine.tokenizer
     created = int(time.time())
 
@@ -67,7 +68,8 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     async def lifespan(app: FastAPI):
         engine.start()
         yield
-        peers.close()
+        if peers is not None:
+            peers.close()
         engine.shutdown()
 
     app = FastAPI(title="frugal", lifespan=lifespan, responses=ERROR_RESPONSES)

@@ -2,10 +2,10 @@
 
 vllm-router (0.1.17) checks no client key, and calls the workers with its own
 `Authorization: Bearer $OPENAI_API_KEY` in place of the client's. So a deployment with an API
-key runs the router on a loopback port with OPENAI_API_KEY set to the key (the workers require
-it too), and this relay on the public port: the API-key gate and the body cap (server.gate),
-then the request as it came, its answer streamed back as it comes. A client that leaves closes
-the relayed request, which aborts it downstream.
+key runs the router on a loopback port and this relay on the public port: the API-key gate and
+the body cap (server.gate), then the request as it came (the OpenAI routes and /health alone),
+its answer streamed back as it comes. A client that leaves closes the relayed request, which
+aborts it downstream.
 
     python -m frugal.server.proxy --upstream http://127.0.0.1:8003 --port 8000
     (the key from $FRUGAL_API_KEY)
@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 
 import httpx2  # what the openai client (a runtime dependency) speaks HTTP with
 
@@ -27,6 +28,7 @@ from frugal.server.protocol import APIError
 _HOP = {b"connection", b"keep-alive", b"proxy-connection", b"te", b"trailer",
         b"transfer-encoding", b"upgrade"}
 _DROPPED = _HOP | {b"host", b"authorization", b"content-length"}
+ROUTES = re.compile(r"/v1/[A-Za-z0-9_/-]+|/health")  # (no dots: no "/v1/../kv")
 
 
 class Relay:
@@ -51,18 +53,18 @@ class Relay:
                 return
             body += message.get("body", b"")
             more = message.get("more_body", False)
-        path = scope["raw_path"].decode("latin-1") or scope["path"]
+        path = scope.get("raw_path", b"").decode("latin-1") or scope["path"]
+        if not ROUTES.fullmatch(path):
+            return await _error(send, APIError(f"{path[:100]}: not found", status=404))
         if scope.get("query_string"):
             path += "?" + scope["query_string"].decode("latin-1")
-        request = self.client.build_request(
-            scope["method"], path, content=body,
-            headers=[(k, v) for k, v in scope["headers"] if k.lower() not in _DROPPED])
-        try:
-            response = await self.client.send(request, stream=True)
-        except httpx2.HTTPError:
-            return await _error(send, APIError("the router behind this server does not answer",
-                                               status=502, kind="server_error"))
-        relay = asyncio.create_task(self._relay(response, send))
+        named = {n.strip().lower().encode() for k, v in scope["headers"] if k.lower() ==
+                 b"connection" for n in v.decode("latin-1").split(",")}  # hop-by-hop too
+        headers = [(k, v) for k, v in scope["headers"]
+                   if k.lower() not in _DROPPED and k.lower() not in named]
+        if not any(k.lower() == b"accept-encoding" for k, _ in headers):  # (httpx's: gzip)
+            headers.append((b"accept-encoding", b"identity"))
+        relay = asyncio.create_task(self._relay(scope["method"], path, body, headers, send))
         left = asyncio.create_task(_disconnected(receive))
         try:
             await asyncio.wait({relay, left}, return_when=asyncio.FIRST_COMPLETED)
@@ -70,9 +72,22 @@ class Relay:
             for task in (relay, left):
                 task.cancel()
             await asyncio.gather(relay, left, return_exceptions=True)
+
+    async def _relay(self, method: str, path: str, body: bytes, headers: list, send) -> None:
+        """Send the request on and stream its answer back (cancelled when the client leaves:
+        the upstream request is closed with it)."""
+        try:
+            request = self.client.build_request(method, path, content=body, headers=headers)
+            response = await self.client.send(request, stream=True)
+        except Exception:  # (an unreachable router, or a path httpx cannot send)
+            return await _error(send, APIError("the router behind this server does not answer",
+                                               status=502, kind="server_error"))
+        try:
+            await self._stream(response, send)
+        finally:
             await response.aclose()
 
-    async def _relay(self, response: httpx2.Response, send) -> None:
+    async def _stream(self, response: httpx2.Response, send) -> None:
         headers = [(k.encode("latin-1"), v.encode("latin-1"))
                    for k, v in response.headers.multi_items()
                    if k.lower().encode("latin-1") not in _HOP]

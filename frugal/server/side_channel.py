@@ -81,16 +81,14 @@ def peer_addresses(peers: set[tuple[str, int]] | None) -> set[str] | None:
 
 def may_handshake(signer: Signer | None, addresses: set[str] | None, token: str | None,
                   client: str | None) -> bool:
-    """Whether a prefill worker answers GET /kv/handshake: with a secret, to a token made with
-    it; without one, to loopback clients only; with --kv-peers, only to their addresses."""
+    """Whether a prefill worker answers GET /kv/handshake: to a token made with the secret (no
+    secret, no answer), from one of the --kv-peers addresses when they are given."""
     try:
         ip = ipaddress.ip_address(client or "")
     except ValueError:
         return False
-    if addresses is not None and str(ip) not in addresses:
+    if signer is None or addresses is not None and str(ip) not in addresses:
         return False
-    if signer is None:
-        return ip.is_loopback
     return signer.check_token(token, "handshake")
 
 
@@ -98,7 +96,7 @@ class Peers:
     """Prefill workers' metadata by (host, port, engine id), fetched once each (a restarted
     worker has a new engine id), on a few threads of its own, one fetch per peer at a time."""
 
-    def __init__(self, signer: Signer | None, allowed: set[tuple[str, int]] | None = None,
+    def __init__(self, signer: Signer, allowed: set[tuple[str, int]] | None = None,
                  timeout_s: float = 10.0, max_fetches: int = 4) -> None:
         self.signer, self.allowed, self.timeout_s = signer, allowed, timeout_s
         self._by_peer: dict[tuple[str, int, str], dict] = {}
@@ -115,13 +113,12 @@ class Peers:
         params = {k: v for k, v in params.items() if k != "peer"}
         if not params.get("do_remote_prefill"):
             return params
-        if self.signer is not None:
-            try:
-                fields = self.signer.verify(params)
-            except Rejected as e:
-                raise APIError(str(e), "kv_transfer_params") from None
-            if not self._replays.first(params[SIGNATURE], fields.get("expires_at")):
-                raise APIError(str(Rejected()), "kv_transfer_params")
+        try:  # (in a thread: what a client sent may be as large as the body cap)
+            fields = await asyncio.to_thread(self.signer.verify, params)
+        except Rejected as e:
+            raise APIError(str(e), "kv_transfer_params") from None
+        if not self._replays.first(params[SIGNATURE], fields.get("expires_at")):
+            raise APIError(str(Rejected()), "kv_transfer_params")
         host, port = params.get("remote_host"), params.get("remote_port")
         engine_id = params.get("remote_engine_id")
         if not valid_host(host) or not valid_port(port) or not isinstance(engine_id, str):
@@ -165,9 +162,8 @@ class Peers:
         deadline = time.monotonic() + self.timeout_s
         connection = http.client.HTTPConnection(host, port, timeout=self.timeout_s)
         try:
-            headers = {} if self.signer is None else {
-                AUTH_HEADER: self.signer.token("handshake")}
-            connection.request("GET", HANDSHAKE_PATH, headers=headers)
+            connection.request("GET", HANDSHAKE_PATH,
+                               headers={AUTH_HEADER: self.signer.token("handshake")})
             response = connection.getresponse()
             if response.status != 200:
                 raise RuntimeError(f"HTTP {response.status}")
@@ -181,8 +177,7 @@ class Peers:
         meta = json.loads(body)
         if not isinstance(meta, dict):
             raise RuntimeError("the answer is not a JSON object")
-        if self.signer is not None:
-            meta = self.signer.verify(meta)
+        meta = self.signer.verify(meta)
         if meta.get("engine_id") != engine_id:
             raise RuntimeError(f"the answer is about engine {meta.get('engine_id')!r}")
         return meta

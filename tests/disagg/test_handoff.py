@@ -317,20 +317,56 @@ def test_pages_held_for_decode_workers_are_capped(engines):
     settle(p)
 
 
-def test_a_stalled_read_is_given_up_and_its_pages_freed(engines):
+def test_a_stalled_read_is_given_up_and_its_pages_freed(engines, monkeypatch):
+    """Past the timeout the read is cancelled: its request fails at once; its pages stay held
+    while NIXL cannot cancel it yet (it could still write them), and are freed once it can."""
     p, d = engines
     params = prefill(p, PROMPTS[2:3])["p0"]
     d.handoff.faults = faults.Faults(read_delay_s=60.0)  # its end is never looked at
     d.handoff.timeout_s = 0.3
+    cancel, refusals = d.handoff.transfer.cancel, []
+
+    def cancel_later(key):  # NIXL refuses the first cancels (the transfer is still active)
+        refusals.append(key)
+        return len(refusals) > 3 and cancel(key)
+
+    monkeypatch.setattr(d.handoff.transfer, "cancel", cancel_later)
     try:
         d.add_request(PROMPTS[2], GREEDY, "stall", params)
         out = drain(d, p, timeout=10)["stall"].outputs[0]
         assert out.finish_reason == "error" and "has not finished in 0.3 s" in out.error
+        assert d.stats().num_pages_held == 2 and d.handoff.busy  # the cancel is refused
+        deadline = time.monotonic() + 5
+        while d.handoff.busy and time.monotonic() < deadline:
+            d.poll_transfers()
+        assert len(refusals) == 4 and not d.handoff.transfer._reads
         assert d.stats().num_pages_used == 0 and d.stats().num_pages_held == 0
-        assert not d.handoff.busy and not d.handoff.transfer._reads
     finally:
         d.handoff.faults = faults.Faults()
         d.handoff.timeout_s = 30.0
+    settle(p, d)
+
+
+def test_a_prefill_worker_that_died_fails_only_its_requests(engines, monkeypatch):
+    """NIXL raises for a peer that is gone (a read, a notification): those requests fail alone,
+    the engine goes on."""
+    p, d = engines
+    params = prefill(p, PROMPTS[:2])
+    agent = d.handoff.transfer.agent
+
+    def gone(*args, **kwargs):
+        raise RuntimeError("nixlRemoteDisconnectError('NIXL_ERR_REMOTE_DISCONNECT')")
+
+    with monkeypatch.context() as m:
+        m.setattr(agent, "transfer", gone)
+        m.setattr(agent, "send_notif", gone)
+        d.add_request(PROMPTS[0], GREEDY, "dead", params["p0"])
+        out = drain(d)["dead"].outputs[0]
+    assert out.finish_reason == "error" and "failed to start" in out.error
+    assert d.stats().num_pages_used == 0 and d.stats().num_pages_held == 0
+    d.add_request(PROMPTS[1], GREEDY, "alive", params["p1"])
+    assert drain(d, p)["alive"].outputs[0].finish_reason == "length"
+    p.scheduler.release("lease:p0")
     settle(p, d)
 
 

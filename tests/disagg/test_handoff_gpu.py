@@ -9,7 +9,7 @@ from frugal.config import CacheConfig, EngineConfig
 from frugal.engine.llm_engine import LLMEngine
 from frugal.request import SamplingParams
 
-from .test_handoff import drain, prefill, settle
+from .test_handoff import SECRET, drain, prefill, settle
 
 pytestmark = pytest.mark.gpu
 pytest.importorskip("nixl_cu13")
@@ -28,8 +28,9 @@ def engine(**kw) -> LLMEngine:
                          ids=["bf16-bf16", "fp8-int4"])
 def test_vram_handoff(weights):
     assert torch.cuda.is_available()
-    p = engine(kv_role="prefill", quantization=weights[0])
-    d = engine(kv_role="decode", quantization=weights[1])
+    p = engine(kv_role="prefill", quantization=weights[0], kv_secret=SECRET,
+               kv_address=("127.0.0.1", 1))
+    d = engine(kv_role="decode", quantization=weights[1], kv_secret=SECRET)
     params = prefill(p, PROMPTS, GREEDY)
     for i, prompt in enumerate(PROMPTS):
         d.add_request(prompt, GREEDY, f"d{i}", params[f"p{i}"])

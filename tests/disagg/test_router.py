@@ -31,7 +31,8 @@ if not os.path.exists(os.path.join(os.path.dirname(sys.executable), "vllm-router
 
 FLAGS = ["--dtype", "float32", "--kv-cache-memory", "64MiB", "--log-level", "WARNING"]
 SECRET = "secret-of-the-test-deployment"
-KEYED = {"FRUGAL_API_KEY": API_KEY, "FRUGAL_KV_SECRET": SECRET}  # workers started by the tests
+WORKER_KEY = "worker-key-of-the-test-deployment"  # the router's and workers' (not clients')
+KEYED = {"FRUGAL_API_KEY": WORKER_KEY, "FRUGAL_KV_SECRET": SECRET}  # workers the tests start
 PROMPTS = [f"{start} {topic}" for start in ("Tell me about", "Write one sentence on",
                                             "What do you know about", "Describe")
            for topic in ("the sea.", "Paris, the capital of France, and its river", "bread",
@@ -68,7 +69,8 @@ def system(tmp_path_factory):
          "--num-decode", "2", "--args", " ".join(FLAGS), "--prefill-args",
          "--kv-lease-timeout 10", "--log-level", "WARNING", "--api-key", API_KEY],
         stdout=log, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "FRUGAL_KV_SECRET": SECRET}, start_new_session=True)
+        env={**os.environ, "FRUGAL_KV_SECRET": SECRET, "FRUGAL_WORKER_KEY": WORKER_KEY},
+        start_new_session=True)
     started = []
     try:
         jobs = [((logs / "colocated.log", *FLAGS), {}),
@@ -153,7 +155,7 @@ def test_router_outputs_match_colocated(system):
         assert text == want_text
         assert logprobs == pytest.approx(want_logprobs, abs=1e-4)
     assert chats(router) == chats(colocated)
-    loads = sum(metrics(d)["frugal_kv_transfer_loads_total"] for d in system["decode"])
+    loads = sum(wmetrics(d)["frugal_kv_transfer_loads_total"] for d in system["decode"])
     assert loads >= 2 * len(PROMPTS)
     assert wait_empty(system["prefill"], *system["decode"])
 
@@ -162,7 +164,8 @@ def prefill(system, prompt: str, max_tokens: int = MAX_TOKENS) -> dict:
     """What the router sends a prefill worker, and the params it hands the decode side."""
     status, body = system["prefill"].request("POST", "/v1/completions", {
         "model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0,
-        "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}})
+        "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}},
+        key=WORKER_KEY)
     assert status == 200, body
     return {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "kv_transfer_params": body["kv_transfer_params"]}
@@ -171,7 +174,7 @@ def prefill(system, prompt: str, max_tokens: int = MAX_TOKENS) -> dict:
 def wait_empty(*servers: Server, timeout: float = 20.0) -> bool:
     deadline = time.time() + timeout
     while time.time() < deadline:
-        if all(metrics(s)["frugal_kv_cache_pages_used"] == 0 for s in servers):
+        if all(wmetrics(s)["frugal_kv_cache_pages_used"] == 0 for s in servers):
             return True
         time.sleep(0.2)
     return False
@@ -179,7 +182,7 @@ def wait_empty(*servers: Server, timeout: float = 20.0) -> bool:
 
 def test_kv_dtype_mismatch_is_refused_at_the_handshake(system):
     status, body = system["fp8"].request("POST", "/v1/completions",
-                                         prefill(system, PROMPTS[0]))
+                                         prefill(system, PROMPTS[0]), key=WORKER_KEY)
     assert status == 400, body
     message = body["error"]["message"]
     assert "kv_cache_dtype 'float32' there, 'float8_e4m3fn' here" in message, message
@@ -192,23 +195,29 @@ def test_injected_checksum_fault_fails_only_its_request(tmp_path, system):
                           env={**KEYED, "FRUGAL_KV_FAULTS": "corrupt:2"})
     try:
         bodies = [prefill(system, p) for p in PROMPTS[:3]]
-        results = [faulty.request("POST", "/v1/completions", b) for b in bodies]
+        results = [faulty.request("POST", "/v1/completions", b, key=WORKER_KEY)
+                   for b in bodies]
         assert [s for s, _ in results] == [200, 500, 200], results
         message = results[1][1]["error"]["message"]
         assert "checksum" in message and "0x" not in message  # which page, not its checksum
         want = completions_of(system["colocated"], PROMPTS[:3])
         assert [results[0][1]["choices"][0]["text"], results[2][1]["choices"][0]["text"]] == [
             want[0], want[2]]
-        assert metrics(faulty)["frugal_kv_transfer_failures_total"] == 1
+        assert wmetrics(faulty)["frugal_kv_transfer_failures_total"] == 1
         assert wait_empty(faulty, system["prefill"])
     finally:
         stop_server(faulty)
 
 
 def completions_of(server: Server, prompts: list[str]) -> list[str]:
+    """Greedy texts from a worker (or the keyless co-located server)."""
     return [server.request("POST", "/v1/completions", {
-        "model": MODEL, "prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0}
-        )[1]["choices"][0]["text"] for p in prompts]
+        "model": MODEL, "prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0},
+        key=WORKER_KEY)[1]["choices"][0]["text"] for p in prompts]
+
+
+def wmetrics(server: Server) -> dict[str, float]:
+    return metrics(server, WORKER_KEY)
 
 
 def test_abort_mid_transfer_leaves_both_pools_full(tmp_path, system):
@@ -219,13 +228,13 @@ def test_abort_mid_transfer_leaves_both_pools_full(tmp_path, system):
         request = urllib.request.Request(slow.url + "/v1/completions",
                                          data=json.dumps(body).encode(),
                                          headers={"Content-Type": "application/json",
-                                                  "Authorization": f"Bearer {API_KEY}"})
+                                                  "Authorization": f"Bearer {WORKER_KEY}"})
         with pytest.raises((TimeoutError, urllib.error.URLError)):
             urllib.request.urlopen(request, timeout=1.0)  # gone while its KV is on its way
         assert wait_for_metric(slow, "frugal_requests_aborted_total", 1)
-        assert metrics(slow)["frugal_kv_cache_pages_held"] > 0  # the read may still write
+        assert wmetrics(slow)["frugal_kv_cache_pages_held"] > 0  # the read may still write
         assert wait_empty(slow, system["prefill"])
-        assert metrics(slow)["frugal_kv_cache_pages_held"] == 0
+        assert wmetrics(slow)["frugal_kv_cache_pages_held"] == 0
         assert completions_of(slow, PROMPTS[:1]) == completions_of(system["colocated"],
                                                                    PROMPTS[:1])
     finally:
@@ -235,7 +244,7 @@ def test_abort_mid_transfer_leaves_both_pools_full(tmp_path, system):
 def wait_for_metric(server: Server, name: str, value: float, timeout: float = 10.0) -> bool:
     deadline = time.time() + timeout
     while time.time() < deadline:
-        if metrics(server).get(name, 0) >= value:
+        if wmetrics(server).get(name, 0) >= value:
             return True
         time.sleep(0.1)
     return False
@@ -243,13 +252,18 @@ def wait_for_metric(server: Server, name: str, value: float, timeout: float = 10
 
 def test_serve_pd_with_a_key_refuses_unkeyed_clients(system):
     """The relay refuses clients without the key, and so does every worker; the router's own
-    calls (with the key as $OPENAI_API_KEY) go through, which the other tests show."""
+    calls (with the deployment's worker key as $OPENAI_API_KEY) go through, which the other
+    tests show. A client's key does not open a worker: no client can reach one."""
     body = {"model": MODEL, "prompt": "Hi", "max_tokens": 1}
     for server in (system["router"], system["prefill"], *system["decode"]):
         status, answer = server.request("POST", "/v1/completions", body, key=None)
         assert status == 401 and answer["error"]["code"] == "invalid_api_key", answer
         assert server.request("POST", "/v1/completions", body, key="wrong")[0] == 401
+    for worker in (system["prefill"], *system["decode"]):
+        assert worker.request("POST", "/v1/completions", body)[0] == 401  # the client's key
     assert system["router"].request("POST", "/v1/completions", body)[0] == 200
+    status, answer = system["router"].request("GET", "/kv/handshake")  # not relayed
+    assert status == 404, answer
 
 
 def test_the_kv_side_channel_needs_the_secret(system):
@@ -280,7 +294,8 @@ FRANCE = "Answer in one word. The capital of France is"
 def test_a_client_cannot_read_or_poison_through_a_decode_worker(system):
     """With a victim's pages held for a decode worker, an attacker's made-up or altered params
     get one 400 that says nothing (no checksum), before any read; the victim's own hand-off
-    still decodes, and a plain request's answer is the co-located one afterwards."""
+    still decodes, and a plain request's answer is the co-located one afterwards. (The attacker
+    holds the worker key, which clients do not: the signatures stand even against it.)"""
     decode, prefill = system["decode"][0], system["prefill"]
     want_france = completions_of(system["colocated"], [FRANCE])
     victim = prefill_params(system, SECRET_PROMPT)
@@ -292,32 +307,32 @@ def test_a_client_cannot_read_or_poison_through_a_decode_worker(system):
         {k: v for k, v in mine.items() if k != "frugal_signature"},
         {**mine, "prompt_sha256": victim["prompt_sha256"]},
     ]
-    loads = metrics(decode)["frugal_kv_transfer_loads_total"]
+    loads = wmetrics(decode)["frugal_kv_transfer_loads_total"]
     for params in attempts:
         status, body = decode.request("POST", "/v1/completions", {
             "model": MODEL, "prompt": FRANCE, "max_tokens": MAX_TOKENS, "temperature": 0,
-            "kv_transfer_params": params})
+            "kv_transfer_params": params}, key=WORKER_KEY)
         assert status == 400 and body["error"]["param"] == "kv_transfer_params", body
         text = json.dumps(body)
         assert not any(str(c) in text for c in victim["page_checksums"] + mine["page_checksums"])
-    assert metrics(decode)["frugal_kv_transfer_loads_total"] == loads  # nothing was read
+    assert wmetrics(decode)["frugal_kv_transfer_loads_total"] == loads  # nothing was read
     ok = decode.request("POST", "/v1/completions", {
         "model": MODEL, "prompt": SECRET_PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0,
-        "kv_transfer_params": victim})
+        "kv_transfer_params": victim}, key=WORKER_KEY)
     assert ok[0] == 200 and ok[1]["choices"][0]["text"] == completions_of(
         system["colocated"], [SECRET_PROMPT])[0]
     replay = decode.request("POST", "/v1/completions", {
         "model": MODEL, "prompt": SECRET_PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0,
-        "kv_transfer_params": victim})
+        "kv_transfer_params": victim}, key=WORKER_KEY)
     assert replay[0] == 400, replay
     assert completions_of(decode, [FRANCE]) == want_france
     status, body = decode.request("POST", "/v1/completions", {
         "model": MODEL, "prompt": FRANCE, "max_tokens": 1,
-        "kv_transfer_params": {"do_remote_decode": True}})
+        "kv_transfer_params": {"do_remote_decode": True}}, key=WORKER_KEY)
     assert status == 400 and "decode worker" in body["error"]["message"]
     decode.request("POST", "/v1/completions", {  # frees the lease the attempts left
         "model": MODEL, "prompt": FRANCE, "max_tokens": MAX_TOKENS, "temperature": 0,
-        "kv_transfer_params": mine})
+        "kv_transfer_params": mine}, key=WORKER_KEY)
     assert wait_empty(prefill, decode)
 
 
@@ -325,29 +340,64 @@ def prefill_params(system, prompt: str) -> dict:
     return prefill(system, prompt)["kv_transfer_params"]
 
 
-def test_pinning_clients_get_503_and_others_are_served(system):
-    """Prefills for decode workers past --kv-max-held-fraction (half the prefill pool) get a
-    503; a normal request through the router is not held up by them. (Last: the leases stay
-    for the fixture's 10 s.)"""
-    prefill = system["prefill"]
-    long_prompt = " ".join(["pin"] * 170)  # 11 of the pool's 91 pages
-    start = time.monotonic()
-    completions_of(system["router"], PROMPTS[:1])
-    alone = time.monotonic() - start
-    statuses = []
-    for _ in range(8):
-        status, body = prefill.request("POST", "/v1/completions", {
-            "model": MODEL, "prompt": long_prompt, "max_tokens": 1,
-            "kv_transfer_params": {"do_remote_decode": True}})
-        statuses.append(status)
-        if status == 503:
-            assert "--kv-max-held-fraction" in body["error"]["message"]
-    assert statuses.count(200) == 4 and statuses.count(503) == 4, statuses
-    assert metrics(prefill)["frugal_kv_cache_pages_held"] <= 45
-    start = time.monotonic()
-    assert completions_of(system["router"], PROMPTS[:1]) == completions_of(
-        system["colocated"], PROMPTS[:1])
-    assert time.monotonic() - start < alone + 5.0
+def test_pinning_gets_503_and_plain_requests_are_served(tmp_path):
+    """Prefills for decode workers past --kv-max-held-fraction (half of a 91-page pool) get a
+    503 with the error body; the pages they hold leave a plain request its half of the pool."""
+    worker = start_server(tmp_path / "pin.log", *FLAGS, "--kv-role", "prefill", env=KEYED)
+    try:
+        start = time.monotonic()
+        completions_of(worker, PROMPTS[:1])
+        alone = time.monotonic() - start
+        statuses = []
+        for _ in range(8):
+            status, body = worker.request("POST", "/v1/completions", {
+                "model": MODEL, "prompt": " ".join(["pin"] * 170), "max_tokens": 1,  # 11 pages
+                "kv_transfer_params": {"do_remote_decode": True}}, key=WORKER_KEY)
+            statuses.append(status)
+            if status == 503:
+                assert body["error"]["code"] == "kv_pages_held", body
+                assert "--kv-max-held-fraction" in body["error"]["message"]
+        assert statuses.count(200) == 4 and statuses.count(503) == 4, statuses
+        assert wmetrics(worker)["frugal_kv_cache_pages_held"] == 44
+        start = time.monotonic()
+        status, body = worker.request("POST", "/v1/completions", {
+            "model": MODEL, "prompt": " ".join(["plain"] * 600), "max_tokens": 4},  # 38 pages
+            key=WORKER_KEY)
+        assert status == 200, body
+        assert time.monotonic() - start < alone + 10.0
+    finally:
+        stop_server(worker)
+
+
+def test_a_prefill_worker_that_dies_fails_only_its_hand_offs(tmp_path, system):
+    """A decode worker whose prefill worker died between the hand-off and the read fails that
+    request alone and goes on serving."""
+    doomed = start_server(tmp_path / "doomed.log", *FLAGS, "--kv-role", "prefill", env=KEYED)
+    decode = system["decode"][0]
+
+    def decode_of(params: dict) -> tuple[int, dict]:
+        return decode.request("POST", "/v1/completions", {
+            "model": MODEL, "prompt": PROMPTS[5], "max_tokens": MAX_TOKENS, "temperature": 0,
+            "kv_transfer_params": params}, key=WORKER_KEY)
+
+    try:
+        handoffs = []
+        for _ in range(2):
+            status, body = doomed.request("POST", "/v1/completions", {
+                "model": MODEL, "prompt": PROMPTS[5], "max_tokens": 1, "temperature": 0,
+                "kv_transfer_params": {"do_remote_decode": True}}, key=WORKER_KEY)
+            assert status == 200, body
+            handoffs.append(body["kv_transfer_params"])
+        assert decode_of(handoffs[0])[0] == 200  # connected: the next read goes over NIXL
+    finally:
+        doomed.process.kill()
+        doomed.process.wait()
+    status, body = decode_of(handoffs[1])
+    assert status in (500, 502) and "error" in body, body
+    time.sleep(2.5)  # (a dead engine's server would be gone by now)
+    assert decode.request("GET", "/health")[0] == 200
+    assert completions_of(decode, PROMPTS[:2]) == completions_of(system["colocated"], PROMPTS[:2])
+    assert wait_empty(decode)
 
 
 def test_a_decode_worker_killed_mid_stream(system):
@@ -358,7 +408,7 @@ def test_a_decode_worker_killed_mid_stream(system):
     chunks = iter(stream)
     next(chunks)
     victim = next(d for d in system["decode"]
-                  if metrics(d)["frugal_num_requests_running"] > 0)
+                  if wmetrics(d)["frugal_num_requests_running"] > 0)
     port = victim.url.rsplit(":", 1)[1]
     pid = next(p for p in os.listdir("/proc") if p.isdigit()
                and f"\0--port\0{port}\0--kv-role\0decode\0" in _cmdline(p))
@@ -367,14 +417,14 @@ def test_a_decode_worker_killed_mid_stream(system):
         for _ in chunks:
             pass
     survivor = next(d for d in system["decode"] if d is not victim)
-    loads = metrics(survivor)["frugal_kv_transfer_loads_total"]
+    loads = wmetrics(survivor)["frugal_kv_transfer_loads_total"]
     time.sleep(2.5)  # one failed health check (every second, serve-pd's router flags) marks it
     want = completions_of(system["colocated"], PROMPTS[:4])
     got = [client(router).completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS,
                                              temperature=0).choices[0].text
            for prompt in PROMPTS[:4]]
     assert got == want
-    assert metrics(survivor)["frugal_kv_transfer_loads_total"] == loads + 4
+    assert wmetrics(survivor)["frugal_kv_transfer_loads_total"] == loads + 4
 
 
 def _cmdline(pid: str) -> str:

@@ -208,8 +208,7 @@ def test_the_prefill_side_answers_only_a_token_of_the_secret():
     assert not may_handshake(SIGNER, None, SIGNER.token("handshake", now=time.time() - 120),
                              "127.0.0.1")
     assert not may_handshake(SIGNER, {"10.0.0.9"}, token, "10.1.2.3")
-    assert may_handshake(None, None, None, "127.0.0.1")  # no secret: loopback only
-    assert not may_handshake(None, None, None, "10.1.2.3")
+    assert not may_handshake(None, None, None, "127.0.0.1")  # no secret, no answer
 
 
 def test_what_vllm_router_does_to_json_numbers_does_not_break_a_signature():
@@ -225,3 +224,12 @@ def test_what_vllm_router_does_to_json_numbers_does_not_break_a_signature():
     moved = {**signed, "logprob": -1.6685309410095217}
     with pytest.raises(ValueError, match="not a valid hand-off"):
         SIGNER.verify(moved)
+
+
+def test_signed_fields_deeper_or_larger_than_a_handoff_are_refused_not_a_500():
+    deep: list = []
+    for _ in range(2000):
+        deep = [deep]
+    for fields in ({"x": deep}, {"x": list(range(1 << 19))}):
+        with pytest.raises(ValueError, match="not a valid hand-off"):
+            SIGNER.verify({**fields, SIGNATURE: "0" * 64})

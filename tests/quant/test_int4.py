@@ -2,6 +2,7 @@
 weights, and `frugal quantize` written and read back (also by compressed-tensors itself)."""
 
 import json
+import os
 
 import gguf
 import numpy as np
@@ -101,7 +102,11 @@ def test_quantize_writes_what_loads_back(tmp_path, asymmetric, capsys, ct):
     out = tmp_path / "int4"
     args = ["quantize", str(src), "--output", str(out), "--group-size", "32"]
     assert cli(args + (["--asymmetric"] if asymmetric else [])) == 0
-    assert "quantized 14 matrices" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "quantized 14 matrices" in printed and len(printed.splitlines()) < 10, printed
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (out / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask  # not 0600
     original = dict(SafetensorsCheckpoint(src).weights())
     loaded = dict(SafetensorsCheckpoint(out).weights())
     tensors = load_file(out / "model.safetensors")
