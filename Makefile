@@ -50,7 +50,7 @@ run: $(RUNTIME)
 
 # pytest exits 5 when it collected nothing: that is a broken suite, not a pass.
 test: $(TESTING)
-	@$(BIN)/python -m pytest -q -ra; rc=$$?; \
+	@$(BIN)/python -m pytest -q -ra --durations=25; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 lint: $(TESTING)

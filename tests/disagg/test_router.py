@@ -74,8 +74,8 @@ def system(tmp_path_factory):
     started = []
     try:
         jobs = [((logs / "colocated.log", *FLAGS), {}),
-                ((logs / "fp8.log", *FLAGS, "--kv-role", "decode", "--kv-cache-dtype", "fp8"),
-                 {"env": KEYED})]
+                ((logs / "fp8.log", *FLAGS, "--kv-role", "decode", "--kv-cache-dtype", "fp8",
+                  "--calibration-file", str(calibration_text(logs))), {"env": KEYED})]
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             futures = [pool.submit(start_server, *a, **kw) for a, kw in jobs]
             for future in futures:
@@ -107,6 +107,13 @@ def system(tmp_path_factory):
         except ProcessLookupError:
             pass
         pd.wait()
+
+
+def calibration_text(folder) -> str:
+    """A small fixed text for FP8 KV scales: a forward pass, not 8 prompts' greedy tokens."""
+    path = folder / "calibration.txt"
+    path.write_text(" ".join(PROMPTS) * 4)
+    return path
 
 
 def _ready(router: Server) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import signal
@@ -31,7 +32,7 @@ class Server:
         return self.log.read_text()
 
     def request(self, method: str, path: str, body: bytes | dict | None = None,
-                key: str | None = API_KEY) -> tuple[int, dict | str]:
+                key: str | None = API_KEY, timeout: float = 120) -> tuple[int, dict | str]:
         """Raw HTTP (no client library): (status, parsed JSON or text)."""
         data = json.dumps(body).encode() if isinstance(body, dict) else body
         req = urllib.request.Request(self.url + path, data=data, method=method,
@@ -39,7 +40,7 @@ class Server:
         if key is not None:
             req.add_header("Authorization", f"Bearer {key}")
         try:
-            with urllib.request.urlopen(req, timeout=120) as resp:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
                 status, raw = resp.status, resp.read().decode()
         except urllib.error.HTTPError as e:
             status, raw = e.code, e.read().decode()
@@ -78,35 +79,62 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(log: Path, *flags: str, env: dict[str, str] | None = None) -> Server:
+_STARTED: list[subprocess.Popen] = []  # every server's process group, killed at exit at last
+
+
+def start_server(log: Path, *flags: str, env: dict[str, str] | None = None,
+                 timeout: float = 180.0) -> Server:
     """`frugal serve` on a free port with the default model, its output going to `log` (a
-    pipe nobody reads would block the server once full); returns once /health answers."""
+    pipe nobody reads would block the server once full), in a process group of its own;
+    returns once /health answers. A server that exits or is not healthy within `timeout` is
+    killed with all its processes (tensor-parallel ranks too) before the error is raised."""
     port = free_port()
-    out = log.open("w")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "frugal.cli.main", "serve", "--port", str(port), *flags],
-        env={**os.environ, **(env or {})}, stdout=out, stderr=subprocess.STDOUT, text=True)
+    with log.open("w") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "frugal.cli.main", "serve", "--port", str(port), *flags],
+            env={**os.environ, **(env or {})}, stdout=out, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True)
+    _STARTED.append(process)
     s = Server(f"http://127.0.0.1:{port}", process, log)
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited: {s.output()}")
+    deadline = time.time() + timeout
+    while time.time() < deadline and process.poll() is None:
         try:
-            if s.request("GET", "/health")[0] == 200:
+            if s.request("GET", "/health", timeout=5)[0] == 200:
                 return s
         except OSError:
             pass
         time.sleep(0.5)
-    process.kill()
-    raise RuntimeError(f"server did not become healthy: {s.output()}")
+    kill_group(process)
+    raise RuntimeError(f"server did not become healthy (exit code {process.returncode}): "
+                       f"{s.output()[-3000:]}")
+
+
+def kill_group(process: subprocess.Popen) -> None:
+    """SIGKILL a server's whole process group (it leads one: start_server) and reap it."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    process.wait()
 
 
 def stop_server(s: Server) -> int:
-    """SIGTERM, then the exit code."""
+    """SIGTERM, then the exit code; whatever of its group is left is killed."""
     if s.process.poll() is None:
         s.process.send_signal(signal.SIGTERM)
-        s.process.wait(timeout=60)
-    return s.process.returncode
+        try:
+            s.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pass
+    code = s.process.poll()
+    kill_group(s.process)
+    return s.process.returncode if code is None else code
+
+
+@atexit.register
+def _kill_leftovers() -> None:
+    for process in _STARTED:
+        kill_group(process)
 
 
 @pytest.fixture(scope="session")
