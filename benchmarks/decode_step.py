@@ -17,10 +17,10 @@ import torch
 
 from frugal.bench.offline import prompts_for
 from frugal.config import EngineConfig, SchedulerConfig
+from frugal.core.scheduler import SchedulerOutput
 from frugal.engine.llm_engine import LLMEngine
-from frugal.engine.scheduler import SchedulerOutput
-from frugal.engine.step_inputs import prepare
 from frugal.request import SamplingParams
+from frugal.worker.step_inputs import prepare
 
 
 def step_ms(runner, inputs) -> float:

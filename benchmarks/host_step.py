@@ -24,13 +24,14 @@ import time
 from pathlib import Path
 
 from frugal.config import CacheConfig, EngineConfig, SchedulerConfig
-from frugal.engine import llm_engine, model_runner
+from frugal.core.page_table import PageTable
+from frugal.engine import llm_engine
 from frugal.engine.detokenizer import IncrementalDetokenizer
 from frugal.engine.llm_engine import LLMEngine
 from frugal.engine.output_stream import OutputStream, send
-from frugal.kv_cache.page_table import PageTable
 from frugal.loader import open_checkpoint
 from frugal.request import Request, RequestStatus, SamplingParams
+from frugal.worker import model_runner
 
 PROMPT_LEN = 64
 CONFIG = {"architectures": ["LlamaForCausalLM"], "vocab_size": 49152, "hidden_size": 64,

@@ -19,8 +19,8 @@ import time
 
 import torch
 
-from frugal.disagg.kv_transfer import NixlTransfer
-from frugal.kv_cache.pool import KVPool
+from frugal.disagg.nixl import NixlTransfer
+from frugal.worker.kv_pool import KVPool
 
 
 def main() -> None:

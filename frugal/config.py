@@ -85,7 +85,7 @@ class CacheConfig:
     the tags they had when it got them, and abort only the requests whose pages do not.
 
     enable_prefix_caching: full pages are kept, named by a hash of the tokens up to their end,
-    and shared by later requests that start with the same tokens (see kv_cache.prefix_cache).
+    and shared by later requests that start with the same tokens (see core.prefix_cache).
     """
 
     page_size: int = 16

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from frugal.kv_cache.page_table import PageTable
+from frugal.core.page_table import PageTable
 
 
 class FinishReason(str, enum.Enum):

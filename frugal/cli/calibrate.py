@@ -6,8 +6,8 @@ import argparse
 import dataclasses
 
 from frugal.cli.args import add_engine_args, engine_config
-from frugal.engine import kv_scales
 from frugal.engine.llm_engine import LLMEngine
+from frugal.worker import kv_scales
 
 
 def add_calibrate_parser(subparsers) -> None:

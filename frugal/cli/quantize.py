@@ -252,7 +252,7 @@ def _calibration(args: argparse.Namespace):
     text through it once: --calibration-file, else Wikipedia passages of the eval data, else
     text the model writes from the built-in prompts."""
     from frugal import LLM, SamplingParams
-    from frugal.engine.kv_scales import PROMPTS
+    from frugal.worker.kv_scales import PROMPTS
 
     llm = LLM(args.model, device=args.device, dtype="float32" if args.device == "cpu" else
               "auto", kv_cache_memory="512MiB", enforce_eager=True)

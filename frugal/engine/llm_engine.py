@@ -8,16 +8,13 @@ import time
 import uuid
 
 from frugal.config import EngineConfig
+from frugal.core.page_allocator import IntegrityError
+from frugal.core.prefix_cache import PrefixCache
+from frugal.core.scheduler import Scheduler
 from frugal.disagg import wants_transfer
-from frugal.engine import worker
 from frugal.engine.detokenizer import IncrementalDetokenizer
-from frugal.engine.model_runner import ModelRunner
 from frugal.engine.outputs import check_stop, delta_output, is_token_id, prompt_token_ids
-from frugal.engine.scheduler import Scheduler
 from frugal.engine.stats import EngineStats
-from frugal.engine.step import Launched, StepResult
-from frugal.kv_cache.page_allocator import IntegrityError
-from frugal.kv_cache.prefix_cache import PrefixCache
 from frugal.parallel import SINGLE
 from frugal.request import (
     FinishReason,
@@ -25,6 +22,9 @@ from frugal.request import (
     RequestOutput,
     SamplingParams,
 )
+from frugal.worker import ranks
+from frugal.worker.model_runner import ModelRunner
+from frugal.worker.step import Launched, StepResult
 
 logger = logging.getLogger("frugal")
 
@@ -34,7 +34,7 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = config = config or EngineConfig()
-        checkpoint = worker.load_checkpoint(config)
+        checkpoint = ranks.load_checkpoint(config)
         self.tokenizer = checkpoint.tokenizer
         self.model_config = mc = checkpoint.config
         wanted = config.scheduler.max_model_len or mc.max_position_embeddings
@@ -43,7 +43,7 @@ class LLMEngine:
                              f"{mc.max_position_embeddings}")
         parallel, self._workers = SINGLE, []
         if config.tensor_parallel_size > 1:
-            parallel, self._workers = worker.start(config)
+            parallel, self._workers = ranks.start(config)
         self.runner = ModelRunner(config, checkpoint, parallel)
         pool = self.runner.pool
         self.max_model_len = self.runner.max_model_len
@@ -68,7 +68,7 @@ class LLMEngine:
         self._inflight: Launched | None = None  # a step launched ahead (see step)
         self.handoff = None  # disagg.Handoff: KV pages to and from other workers
         if config.kv_role is not None:
-            from frugal.disagg.handoff import Handoff
+            from frugal.disagg.nixl_connector import Handoff
             self.handoff = Handoff(self.scheduler, pool, f"frugal-{uuid.uuid4().hex[:12]}",
                                    mc.vocab_size, config)
 
@@ -154,20 +154,20 @@ class LLMEngine:
 
     def close(self, leave: bool = True) -> None:
         """Stop the other tensor-parallel ranks, wait for them and leave their group (nothing to
-        do without tensor parallelism); never hangs, even on a broken group (see worker.stop).
+        do without tensor parallelism); never hangs, even on a broken group (see ranks.stop).
         leave=False: a step may still be running on another thread (it never returned): the
         ranks are killed (failing its collective) and the group is left to a later close()."""
         workers = self._workers
         if leave:
             self._workers = []  # (lost_rank sees them no more: their exit is no news now)
         if workers:
-            worker.stop(self.runner.parallel, workers, leave)
+            ranks.stop(self.runner.parallel, workers, leave)
 
     def lost_rank(self, error: BaseException | None = None) -> str | None:
         """Why the tensor-parallel group can run no more steps, or None (always None without
         tensor parallelism): a rank's process exited, or `error` (what a step raised) came from
-        a collective (see worker.lost). Cheap without error; safe from any thread."""
-        return worker.lost(self._workers, error)
+        a collective (see ranks.lost). Cheap without error; safe from any thread."""
+        return ranks.lost(self._workers, error)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0

@@ -41,7 +41,7 @@ class Job:
     n: int
     echo: bool = False
     include_usage: bool = False
-    kv_transfer: dict | None = None  # kv_transfer_params (see frugal.disagg.handoff)
+    kv_transfer: dict | None = None  # kv_transfer_params (see frugal.disagg.nixl_connector)
     cache_salt: str | None = None  # prefix-cache pages are shared only under the same salt
 
     @property

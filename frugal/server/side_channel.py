@@ -1,7 +1,7 @@
 """The HTTP side channel of prefill/decode disaggregation: a prefill worker serves its NIXL
 metadata at GET /kv/handshake (on its API port: remote_host and remote_port of the
 kv_transfer_params it returns); a decode worker fetches it once per prefill engine and hands it
-to its engine with the request (frugal.disagg.handoff checks the two pools' layouts match).
+to its engine with the request (frugal.disagg.nixl_connector checks the two pools' layouts match).
 
 With the deployment's secret (frugal.disagg.signing) the decode worker acts only on hand-offs a
 prefill worker signed, each once, before it opens any connection; it proves the secret to the

@@ -3,7 +3,7 @@
 import pytest
 
 from frugal.bench.roofline import Device, ModelCost, bound
-from frugal.engine.cuda_graph import capture_sizes
+from frugal.worker.cuda_graph import capture_sizes
 
 
 def test_bound_is_prefill_flops_plus_decode_bytes():

@@ -9,8 +9,8 @@ import pytest
 
 from frugal import SamplingParams
 from frugal.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
-from frugal.kv_cache import faults
 from frugal.metrics import Metrics
+from tests import kv_faults as faults
 
 LONG = SamplingParams(max_tokens=64, ignore_eos=True, temperature=0)
 SHORT = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0)

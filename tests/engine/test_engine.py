@@ -6,9 +6,9 @@ import torch
 
 from frugal import LLM, SamplingParams
 from frugal.engine.llm_engine import LLMEngine
-from frugal.engine.memory import warm_up
-from frugal.kv_cache.pool import KVPool
 from frugal.request import join
+from frugal.worker.kv_pool import KVPool
+from frugal.worker.memory import warm_up
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 PROMPTS = [

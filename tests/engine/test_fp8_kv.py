@@ -9,10 +9,10 @@ from safetensors.torch import load_file, save_file
 from frugal import LLM, SamplingParams
 from frugal.cli.main import main as cli
 from frugal.config import CacheConfig
-from frugal.engine.kv_scales import FORMAT, PROMPTS
 from frugal.eval import multiple_choice as mc
 from frugal.eval.data import load_task, wiki_text
 from frugal.eval.perplexity import perplexity, windows
+from frugal.worker.kv_scales import FORMAT, PROMPTS
 from tests.models.test_llama_vs_hf import frugal_logits
 
 transformers = pytest.importorskip("transformers")

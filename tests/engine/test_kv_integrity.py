@@ -1,4 +1,4 @@
-"""KV-cache integrity: each fault class (kv_cache.faults) fails its victim alone, with a clear
+"""KV-cache integrity: each fault class (tests/kv_faults.py) fails its victim alone, with a clear
 error; every other request's greedy output is byte-identical to a run without the fault; the
 pool is whole again afterwards and the engine keeps serving. With the check off, the same fault
 silently changes the victim's output (so the test would notice if the check did nothing)."""
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from frugal import LLM, SamplingParams
-from frugal.kv_cache import faults
 from frugal.request import join
+from tests import kv_faults as faults
 
 PROMPTS = ["The capital of France is", "Write a haiku about the sea.",
            "Explain in two sentences why the sky is blue.", "List three uses of a paperclip.",
@@ -124,7 +124,7 @@ def test_a_step_that_fails_to_launch_loses_no_tag_updates(monkeypatch):
     """The tags of pages handed out for a step whose launch raised (here in prepare) still
     reach the device's tag table with the next step: the request then runs to the same output
     instead of failing the integrity check on its own pages."""
-    from frugal.engine import model_runner
+    from frugal.worker import model_runner
 
     llm = LLM(dtype="float32", device="cpu", kv_cache_memory="32MiB")
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)

@@ -5,7 +5,7 @@ import pytest
 
 from frugal import LLM, SamplingParams
 from frugal.config import CacheConfig, EngineConfig, SchedulerConfig
-from frugal.kv_cache.page_allocator import IntegrityError
+from frugal.core.page_allocator import IntegrityError
 from frugal.request import join
 
 

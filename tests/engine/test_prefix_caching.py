@@ -6,8 +6,8 @@ pages handed out again are caught, failing no request or only the one that holds
 import pytest
 
 from frugal import LLM, SamplingParams
-from frugal.kv_cache import faults
 from frugal.request import Request, join
+from tests import kv_faults as faults
 
 SYSTEM = ("You are a careful assistant. Answer in one short sentence, plainly, and never make "
           "up facts you do not know. ")

@@ -151,7 +151,7 @@ def test_ranks_exit_when_rank_0_is_killed(tmp_path):
 def test_a_blocked_rank_exits_when_rank_0_is_gone():
     """(worker.exit_with_parent on its own) A rank whose main thread never returns, as in a
     collective on a dead peer that waits for its timeout (NCCL), still exits."""
-    rank = ("import os, time; from frugal.engine.worker import exit_with_parent; "
+    rank = ("import os, time; from frugal.worker.ranks import exit_with_parent; "
             "exit_with_parent(os.getppid()); print(os.getpid(), flush=True); time.sleep(120)")
     parent = subprocess.Popen(
         [sys.executable, "-c", "import subprocess, sys; "

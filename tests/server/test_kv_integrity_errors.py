@@ -1,7 +1,7 @@
 """A request whose KV pages fail the integrity check, as a client sees it: a 500 with an
 OpenAI-style error body, or an error event then [DONE] when streaming; the counter in /metrics
 goes up and the server keeps serving. In-process server; the fault is injected on the engine
-thread between steps (kv_cache.faults)."""
+thread between steps (tests/kv_faults.py)."""
 
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from frugal.core.page_allocator import PageRef
 from frugal.engine.async_engine import AsyncEngine
-from frugal.kv_cache import faults
-from frugal.kv_cache.page_allocator import PageRef
 from frugal.metrics import Metrics
 from frugal.server.openai_api import build_app
+from tests import kv_faults as faults
 from tests.server.conftest import MODEL, free_port
 
 uvicorn = pytest.importorskip("uvicorn")

@@ -1,7 +1,7 @@
 """The KV-cache integrity check: do a step's page tables still point at the pages they were given?
 
 Every physical page carries a tag that changes whenever the page is handed out (see
-kv_cache.page_allocator); a request's page table holds the tag each page had when it got it. A
+core.page_allocator); a request's page table holds the tag each page had when it got it. A
 stale entry (the page freed and handed out again, the entry overwritten, a page freed twice) shows
 as a tag mismatch. The check runs as its own op before a step's layers, so it never races the
 attention kernels, and masks a failing request there and then: its new K/V is not stored and its

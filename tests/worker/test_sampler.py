@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from frugal.engine.sampler import Sampler, apply_top_k_top_p, token_logprobs
-from frugal.kv_cache.page_allocator import PageRef
-from frugal.kv_cache.page_table import PageTable
+from frugal.core.page_allocator import PageRef
+from frugal.core.page_table import PageTable
 from frugal.request import Request, SamplingParams
+from frugal.worker.sampler import Sampler, apply_top_k_top_p, token_logprobs
 
 
 def reqs(params: list[SamplingParams], generators=None, num_output=0) -> list[Request]:
@@ -114,8 +114,8 @@ def test_sampling_and_step_inputs_leave_the_device_queue_alone():
     decode step launched ahead)."""
     import time
 
-    from frugal.engine.scheduler import SchedulerOutput
-    from frugal.engine.step_inputs import prepare
+    from frugal.core.scheduler import SchedulerOutput
+    from frugal.worker.step_inputs import prepare
 
     params = [SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_tokens=4),
               SamplingParams(temperature=0), SamplingParams(temperature=1.0)]

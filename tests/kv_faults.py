@@ -7,8 +7,8 @@ ops.check_kv_pages) catches each class and that only the victim request is affec
 
 from __future__ import annotations
 
-from frugal.kv_cache.page_allocator import PageAllocator, PageRef
-from frugal.kv_cache.page_table import PageTable
+from frugal.core.page_allocator import PageAllocator, PageRef
+from frugal.core.page_table import PageTable
 
 
 def reuse_while_held(allocator: PageAllocator, ref: PageRef) -> None:

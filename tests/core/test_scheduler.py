@@ -2,8 +2,8 @@
 
 import random
 
-from frugal.engine.scheduler import Scheduler
-from frugal.kv_cache.page_allocator import PageAllocator
+from frugal.core.page_allocator import PageAllocator
+from frugal.core.scheduler import Scheduler
 from frugal.request import FinishReason, Request, SamplingParams
 
 
@@ -126,7 +126,7 @@ def test_finish_is_idempotent_in_every_state():
 
 
 def test_finish_with_a_stale_page_table_recounts_instead_of_raising():
-    from frugal.kv_cache import faults
+    from tests import kv_faults as faults
 
     s = Scheduler(PageAllocator(8), page_size=4, max_num_seqs=8, max_num_batched_tokens=64)
     victim, other = make_request(0, 8, 4), make_request(1, 4, 4)

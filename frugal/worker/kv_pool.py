@@ -22,7 +22,7 @@ class KVPool:
     (NaN included), so no page ever holds a NaN: kernels may read a whole last page.
     An FP8 pool also has scales: [num_layers, 2, num_kv_heads] fp32 (K, V), set by its owner
     before use, and scales_source saying where they came from. tags: [num_pages] int32, each
-    page's current tag (kv_cache.page_allocator), kept up to date by the model runner.
+    page's current tag (core.page_allocator), kept up to date by the model runner.
     """
 
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,

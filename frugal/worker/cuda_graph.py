@@ -20,9 +20,9 @@ import torch
 from torch import nn
 
 from frugal import ops
-from frugal.engine.step_inputs import StepInputs
 from frugal.layers.attention import AttentionMetadata
 from frugal.ops.torch_ref.integrity import STATUS_FIELDS
+from frugal.worker.step_inputs import StepInputs
 
 logger = logging.getLogger("frugal")
 

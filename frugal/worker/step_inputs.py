@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from frugal.engine.scheduler import SchedulerOutput
+from frugal.core.scheduler import SchedulerOutput
 from frugal.layers.attention import AttentionMetadata
 from frugal.request import Request
 

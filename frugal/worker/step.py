@@ -8,11 +8,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from frugal.engine.memory import LOGITS_ROWS
-from frugal.engine.sampler import token_logprobs
-from frugal.engine.scheduler import SchedulerOutput
-from frugal.engine.step_inputs import StepInputs
+from frugal.core.scheduler import SchedulerOutput
 from frugal.request import Request, TokenLogprob
+from frugal.worker.memory import LOGITS_ROWS
+from frugal.worker.sampler import token_logprobs
+from frugal.worker.step_inputs import StepInputs
 
 
 @dataclass

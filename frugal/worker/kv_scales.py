@@ -19,15 +19,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from frugal.config import ModelConfig
-from frugal.engine.scheduler import SchedulerOutput
-from frugal.kv_cache.page_allocator import PageRef
-from frugal.kv_cache.page_table import PageTable
-from frugal.kv_cache.pool import KVPool
+from frugal.core.page_allocator import PageRef
+from frugal.core.page_table import PageTable
+from frugal.core.scheduler import SchedulerOutput
 from frugal.ops.torch_ref.attention import FP8_MAX
 from frugal.request import Request, SamplingParams
+from frugal.worker.kv_pool import KVPool
 
 if TYPE_CHECKING:
-    from frugal.engine.model_runner import ModelRunner
+    from frugal.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("frugal")
 FORMAT = "frugal-kv-scales/1"

@@ -167,7 +167,7 @@ def serve(config: EngineConfig, rank: int, size: int, address: str, parent: int)
     """A rank > 0: build its runner, then make rank 0's calls until told to stop (or rank 0,
     the process `parent`, is gone). A failed call raises: this process exits, and rank 0
     sees it (see lost)."""
-    from frugal.engine.model_runner import ModelRunner
+    from frugal.worker.model_runner import ModelRunner
 
     exit_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to act on (it stops us)

@@ -6,8 +6,8 @@ from collections.abc import Callable
 
 import torch
 
-from frugal.engine.step_inputs import upload
 from frugal.request import Request, TokenLogprob
+from frugal.worker.step_inputs import upload
 
 
 class Sampler:

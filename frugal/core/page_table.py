@@ -11,7 +11,7 @@ from __future__ import annotations
 import array
 from collections.abc import Iterable, Iterator
 
-from frugal.kv_cache.page_allocator import PageRef
+from frugal.core.page_allocator import PageRef
 
 
 class PageTable:

@@ -21,7 +21,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Iterable
 
-from frugal.kv_cache.page_allocator import IntegrityError, PageAllocator, PageRef
+from frugal.core.page_allocator import IntegrityError, PageAllocator, PageRef
 
 logger = logging.getLogger("frugal")
 

@@ -33,10 +33,10 @@ import math
 from dataclasses import dataclass
 
 from frugal.disagg import HeldPagesFull, faults
-from frugal.disagg.kv_transfer import NixlTransfer
+from frugal.disagg.nixl import NixlTransfer
 from frugal.disagg.signing import SIGNATURE, Rejected, Replays, Signer
-from frugal.kv_cache.pool import KVPool
 from frugal.request import Request, TokenLogprob
+from frugal.worker.kv_pool import KVPool
 
 logger = logging.getLogger("frugal")
 

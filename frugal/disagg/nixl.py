@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from frugal.kv_cache.pool import KVPool
+from frugal.worker.kv_pool import KVPool
 
 logger = logging.getLogger("frugal")
 

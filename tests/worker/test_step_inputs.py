@@ -1,10 +1,10 @@
 """The flattened batch of a step (engine.step_inputs.prepare)."""
 
-from frugal.engine.scheduler import SchedulerOutput
-from frugal.engine.step_inputs import prepare
-from frugal.kv_cache.page_allocator import PageRef
-from frugal.kv_cache.page_table import PageTable
+from frugal.core.page_allocator import PageRef
+from frugal.core.page_table import PageTable
+from frugal.core.scheduler import SchedulerOutput
 from frugal.request import Request, SamplingParams
+from frugal.worker.step_inputs import prepare
 
 
 def request(prompt_len: int, computed: int, first_page: int) -> Request:
@@ -34,7 +34,7 @@ def test_every_field_starts_16_byte_aligned_and_holds_its_values():
     alignment would compile another kernel variant in the middle of serving)."""
     import torch
 
-    from frugal.engine.step_inputs import Pending
+    from frugal.worker.step_inputs import Pending
 
     for sizes in ([1], [3, 1], [5, 1, 1], [2, 7, 1, 1, 3]):
         requests = [request(9 + n, 9, 10 * i) for i, n in enumerate(sizes)]

@@ -1,7 +1,7 @@
 """PageTable: page ids and tags side by side, read and written as PageRefs."""
 
-from frugal.kv_cache.page_allocator import PageAllocator, PageRef
-from frugal.kv_cache.page_table import PageTable
+from frugal.core.page_allocator import PageAllocator, PageRef
+from frugal.core.page_table import PageTable
 
 
 def test_entries_round_trip_and_rows_are_int32_arrays():

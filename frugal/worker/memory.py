@@ -12,11 +12,11 @@ import torch
 
 from frugal import ops
 from frugal.config import EngineConfig, available_memory_bytes
-from frugal.kv_cache.pool import KVPool
 from frugal.layers.attention import AttentionMetadata
+from frugal.worker.kv_pool import KVPool
 
 if TYPE_CHECKING:
-    from frugal.engine.model_runner import ModelRunner
+    from frugal.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("frugal")
 LOGITS_ROWS = 256  # prompt positions scored per LM-head call (bounds [rows, vocab] memory)

@@ -5,11 +5,11 @@ import random
 
 import pytest
 
-from frugal.engine.scheduler import Scheduler
-from frugal.kv_cache import faults
-from frugal.kv_cache.page_allocator import IntegrityError, PageAllocator
-from frugal.kv_cache.prefix_cache import PrefixCache
+from frugal.core.page_allocator import IntegrityError, PageAllocator
+from frugal.core.prefix_cache import PrefixCache
+from frugal.core.scheduler import Scheduler
 from frugal.request import FinishReason, Request, SamplingParams
+from tests import kv_faults as faults
 
 PS = 4
 

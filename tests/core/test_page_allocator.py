@@ -2,7 +2,7 @@ import random
 
 import pytest
 
-from frugal.kv_cache.page_allocator import IntegrityError, PageAllocator, PageRef
+from frugal.core.page_allocator import IntegrityError, PageAllocator, PageRef
 
 
 def test_allocate_free_restores_free_list():

@@ -11,16 +11,8 @@ import torch
 
 from frugal import ops
 from frugal.config import KV_DTYPES, EngineConfig
-from frugal.engine import kv_scales
-from frugal.engine.cuda_graph import DecodeGraphs
-from frugal.engine.memory import kv_budget, warm_up
-from frugal.engine.sampler import Sampler, token_logprobs
-from frugal.engine.scheduler import SchedulerOutput
-from frugal.engine.step import Launched, StepResult, failures, score_prompt, scores_prompt
-from frugal.engine.step_inputs import Pending, StepInputs, prepare
-from frugal.engine.worker import to_device
-from frugal.kv_cache.page_allocator import PageAllocator
-from frugal.kv_cache.pool import KVPool
+from frugal.core.page_allocator import PageAllocator
+from frugal.core.scheduler import SchedulerOutput
 from frugal.layers.attention import AttentionMetadata
 from frugal.layers.linear import quantize_layers
 from frugal.layers.moe import quantize_moe
@@ -29,6 +21,14 @@ from frugal.models.registry import model_class
 from frugal.parallel import SINGLE, Parallel
 from frugal.quant.experts import Fp8Experts
 from frugal.quant.fp8 import Fp8Weight
+from frugal.worker import kv_scales
+from frugal.worker.cuda_graph import DecodeGraphs
+from frugal.worker.kv_pool import KVPool
+from frugal.worker.memory import kv_budget, warm_up
+from frugal.worker.ranks import to_device
+from frugal.worker.sampler import Sampler, token_logprobs
+from frugal.worker.step import Launched, StepResult, failures, score_prompt, scores_prompt
+from frugal.worker.step_inputs import Pending, StepInputs, prepare
 
 logger = logging.getLogger("frugal")
 

@@ -30,9 +30,9 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from frugal.kv_cache.page_allocator import IntegrityError, PageAllocator
-from frugal.kv_cache.page_table import PageTable
-from frugal.kv_cache.prefix_cache import PrefixCache
+from frugal.core.page_allocator import IntegrityError, PageAllocator
+from frugal.core.page_table import PageTable
+from frugal.core.prefix_cache import PrefixCache
 from frugal.request import FinishReason, Request, RequestStatus
 
 logger = logging.getLogger("frugal")

@@ -1,0 +1,1 @@
+"""One device: the model, its KV pool, and running steps on it."""
