@@ -79,7 +79,7 @@ def seat(engine: LLMEngine, num_requests: int, length: int, rng: random.Random) 
         request.num_sent = len(request.output_token_ids)
         request.num_computed_tokens = length - 1  # the last token is the next step's input
         request.page_table = PageTable(
-            scheduler.allocator.allocate(-(-(length - 1) // scheduler.page_size)))
+            scheduler.kv.allocator.allocate(-(-(length - 1) // scheduler.page_size)))
         request.status = RequestStatus.RUNNING
         detok = IncrementalDetokenizer(tok, True, params.stop)
         detok.update(request.output_token_ids[:-1])  # twice: its window ends at the last token

@@ -137,7 +137,7 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None  # [None, lp(token 1), ...] if asked
     # [num_prompt_tokens - 1, vocab] log-probabilities of prompt tokens 1.. (prompt_logprobs_tensor)
     prompt_logprobs_tensor: torch.Tensor | None = None
-    # a prefill for another worker: where its KV is and how to check it (disagg.handoff)
+    # a prefill for another worker: where its KV is and how to check it (disagg.connector)
     kv_transfer_params: dict | None = None
 
     def add(self, later: RequestOutput) -> RequestOutput:
@@ -208,8 +208,9 @@ class Request:
     error: str | None = None  # set with FinishReason.ERROR
     num_sent: int = 0  # output tokens (and their log-probabilities) already in an output
     prompt_scores_sent: bool = False
-    kv_load: object | None = None  # disagg.KVLoad: where its prompt's KV comes from
-    kv_hold: bool = False  # a prefill for another worker: its pages are held when it ends
+    # its prompt's KV comes from another worker (a KV connector admitted it, disagg.connector):
+    # the scheduler gives it pages and keeps it loading until the connector reports them filled
+    kv_from_remote: bool = False
     cache_salt: str | None = None  # prefix-cache entries are shared only under the same salt
     page_hashes: list[bytes] = field(default_factory=list)  # of its full pages (PrefixCache)
     num_cached_pages: int = 0  # leading pages of page_table the prefix cache has been offered

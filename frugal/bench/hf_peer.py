@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from frugal.bench.offline import Result
+from frugal.bench.result import Result
 from frugal.loader import load_transformers_model
 
 

@@ -25,9 +25,11 @@ def run_calibrate(args: argparse.Namespace) -> int:
     cache = dataclasses.replace(config.cache, kv_cache_dtype="auto", kv_scales_path=None,
                                 calibration_file=None, kv_cache_memory="256MiB")
     engine = LLMEngine(dataclasses.replace(config, cache=cache, enforce_eager=True))
-    runner = engine.runner
-    prompts = kv_scales.calibration_prompts(runner, engine.tokenizer, args.calibration_file)
-    scales = kv_scales.calibrate(runner, *prompts)
+    worker = engine.worker
+    prompts = kv_scales.calibration_prompts(worker.runner, engine.tokenizer,
+                                            args.calibration_file)
+    worker.runner.bind(None)  # (calibrated on a cache of its own)
+    scales = kv_scales.calibrate(worker.runner, worker.kv_spec, *prompts)
     scales.save(args.output, config.model or "default")
     print(f"wrote {args.output}: {scales.describe()}")
     return 0

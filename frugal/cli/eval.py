@@ -58,9 +58,9 @@ def reference_config(flags: str, model: str | None):
 
 
 def describe(llm: LLM) -> str:
-    runner = llm.engine.runner
+    runner, worker = llm.engine.runner, llm.engine.worker
     dtype = str(runner.dtype).removeprefix("torch.")
-    quant = runner.weights_quantization  # (also a checkpoint's own quantized weights)
+    quant = worker.weights_quantization  # (also a checkpoint's own quantized weights)
     weights = f"{dtype} weights" if quant == "none" else f"{quant} weights, {dtype} activations"
     return f"{weights}, {str(runner.pool.k[0].dtype).removeprefix('torch.')} KV, {runner.device}"
 

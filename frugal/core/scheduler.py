@@ -8,7 +8,7 @@ preemption are all the same thing; a request whose pending token is its last (le
 gets none. Running requests go first, oldest first; when pages run out the newest running
 request is preempted (its pages freed, its progress reset to 0) and recomputed later.
 
-A request whose prompt's KV comes from another worker (request.kv_load, prefill/decode
+A request whose prompt's KV comes from another worker (request.kv_from_remote, prefill/decode
 disaggregation) is admitted like any other but, instead of computing, gets pages for its prompt
 and waits in `loading` until the engine reports the pages filled (loaded): then it runs from
 num_computed_tokens = its prompt's length. Pages no request table owns but that must not be
@@ -26,13 +26,12 @@ used first, when the free list runs short.
 from __future__ import annotations
 
 import logging
-import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from frugal.core.page_allocator import IntegrityError, PageAllocator
+from frugal.core.kv_cache_manager import KVCacheManager
+from frugal.core.page_allocator import IntegrityError
 from frugal.core.page_table import PageTable
-from frugal.core.prefix_cache import PrefixCache
 from frugal.request import FinishReason, Request, RequestStatus
 
 logger = logging.getLogger("frugal")
@@ -46,6 +45,9 @@ class SchedulerOutput:
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     loads: list[Request] = field(default_factory=list)  # admitted to wait for their KV
+    # page -> tag for the pages whose tag changed since the last step (the device's copy of the
+    # tags takes them before the step's integrity check; kv.return_tag_updates if never sent)
+    tag_updates: dict[int, int] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -53,26 +55,23 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    """Owns the waiting queue, the running list and the page tables of running requests.
+    """Owns the waiting queue, the running and loading lists; their pages come from kv (the
+    scheduler's only KV API).
 
     Invariants (checked by check_integrity): only running and loading requests, held tables
     and the prefix cache hold pages; between steps a running request holds
     ceil(num_computed_tokens / page_size) pages.
     """
 
-    def __init__(self, allocator: PageAllocator, page_size: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, cache: PrefixCache | None = None) -> None:
-        self.allocator = allocator
-        self.page_size = page_size
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int,
+                 max_num_batched_tokens: int) -> None:
+        self.kv = kv
+        self.page_size = kv.page_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.loading: list[Request] = []
-        self.held: dict[str, tuple[PageTable, float]] = {}  # key -> (pages, deadline)
-        self.cache = cache
-        self.num_cache_queries = 0  # tokens of admitted requests looked up in the cache
-        self.num_cache_hits = 0  # of those, tokens found there
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -81,15 +80,9 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running) + len(self.loading)
 
-    def tables(self) -> list[PageTable]:
-        return ([r.page_table for r in self.running] + [r.page_table for r in self.loading]
-                + [table for table, _ in self.held.values()]
-                + ([self.cache.table()] if self.cache is not None else []))
-
-    @property
-    def num_free(self) -> int:
-        """Pages a request may get now: free ones and those only the prefix cache holds."""
-        return self.allocator.num_free + (self.cache.num_evictable if self.cache else 0)
+    def live_tables(self) -> list[PageTable]:
+        """The page tables of the requests that own pages (running and loading)."""
+        return [r.page_table for r in self.running] + [r.page_table for r in self.loading]
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -102,7 +95,7 @@ class Scheduler:
                 i += 1
                 continue
             n = min(total - request.num_computed_tokens, budget)
-            while not self._reserve(request, n):
+            while not self.kv.grow(request, request.num_computed_tokens + n):
                 victim = self.running.pop()  # newest; never one already scheduled (those are < i)
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -119,23 +112,22 @@ class Scheduler:
         while (not out.preempted and self.waiting and budget > 0
                and len(self.running) + len(self.loading) < self.max_num_seqs):
             request = self.waiting[0]
-            matched = self._match(request)
-            if request.kv_load is not None:  # its prompt's KV comes from elsewhere
-                if not self._reserve(request,
-                                     request.num_prompt_tokens - request.num_computed_tokens):
-                    self._unmatch(request)
+            matched = self.kv.match(request)
+            if request.kv_from_remote:  # its prompt's KV comes from elsewhere
+                if not self.kv.grow(request, request.num_prompt_tokens):
+                    self.kv.unmatch(request)
                     break
-                self._count(request, matched)
+                self.kv.count(request, matched)
                 self.waiting.popleft()
                 request.status = RequestStatus.LOADING
                 self.loading.append(request)
                 out.loads.append(request)
                 continue
             n = min(request.num_tokens_with_pending - request.num_computed_tokens, budget)
-            if not self._reserve(request, n):
-                self._unmatch(request)
+            if not self.kv.grow(request, request.num_computed_tokens + n):
+                self.kv.unmatch(request)
                 break
-            self._count(request, matched)
+            self.kv.count(request, matched)
             self._offer(request, n)
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
@@ -143,126 +135,55 @@ class Scheduler:
             out.requests.append(request)
             out.num_new_tokens.append(n)
             budget -= n
+        out.tag_updates = self.kv.take_tag_updates()
         return out
 
-    def _reserve(self, request: Request, num_new_tokens: int) -> bool:
-        """Give the request enough pages for num_new_tokens more tokens, if there are enough."""
-        needed = -(-(request.num_computed_tokens + num_new_tokens) // self.page_size)
-        missing = needed - len(request.page_table)
-        if missing <= 0:
-            return True
-        if missing > self.num_free:
-            return False
-        if missing > self.allocator.num_free:
-            self.cache.evict(missing - self.allocator.num_free)
-            if missing > self.allocator.num_free:  # a stale entry freed nothing (logged)
-                return False
-        request.page_table.extend(self.allocator.allocate(missing))
-        return True
-
-    # -- prefix cache ------------------------------------------------------------------------
-
-    def _match(self, request: Request) -> int:
-        """Start a request with nothing computed from its cached leading pages; returns the
-        tokens it looked up."""
-        if (self.cache is None or request.num_computed_tokens
-                or not request.reads_prefix_cache):
-            return 0
-        max_pages = request.num_cacheable_tokens // self.page_size
-        if max_pages:
-            hashes = self.cache.hashes(request, max_pages * self.page_size)
-            request.page_table = PageTable(self.cache.match(hashes, max_pages))
-            request.num_cached_pages = len(request.page_table)
-            request.num_computed_tokens = len(request.page_table) * self.page_size
-        return request.num_tokens
-
-    def _unmatch(self, request: Request) -> None:
-        """Undo _match for a request that stays waiting."""
-        if request.page_table:
-            self._free(request.page_table)
-            request.page_table = PageTable()
-        request.num_computed_tokens = request.num_cached_pages = 0
-
-    def _count(self, request: Request, looked_up: int) -> None:
-        if looked_up:
-            self.num_cache_queries += looked_up
-            self.num_cache_hits += request.num_computed_tokens
-
     def _offer(self, request: Request, num_new_tokens: int) -> None:
-        """Offer the cache the full pages whose tokens the step being scheduled computes."""
-        if self.cache is None or request.kv_load is not None:
-            return
-        end = min(request.num_computed_tokens + num_new_tokens, request.num_tokens)
-        num_pages = end // self.page_size
-        if num_pages > request.num_cached_pages:
-            hashes = self.cache.hashes(request, end)
-            first = request.num_cached_pages
-            self.cache.insert([request.page_table[i] for i in range(first, num_pages)],
-                              hashes[first:num_pages])
-            request.num_cached_pages = num_pages
+        """Offer the cache the full pages the step computes (a loading request's come from
+        elsewhere: they are offered with its first step after loaded)."""
+        if not request.kv_from_remote:
+            self.kv.offer(request, num_new_tokens)
 
     def untrusted(self, request: Request, start: int) -> list[Request]:
         """The request failed the integrity check in a step from position `start`: what that
         step (and any launched after it) was to write in its pages is not there. Those pages
         leave the cache; returns the other requests that hold one of them."""
         suspect = set(list(request.page_table)[start // self.page_size:])
-        if self.cache is not None:
-            self.cache.forget(suspect)
+        self.kv.forget(suspect)
         return [r for r in self.running + self.loading
                 if r is not request and any(ref in suspect for ref in r.page_table)]
-
-    def _free(self, refs) -> None:
-        self.allocator.free(refs)
-        if self.cache is not None:
-            self.cache.released(refs)
 
     def recount(self) -> int:
         """Recount every page from the live tables after a contradiction (see
         PageAllocator.rebuild); returns how many pages became free."""
-        freed = self.allocator.rebuild(self.tables())
-        if self.cache is not None:
-            self.cache.resync()
-        return freed
+        return self.kv.recount(self.live_tables())
 
     def loaded(self, request: Request, num_computed_tokens: int) -> None:
         """A loading request's pages hold its prompt's KV: it runs from num_computed_tokens
         (the prompt's length, or one less to compute its last token here; a page left with
         nothing computed in it is freed)."""
         self.loading.remove(request)
-        request.kv_load = None
+        request.kv_from_remote = False
         request.num_computed_tokens = num_computed_tokens
-        keep = -(-num_computed_tokens // self.page_size)
-        refs = list(request.page_table)
-        if len(refs) > keep:
-            request.page_table = PageTable(refs[:keep])
-            self._free(refs[keep:])
+        self.kv.shrink(request, num_computed_tokens)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
 
-    def hold(self, key: str, table: PageTable, timeout: float = float("inf")) -> None:
-        """Keep pages out of the free list under key until release(key) (or its deadline,
-        see expired)."""
-        self.held[key] = (table, time.monotonic() + timeout)
-
     def release(self, key: str) -> bool:
-        """Free held pages; False if nothing is held under key."""
-        entry = self.held.pop(key, None)
-        if entry is None:
+        """Free held pages (kv.hold); False if nothing is held under key."""
+        table = self.kv.release(key)
+        if table is None:
             return False
         try:
-            self._free(entry[0])
+            self.kv.free(table)
         except IntegrityError as e:  # a bug: say so, and recount from the live tables
             freed = self.recount()
             logger.error("releasing the pages held for %s: %s (%d pages back in the free list "
                          "after a recount)", key, e, freed)
         return True
 
-    def expired(self) -> list[str]:
-        now = time.monotonic()
-        return [key for key, (_, deadline) in self.held.items() if deadline <= now]
-
     def _preempt(self, request: Request) -> None:
-        self._free(request.page_table)
+        self.kv.free(request.page_table)
         request.page_table = PageTable()
         request.num_computed_tokens = request.num_cached_pages = 0
         request.num_preemptions += 1
@@ -289,10 +210,10 @@ class Scheduler:
         request.finish_reason = reason
         problem = None if trusted else "its pages failed the integrity check"
         if hold is not None and trusted:
-            self.hold(hold[0], table, hold[1])
+            self.kv.hold(hold[0], table, hold[1])
         elif trusted:
             try:
-                self._free(table)
+                self.kv.free(table)
             except IntegrityError as e:
                 problem = str(e)
         if problem is not None:
@@ -320,6 +241,4 @@ class Scheduler:
                 raise IntegrityError(f"loading request {request.request_id}: "
                                      f"{len(request.page_table)} pages for its "
                                      f"{request.num_prompt_tokens} prompt tokens")
-        self.allocator.check(self.tables())
-        if self.cache is not None:
-            self.cache.check()
+        self.kv.check(self.live_tables())

@@ -8,13 +8,14 @@ import time
 import uuid
 
 from frugal.config import EngineConfig
+from frugal.core.kv_cache_manager import KVCacheManager
 from frugal.core.page_allocator import IntegrityError
-from frugal.core.prefix_cache import PrefixCache
 from frugal.core.scheduler import Scheduler
 from frugal.disagg import wants_transfer
+from frugal.disagg.connector import KVConnector, NullConnector
 from frugal.engine.detokenizer import IncrementalDetokenizer
-from frugal.engine.outputs import check_stop, delta_output, is_token_id, prompt_token_ids
-from frugal.engine.stats import EngineStats
+from frugal.engine.outputs import check_stop, delta_output, new_request, prompt_token_ids
+from frugal.engine.stats import EngineStats, snapshot
 from frugal.parallel import SINGLE
 from frugal.request import (
     FinishReason,
@@ -23,8 +24,8 @@ from frugal.request import (
     SamplingParams,
 )
 from frugal.worker import ranks
-from frugal.worker.model_runner import ModelRunner
 from frugal.worker.step import Launched, StepResult
+from frugal.worker.worker import Worker
 
 logger = logging.getLogger("frugal")
 
@@ -41,21 +42,20 @@ class LLMEngine:
         if wanted > mc.max_position_embeddings:
             raise ValueError(f"max_model_len: {wanted} exceeds the model's context length "
                              f"{mc.max_position_embeddings}")
-        parallel, self._workers = SINGLE, []
+        parallel, self._ranks = SINGLE, []
         if config.tensor_parallel_size > 1:
-            parallel, self._workers = ranks.start(config)
-        self.runner = ModelRunner(config, checkpoint, parallel)
-        pool = self.runner.pool
-        self.max_model_len = self.runner.max_model_len
+            parallel, self._ranks = ranks.start(config)
+        self.worker = Worker(config, checkpoint, parallel)
+        self.runner = self.worker.runner
+        pool = self.worker.pool
+        self.max_model_len = self.worker.max_model_len
         if self.max_model_len < wanted:
             logger.warning("max_model_len lowered from %d to %d: the KV cache holds no more",
                            wanted, self.max_model_len)
-        cache = None
-        if config.cache.enable_prefix_caching:
-            cache = PrefixCache(self.runner.allocator, pool.page_size, self.runner.kv_key())
-        self.scheduler = Scheduler(self.runner.allocator, pool.page_size,
-                                   config.scheduler.max_num_seqs,
-                                   config.scheduler.max_num_batched_tokens, cache)
+        kv = KVCacheManager(pool.num_pages, pool.page_size, config.cache.enable_prefix_caching,
+                            self.worker.kv_key())
+        self.scheduler = Scheduler(kv, config.scheduler.max_num_seqs,
+                                   config.scheduler.max_num_batched_tokens)
         self.eos_token_ids = set(self.runner.sampler.eos_token_ids)
         self._requests: dict[str, Request] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -66,11 +66,13 @@ class LLMEngine:
         # (the other ranks mirror each model call as it is made: no step launched ahead)
         self.overlap = config.overlap_schedule and parallel.size == 1
         self._inflight: Launched | None = None  # a step launched ahead (see step)
-        self.handoff = None  # disagg.Handoff: KV pages to and from other workers
+        # KV pages to and from other workers (prefill/decode disaggregation): disagg.connector
+        self.connector: KVConnector = NullConnector()
         if config.kv_role is not None:
-            from frugal.disagg.nixl_connector import Handoff
-            self.handoff = Handoff(self.scheduler, pool, f"frugal-{uuid.uuid4().hex[:12]}",
-                                   mc.vocab_size, config)
+            from frugal.disagg.nixl_connector import NixlConnector
+            self.connector = NixlConnector(self.scheduler, pool,
+                                           f"frugal-{uuid.uuid4().hex[:12]}", mc.vocab_size,
+                                           self.eos_token_ids, config)
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -80,31 +82,16 @@ class LLMEngine:
         """Queue a prompt (text or token ids). Raises ValueError naming the bad field; on error
         nothing is queued and running requests are untouched. kv_transfer: vLLM's
         kv_transfer_params (a prefill for another worker, or a decode of another worker's
-        prefill; see disagg.handoff). cache_salt: prefix-cache pages are shared only between
+        prefill; see disagg.connector). cache_salt: prefix-cache pages are shared only between
         requests with the same salt (None among themselves)."""
         params = params or SamplingParams()
-        token_ids = self.tokenize(prompt)
-        vocab = self.model_config.vocab_size
-        bad = [t for t in params.stop_token_ids if not is_token_id(t, vocab)]
-        if bad:
-            raise ValueError(f"stop_token_ids: {bad[0]!r} is not a token id in [0, {vocab})")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(f"prompt: {len(token_ids)} tokens leave no room to generate within "
-                             f"max_model_len {self.max_model_len}")
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self._requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
-        max_total = self.max_model_len
-        if params.max_tokens is not None:
-            max_total = min(max_total, len(token_ids) + params.max_tokens)
-        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
-            raise ValueError(f"cache_salt: must be a non-empty string, got {cache_salt!r}")
-        request = Request(request_id, prompt if isinstance(prompt, str) else None, token_ids,
-                          params, max_total, cache_salt=cache_salt)
+        request = new_request(prompt, self.tokenize(prompt), params, request_id,
+                              self.max_model_len, self.model_config.vocab_size, cache_salt)
         if wants_transfer(kv_transfer):
-            if self.handoff is None:
-                raise ValueError("kv_transfer_params: this worker was started without --kv-role")
-            self.handoff.admit(request, kv_transfer)
+            self.connector.admit(request, kv_transfer)
         if params.seed is not None:
             request.generator = self.runner.sampler.make_generator(params.seed)
         self._requests[request_id] = request
@@ -134,8 +121,7 @@ class LLMEngine:
         self.runner.forget_unread()
         outputs = [self._end(r, FinishReason.ERROR, message)
                    for r in list(self._requests.values())]
-        if self.scheduler.cache is not None:  # what the forgotten steps were to write
-            self.scheduler.cache.clear()
+        self.scheduler.kv.clear_cache()  # (what the forgotten steps were to write)
         return outputs
 
     def check_integrity(self) -> bool:
@@ -157,35 +143,33 @@ class LLMEngine:
         do without tensor parallelism); never hangs, even on a broken group (see ranks.stop).
         leave=False: a step may still be running on another thread (it never returned): the
         ranks are killed (failing its collective) and the group is left to a later close()."""
-        workers = self._workers
+        processes = self._ranks
         if leave:
-            self._workers = []  # (lost_rank sees them no more: their exit is no news now)
-        if workers:
-            ranks.stop(self.runner.parallel, workers, leave)
+            self._ranks = []  # (lost_rank sees them no more: their exit is no news now)
+        if processes:
+            ranks.stop(self.runner.parallel, processes, leave)
 
     def lost_rank(self, error: BaseException | None = None) -> str | None:
         """Why the tensor-parallel group can run no more steps, or None (always None without
         tensor parallelism): a rank's process exited, or `error` (what a step raised) came from
         a collective (see ranks.lost). Cheap without error; safe from any thread."""
-        return ranks.lost(self._workers, error)
+        return ranks.lost(self._ranks, error)
+
+    def set_integrity(self, on: bool) -> None:
+        """Turn the per-step KV-cache integrity check on or off between steps (benchmarks
+        compare the two in one engine)."""
+        self.runner.set_integrity(on, self.scheduler.kv.tags())
+
+    @property
+    def holds_pages(self) -> bool:
+        """Pages are held for other workers (their reads need this side's polls)."""
+        return bool(self.scheduler.kv.held)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
     def stats(self) -> EngineStats:
-        scheduler, pool, h, cache = self.scheduler, self.runner.pool, self.handoff, \
-            self.scheduler.cache
-        return EngineStats(
-            len(scheduler.running), len(scheduler.waiting), pool.num_pages,
-            pool.num_pages - scheduler.num_free, pool.capacity_tokens,
-            self.runner.kv_capacity_ratio, pool.describe(), self.num_preemptions,
-            self.num_integrity_failures,
-            self.num_bookkeeping_errors + (cache.num_stale if cache else 0),
-            sum(len(t) for t, _ in scheduler.held.values()),
-            *((h.num_loads, h.num_load_failures, h.num_leases_expired, h.bytes_loaded)
-              if h else (0, 0, 0, 0)),
-            cache.num_cached if cache else 0, scheduler.num_cache_queries,
-            scheduler.num_cache_hits)
+        return snapshot(self)
 
     # -- stepping ---------------------------------------------------------------------------
 
@@ -195,8 +179,7 @@ class LLMEngine:
         try:
             return self._step()
         except BaseException:
-            if self.scheduler.cache is not None:
-                self.scheduler.cache.clear()
+            self.scheduler.kv.clear_cache()
             raise
 
     def _step(self) -> list[RequestOutput]:
@@ -214,7 +197,7 @@ class LLMEngine:
         if step is None:
             step = self._launch()
             if step is None:
-                if self.handoff is not None and self.handoff.busy and not loaded:
+                if self.connector.busy and not loaded:
                     time.sleep(0.0005)  # only reads in flight: do not spin
                 return loaded
         if self.overlap and self.runner.can_follow(step):
@@ -235,10 +218,15 @@ class LLMEngine:
         out = self.scheduler.schedule()
         self.num_preemptions += len(out.preempted)
         if out.loads:
-            self.handoff.start(out.loads)
-        if not out.requests:
+            self.connector.start_loads(out.loads)
+        if not out.requests:  # (pages may have changed hands: their tags go with a step)
+            self.scheduler.kv.return_tag_updates(out.tag_updates)
             return None
-        step = self.runner.launch(out, after)
+        try:
+            step = self.runner.launch(out, after)
+        except BaseException:
+            self.scheduler.kv.return_tag_updates(out.tag_updates)  # (the device never got them)
+            raise
         for request, n in zip(out.requests, out.num_new_tokens):
             request.num_computed_tokens += n
         for i in step.inputs.sampled:
@@ -283,27 +271,21 @@ class LLMEngine:
             return self._end(request, FinishReason.ERROR, f"engine error: {e}")
 
     def poll_transfers(self) -> list[RequestOutput]:
-        """Look at KV transfers (see disagg.handoff): frees pages other workers are done with;
-        a request whose KV arrived gets its first token (the prefill side's), one whose
-        transfer failed ends with an error. Call it even when idle (a prefill worker)."""
-        if self.handoff is None:
-            return []
-        loaded, failed = self.handoff.poll()
+        """Look at KV transfers (see disagg.connector): frees pages other workers are done
+        with; a request whose KV arrived runs from its prompt's end, with the other worker's
+        first token recorded where it stands; one whose transfer failed ends with an error.
+        Call it even when idle (a prefill worker's leases)."""
+        loaded, failed = self.connector.poll()
         outputs = [self._end(r, FinishReason.ERROR, e) for r, e in failed if not r.finished]
-        for request in loaded:
+        for load in loaded:
+            request = load.request
             if request.finished:
                 continue
-            load, p = request.kv_load, request.params
-            # The prefill side samples without min_tokens (vllm-router sends it 1) and its own
-            # noise: where that matters, the last prompt token is computed again here.
-            again = p.seed is not None or p.min_tokens > 0 and (
-                load.first_token in p.stop_token_ids
-                or not p.ignore_eos and load.first_token in self.eos_token_ids)
-            self.scheduler.loaded(request, request.num_prompt_tokens - again)
-            if not again:
-                outputs.append(self._record(request, load.first_token,
-                                            load.first_logprob if p.logprobs is not None
-                                            else None))
+            self.scheduler.loaded(request, load.num_computed_tokens)
+            if load.first is not None:
+                token, logprob = load.first
+                outputs.append(self._record(request, token, logprob
+                                            if request.params.logprobs is not None else None))
         return outputs
 
     def _end(self, request: Request, reason: FinishReason, error: str | None = None,
@@ -311,12 +293,7 @@ class LLMEngine:
         """Finish a request (pages freed; see Scheduler.finish), its last output; forget it.
         error: why, for reason 'error' (trusted False: its pages failed the integrity check)."""
         pages = [ref.page_id for ref in request.page_table]
-        hold = kv_params = None
-        if self.handoff is not None:
-            if request.kv_hold and reason in (FinishReason.STOP, FinishReason.LENGTH):
-                kv_params, hold = self.handoff.hold(request)
-            else:
-                hold = self.handoff.ended(request)
+        kv_params, hold = self.connector.request_finished(request, reason)
         problem = self.scheduler.finish(request, reason, trusted, hold)
         request.error = error
         if problem is not None and trusted:  # freeing found what no check had caught

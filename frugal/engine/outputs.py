@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from frugal.engine.detokenizer import IncrementalDetokenizer
-from frugal.request import CompletionOutput, FinishReason, Request, RequestOutput
+from frugal.request import CompletionOutput, FinishReason, Request, RequestOutput, SamplingParams
 from frugal.tokenizer import Tokenizer
 
 
@@ -33,6 +33,25 @@ def prompt_token_ids(prompt: str | list[int], tokenizer: Tokenizer | None,
         if not is_token_id(t, vocab_size):
             raise ValueError(f"prompt: token id {t!r} is not in [0, {vocab_size})")
     return list(prompt)
+
+
+def new_request(prompt: str | list[int], token_ids: list[int], params: SamplingParams,
+                request_id: str, max_model_len: int, vocab_size: int,
+                cache_salt: str | None) -> Request:
+    """A request of validated prompt token_ids; ValueError naming what else is wrong."""
+    bad = [t for t in params.stop_token_ids if not is_token_id(t, vocab_size)]
+    if bad:
+        raise ValueError(f"stop_token_ids: {bad[0]!r} is not a token id in [0, {vocab_size})")
+    if len(token_ids) >= max_model_len:
+        raise ValueError(f"prompt: {len(token_ids)} tokens leave no room to generate within "
+                         f"max_model_len {max_model_len}")
+    max_total = max_model_len
+    if params.max_tokens is not None:
+        max_total = min(max_total, len(token_ids) + params.max_tokens)
+    if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+        raise ValueError(f"cache_salt: must be a non-empty string, got {cache_salt!r}")
+    return Request(request_id, prompt if isinstance(prompt, str) else None, token_ids, params,
+                   max_total, cache_salt=cache_salt)
 
 
 def check_stop(request: Request, token: int, detok: IncrementalDetokenizer | None,

@@ -1,6 +1,7 @@
 """The Llama family in one file, via flags: Llama 2/3, SmolLM2, Mistral, Qwen2 and Qwen3 dense,
 with mixture-of-experts layers (layers.moe) Qwen3-MoE and GLM-4.5, and with latent attention
-(layers.mla) DeepSeek-V2/V3 and Kimi K2, and with sparse attention over it (layers.dsa) GLM-5.
+DeepSeek-V2/V3 and Kimi K2, and with sparse attention over it GLM-5: the attention of each
+decoder layer comes from the config's backend (layers.attention: mha, mla or dsa).
 
 Parameter names follow HF transformers so checkpoints load as they are; q/k/v and gate/up are fused
 into one matmul each and filled shard by shard (packed_modules), per-expert tensors into their
@@ -18,10 +19,9 @@ import torch
 from torch import nn
 
 from frugal.config import ModelConfig
-from frugal.layers.attention import Attention, AttentionMetadata
+from frugal.layers.attention import AttentionMetadata, backend_for
 from frugal.layers.embedding import VocabEmbedding
-from frugal.layers.linear import Linear, MergedLinear, load_whole
-from frugal.layers.mla import MlaAttention
+from frugal.layers.linear import Linear, load_whole
 from frugal.layers.mlp import GatedMLP
 from frugal.layers.moe import MoE
 from frugal.layers.norm import RMSNorm
@@ -31,51 +31,13 @@ from frugal.quant.fp8 import Fp8Weight
 from frugal.quant.int4 import Int4Weight
 
 
-class LlamaAttention(nn.Module):
-    """Under tensor parallelism a rank holds a share of the KV heads with their query groups."""
-
-    def __init__(self, c: ModelConfig, rotary: RotaryEmbedding,
-                 parallel: Parallel = SINGLE) -> None:
-        super().__init__()
-        group, d = c.num_heads // c.num_kv_heads, c.head_dim
-        kv_start, kv_heads = parallel.part(c.num_kv_heads)
-        if kv_heads == 0:
-            raise ValueError(f"tensor_parallel_size: {parallel.size} ranks for "
-                             f"{c.num_kv_heads} KV heads")
-        self.num_heads, self.num_kv_heads, self.head_dim = kv_heads * group, kv_heads, d
-        q_size, kv_size = self.num_heads * d, kv_heads * d
-        q_rows, kv_rows = (kv_start * group * d, q_size), (kv_start * d, kv_size)
-        split = parallel.size > 1
-        self.qkv_proj = MergedLinear(c.hidden_size, [q_size, kv_size, kv_size], ["q", "k", "v"],
-                                     bias=c.qkv_bias,
-                                     shard_rows=[q_rows, kv_rows, kv_rows] if split else None)
-        self.o_proj = Linear(q_size, c.hidden_size, bias=c.o_bias, cols=q_rows if split else None,
-                             reduce=parallel)
-        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
-        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
-        self.attn = Attention(c.num_heads, c.num_kv_heads, c.head_dim, rotary)
-
-    def forward(self, h: torch.Tensor, norm: RMSNorm, positions: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """h: [num_tokens, hidden], the residual stream -> h + attention(norm(h))."""
-        q, k, v = self.qkv_proj.split(self.qkv_proj(h, norm=norm))
-        q = q.reshape(-1, self.num_heads, self.head_dim)
-        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
-        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        o = self.attn(q, k, v, positions, meta)
-        return self.o_proj(o.reshape(-1, self.num_heads * self.head_dim), residual=h)
-
-
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, c: ModelConfig, rotary: RotaryEmbedding, index: int,
                  parallel: Parallel = SINGLE) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        full = c.dsa is not None and index in c.dsa.full_layers
-        self.self_attn = (MlaAttention(c, rotary, full, parallel) if c.mla is not None
-                          else LlamaAttention(c, rotary, parallel))
+        # mha, mla or dsa (layers.attention): every kind takes and returns the DSA selection
+        self.self_attn = backend_for(c).layer(c, rotary, index, parallel)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = (MoE(c, parallel) if c.moe is not None and index in c.moe.layers
                     else GatedMLP(c.hidden_size, c.intermediate_size, parallel))
@@ -83,12 +45,10 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 selection: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """h: [num_tokens, hidden], the residual stream, in and out, with the sparse-attention
-        selection handed from layer to layer (layers.mla; None without DSA). Each norm is fused
-        into the matmul after it and each residual add into the matmul before it (ops.linear)."""
-        if isinstance(self.self_attn, MlaAttention):
-            h, selection = self.self_attn(h, self.input_layernorm, positions, meta, selection)
-        else:
-            h = self.self_attn(h, self.input_layernorm, positions, meta)
+        selection handed from layer to layer (layers.attention.mla; None without DSA). Each norm
+        is fused into the matmul after it and each residual add into the matmul before it
+        (ops.linear)."""
+        h, selection = self.self_attn(h, self.input_layernorm, positions, meta, selection)
         if isinstance(self.mlp, MoE):
             return self.mlp(h, self.post_attention_layernorm), selection
         return self.mlp(h, self.post_attention_layernorm, residual=h), selection
@@ -156,8 +116,9 @@ class LlamaForCausalLM(nn.Module):
             logits = self.parallel.all_gather(logits, self.parallel.parts(self.config.vocab_size))
         return logits.float() if upcast else logits
 
-    def attention_layers(self) -> list[Attention | MlaAttention]:
-        """The modules the model runner binds each layer's cache to."""
+    def attention_layers(self) -> list[nn.Module]:
+        """The modules the model runner binds each layer's cache to (k_cache, v_cache,
+        kv_scales): each layer's attention or its `attn` (layers.attention.base)."""
         return [getattr(layer.self_attn, "attn", layer.self_attn) for layer in self.model.layers]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],

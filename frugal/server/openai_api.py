@@ -23,6 +23,7 @@ from starlette.requests import Request as HTTPRequest
 from frugal.engine.async_engine import AsyncEngine
 from frugal.metrics import Metrics
 from frugal.server.gate import Gate
+from frugal.server.jobs import Jobs, encode_chat
 from frugal.server.protocol import (
     ERROR_RESPONSES,
     APIError,
@@ -32,7 +33,7 @@ from frugal.server.protocol import (
     TokenizeRequest,
     conversation,
 )
-from frugal.server.serving import Serving, encode_chat
+from frugal.server.serving import Serving
 from frugal.server.side_channel import (
     AUTH_HEADER,
     HANDSHAKE_PATH,
@@ -56,12 +57,13 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     reads them; max_queued_requests: requests beyond that many accepted and not yet running get
     a 429. kv_peers: the only (host, port)s of workers this one exchanges KV pages with
     (prefill/decode disaggregation; see side_channel), None for any holding the secret."""
-    serving = Serving(engine, model_name)
-    handoff = engine.engine.handoff
-    signer = handoff.signer if handoff is not None else None
+    jobs, serving = Jobs(engine), Serving(engine)
+    connector = engine.connector
+    kv_role = connector.role is not None  # (a worker of prefill/decode disaggregation)
+    signer = connector.signer if kv_role else None
     peers = Peers(signer, kv_peers) if signer is not None else None
     addresses = peer_addresses(kv_peers)
-    tokenizer = engine.engine.tokenizer
+    tokenizer, max_model_len = engine.tokenizer, engine.max_model_len
     created = int(time.time())
 
     @asynccontextmanager
@@ -117,7 +119,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         check_model(req.model)
         job = await run_in_threadpool(build, req)
         if job.kv_transfer is not None:
-            if engine.engine.handoff is None:
+            if not kv_role:
                 raise APIError("kv_transfer_params: this worker was started without --kv-role",
                                "kv_transfer_params")
             job.kv_transfer = await peers.attach(job.kv_transfer)
@@ -137,16 +139,16 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
 
     @app.post("/v1/completions", responses=_STREAMED)
     async def completions(req: CompletionRequest, http: HTTPRequest):
-        return await run(serving.completion_job, req, http)
+        return await run(jobs.completion, req, http)
 
     @app.post("/v1/chat/completions", responses=_STREAMED)
     async def chat_completions(req: ChatCompletionRequest, http: HTTPRequest):
-        return await run(serving.chat_job, req, http)
+        return await run(jobs.chat, req, http)
 
     @app.get("/v1/models")
     async def models():
         card = {"id": model_name, "object": "model", "created": created, "owned_by": "frugal",
-                "max_model_len": serving.max_model_len, **engine.engine.stats().kv_cache}
+                "max_model_len": max_model_len, **engine.stats().kv_cache}
         return {"object": "list", "data": [card]}
 
     @app.get("/health")
@@ -158,13 +160,13 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
 
     @app.get(HANDSHAKE_PATH, include_in_schema=False)
     async def kv_handshake(http: HTTPRequest):
-        if handoff is None:
+        if not kv_role:
             raise APIError("this worker was started without --kv-role", status=404)
         if not may_handshake(signer, addresses, http.headers.get(AUTH_HEADER),
                              http.client.host if http.client else None):
             raise APIError("the KV side channel answers only workers of this deployment "
                            "(--kv-secret, --kv-peers)", status=401, code="invalid_kv_secret")
-        return handoff.metadata
+        return connector.metadata
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus():
@@ -185,24 +187,23 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
 
     def tokenize_answer(req: TokenizeRequest) -> bytes:
         """(a pool thread) More tokens than the context holds are a 400, as for a prompt."""
-        limit = serving.max_model_len
         if req.messages is not None:
-            ids = encode_chat(tokenizer, conversation(req.messages), max_tokens=limit)
+            ids = encode_chat(tokenizer, conversation(req.messages), max_tokens=max_model_len)
         else:
             try:
-                ids = tokenizer.encode(req.prompt, req.add_special_tokens, max_tokens=limit)
+                ids = tokenizer.encode(req.prompt, req.add_special_tokens, max_tokens=max_model_len)
             except ValueError as e:
                 raise APIError.from_value_error(e) from e
         return (f'{{"tokens":{json_ids(ids)},"count":{len(ids)},'
-                f'"max_model_len":{serving.max_model_len}}}').encode()
+                f'"max_model_len":{max_model_len}}}').encode()
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):
         if tokenizer is None:
             raise APIError("this model has no tokenizer", status=404)
-        if len(req.tokens) > serving.max_model_len:
+        if len(req.tokens) > max_model_len:
             raise APIError(f"tokens: {len(req.tokens)} ids, more than this model's maximum "
-                           f"context length of {serving.max_model_len} tokens", "tokens",
+                           f"context length of {max_model_len} tokens", "tokens",
                            code="context_length_exceeded")
         return await run_in_threadpool(detokenize_answer, req.tokens)
 
@@ -221,7 +222,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                 "bos_token": text(tokenizer.bos_token_id) if tokenizer.bos_token_id is not None
                 else None,
                 "pad_token": None, "chat_template": tokenizer.chat_template,
-                "model_max_length": serving.max_model_len}
+                "model_max_length": max_model_len}
 
     def openapi() -> dict:
         """FastAPI's schema, which also says the one model name this server takes."""

@@ -1,8 +1,8 @@
 """OpenAI request bodies (pydantic) and their translation into SamplingParams.
 
-Types are checked by pydantic; ranges by SamplingParams. Fields OpenAI clients send that frugal
-does not implement are accepted when left at their neutral value and refused otherwise, so a
-request never silently means something else.
+Types are checked by pydantic (the field types: see fields); ranges by SamplingParams. Fields
+OpenAI clients send that frugal does not implement are accepted when left at their neutral value
+and refused otherwise, so a request never silently means something else.
 """
 
 from __future__ import annotations
@@ -10,80 +10,20 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, Literal
 
-from pydantic import (
-    AfterValidator,
-    BaseModel,
-    BeforeValidator,
-    ConfigDict,
-    Discriminator,
-    Field,
-    Tag,
-)
-from pydantic_core import PydanticCustomError
+from pydantic import BaseModel, ConfigDict, Field
 
 from frugal.disagg import wants_transfer
 from frugal.request import SamplingParams
+from frugal.server.fields import Prompt, Text, TokenIds, at_most
 from frugal.tokenizer import TooManyTokens, lone_surrogate
 
 MAX_N = 64
-MAX_PROMPTS = 1024  # prompts in one /v1/completions request
 MAX_STOP = 16  # stop strings in one request
 # Characters in all of a request's stop strings: every step of the request looks for each of them
 # in its recent text (engine.detokenizer), and 16 stop strings of 1 MB made other requests 1.9x
 # slower.
 MAX_STOP_CHARS = 4096
 
-
-def _valid_unicode(text: str) -> str:
-    at = lone_surrogate(text)
-    if at is not None:
-        raise PydanticCustomError(
-            "invalid_unicode", "not valid Unicode (a lone surrogate at character {at})",
-            {"at": at})
-    return text
-
-
-Text = Annotated[str, AfterValidator(_valid_unicode)]  # every string a client sends
-
-
-def at_most(limit: int) -> BeforeValidator:
-    """Refuses a list longer than `limit` before its items are validated. Field(max_length=...)
-    alone counts only after validating every item, on the event loop: seconds for a body of
-    millions of items (it stays beside this one for the schema)."""
-
-    def check(value: Any) -> Any:
-        if isinstance(value, list) and len(value) > limit:
-            raise PydanticCustomError("too_long", "at most {limit} items, got {n}",
-                                      {"limit": limit, "n": len(value)})
-        return value
-
-    return BeforeValidator(check)
-
-
-def _prompt_form(value: Any) -> str | None:
-    """Which form of prompt `value` is, from its first item, so that only that form is validated
-    (a union tries every form: 7 s for a list of 8 M token ids)."""
-    if isinstance(value, str):
-        return "str"
-    if not isinstance(value, list):
-        return None
-    if not value or isinstance(value[0], str):
-        return "list[str]"
-    return "list[list[int]]" if isinstance(value[0], list) else "list[int]"
-
-
-# Token ids: the first wrong item ends validation. Their length is checked against the model's
-# max_model_len where that is known (Serving, the tokenizer routes), in the thread pool.
-TokenIds = Annotated[list[int], Field(fail_fast=True)]
-Prompt = Annotated[
-    Annotated[Text, Tag("str")]
-    | Annotated[list[Text], Field(max_length=MAX_PROMPTS), at_most(MAX_PROMPTS), Tag("list[str]")]
-    | Annotated[TokenIds, Tag("list[int]")]
-    | Annotated[list[TokenIds], Field(max_length=MAX_PROMPTS), at_most(MAX_PROMPTS),
-                Tag("list[list[int]]")],
-    Discriminator(_prompt_form, custom_error_type="prompt_type",
-                  custom_error_message="must be a string, a list of strings, a list of token "
-                                       "ids or a list of lists of token ids")]
 
 # Unknown fields are ignored (clients send many); known ones take their own JSON type only
 # (no "1" for 1, no false for 0), so a request never quietly means something else.
@@ -275,7 +215,6 @@ class ChatCompletionRequest(_Common):
             raise APIError("response_format: only 'text' is supported", "response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError("top_logprobs: needs logprobs=true", "top_logprobs")
-
 
 
 def conversation(messages: list[ChatMessage]) -> list[dict[str, str]]:

@@ -24,7 +24,7 @@ from frugal.core.page_table import PageTable
 from frugal.core.scheduler import SchedulerOutput
 from frugal.ops.torch_ref.attention import FP8_MAX
 from frugal.request import Request, SamplingParams
-from frugal.worker.kv_pool import KVPool
+from frugal.worker.kv_spec import KVSpec
 
 if TYPE_CHECKING:
     from frugal.worker.model_runner import ModelRunner
@@ -139,19 +139,19 @@ def calibration_prompts(runner: ModelRunner, tokenizer, path: str | None
 
 
 @torch.inference_mode()
-def calibrate(runner: ModelRunner, prompts: list[list[int]], generate: int,
+def calibrate(runner: ModelRunner, spec: KVSpec, prompts: list[list[int]], generate: int,
               what: str) -> KVScales:
     """Run prompts (then `generate` greedy tokens each) through the runner's model into a
-    zeroed cache of its activation dtype; scales = per-head amax / 448. The runner's own pool,
-    if any, is bound again afterwards; its CUDA graphs are not used meanwhile."""
-    mc, page_size = runner.model_config, runner.config.cache.page_size
+    zeroed cache of spec in its activation dtype; scales = per-head amax / 448. The runner
+    must have no pool bound yet (a worker calibrates before it sizes its pool) and no graphs;
+    it has none afterwards either."""
+    mc, page_size = runner.model_config, spec.page_size
+    if runner.pool is not None or runner.graphs is not None:
+        raise RuntimeError("kv_scales.calibrate: the runner is already bound to a pool")
     lengths = [len(p) + generate for p in prompts]
     pages = [-(-n // page_size) for n in lengths]
-    pool = KVPool(mc.num_layers, sum(pages), page_size, mc.num_kv_heads, mc.head_dim,
-                  runner.dtype, runner.device)
-    saved_pool, saved_graphs = getattr(runner, "pool", None), runner.graphs
-    runner.pool, runner.graphs = pool, None
-    runner.bind_cache(pool)
+    pool = spec.unquantized(mc, runner.dtype).pool(sum(pages), runner.device)
+    runner.bind(pool)
     try:
         requests, first = [], 0
         params = SamplingParams(max_tokens=generate, temperature=0.0, ignore_eos=True)
@@ -171,9 +171,7 @@ def calibrate(runner: ModelRunner, prompts: list[list[int]], generate: int,
         amax = torch.stack([torch.stack([x.abs().amax(dim=(0, 1, 3)) for x in kv])
                             for kv in parts]).float().cpu()
     finally:
-        runner.pool, runner.graphs = saved_pool, saved_graphs
-        if saved_pool is not None:
-            runner.bind_cache(saved_pool)
+        runner.bind(None)
         del pool
         if runner.device.startswith("cuda"):
             torch.cuda.empty_cache()  # the pool sizing that follows counts cached blocks as used
@@ -189,7 +187,7 @@ def _step(runner: ModelRunner, requests: list[Request], num_new: list[int]) -> N
         request.output_token_ids.append(token)
 
 
-def resolve(runner: ModelRunner, found: dict[tuple[int, str], torch.Tensor],
+def resolve(runner: ModelRunner, spec: KVSpec, found: dict[tuple[int, str], torch.Tensor],
             tokenizer) -> KVScales:
     """The FP8 KV scales to use (see the module docstring for the order)."""
     cache = runner.config.cache
@@ -197,8 +195,8 @@ def resolve(runner: ModelRunner, found: dict[tuple[int, str], torch.Tensor],
     if scales is None and cache.kv_scales_path:
         scales = load(cache.kv_scales_path, runner.model_config)
     if scales is None:
-        scales = calibrate(runner, *calibration_prompts(runner, tokenizer,
-                                                         cache.calibration_file))
+        scales = calibrate(runner, spec, *calibration_prompts(runner, tokenizer,
+                                                               cache.calibration_file))
         scales.source = "start-up: " + scales.source
     logger.info("FP8 KV scales: %s", scales.describe())
     return scales

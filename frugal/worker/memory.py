@@ -13,17 +13,17 @@ import torch
 from frugal import ops
 from frugal.config import EngineConfig, available_memory_bytes
 from frugal.layers.attention import AttentionMetadata
-from frugal.worker.kv_pool import KVPool
+from frugal.worker.kv_spec import KVSpec
+from frugal.worker.step import LOGITS_ROWS
 
 if TYPE_CHECKING:
     from frugal.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("frugal")
-LOGITS_ROWS = 256  # prompt positions scored per LM-head call (bounds [rows, vocab] memory)
 
 
-def kv_budget(runner: ModelRunner, config: EngineConfig) -> int:
-    """Bytes for the KV pool (see CacheConfig)."""
+def kv_budget(runner: ModelRunner, spec: KVSpec, config: EngineConfig, graphs: bool) -> int:
+    """Bytes for the KV pool (see CacheConfig); graphs: decode graphs will be captured."""
     budget = config.cache.kv_cache_memory
     if isinstance(budget, float):
         return int(budget * available_memory_bytes(runner.device))
@@ -31,18 +31,19 @@ def kv_budget(runner: ModelRunner, config: EngineConfig) -> int:
         return budget
     if not runner.device.startswith("cuda"):
         return 2 * 2**30
-    activations = profile_step(runner, config)
+    activations = profile_step(runner, spec, config)
     free, total = torch.cuda.mem_get_info(torch.device(runner.device))
-    graphs = 0
-    if runner.use_graphs:  # their static logits, plus a margin for the captured activations
+    graph_bytes = 0
+    if graphs:  # their static logits, plus a margin for the captured activations
         itemsize = torch.empty((), dtype=runner.dtype).element_size()
-        graphs = config.cuda_graph_max_bs * runner.model_config.vocab_size * itemsize + 2**29
+        graph_bytes = (config.cuda_graph_max_bs * runner.model_config.vocab_size * itemsize
+                       + 2**29)
     budget = int(config.cache.gpu_memory_utilization * total) - (total - free)
-    budget -= activations + graphs
+    budget -= activations + graph_bytes
     logger.info("GPU memory: %.1f GiB total, %.1f GiB in use (weights), %.2f GiB peak "
                 "activations, %.2f GiB for graphs -> %.1f GiB for the KV cache at "
                 "gpu_memory_utilization %.2f", total / 2**30, (total - free) / 2**30,
-                activations / 2**30, graphs / 2**30, budget / 2**30,
+                activations / 2**30, graph_bytes / 2**30, budget / 2**30,
                 config.cache.gpu_memory_utilization)
     if budget <= 0:
         raise ValueError("gpu_memory_utilization: "
@@ -52,15 +53,13 @@ def kv_budget(runner: ModelRunner, config: EngineConfig) -> int:
 
 
 @torch.inference_mode()
-def profile_step(runner: ModelRunner, config: EngineConfig) -> int:
+def profile_step(runner: ModelRunner, spec: KVSpec, config: EngineConfig) -> int:
     """Peak activation bytes of the largest step: max_num_batched_tokens new tokens of one
-    request, and logits for max_num_seqs rows. Runs against a one-page scratch cache with
-    every store skipped."""
+    request, and logits for max_num_seqs rows. Runs against a one-page scratch cache (spec in
+    the activation dtype) with every store skipped."""
     mc, tokens = runner.model_config, config.scheduler.max_num_batched_tokens
     page_size = config.cache.page_size
-    scratch = KVPool(mc.num_layers, 1, page_size, mc.num_kv_heads, mc.head_dim, runner.dtype,
-                     runner.device, mc.kv_parts)
-    runner.bind_cache(scratch)
+    runner.bind(spec.unquantized(mc, runner.dtype).pool(1, runner.device))
     device = torch.device(runner.device)
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
@@ -81,7 +80,8 @@ def profile_step(runner: ModelRunner, config: EngineConfig) -> int:
             runner.compute_logits(hidden[:rows]).log_softmax(dim=-1)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - base
-    del scratch, hidden, meta
+    runner.bind(None)
+    del hidden, meta
     torch.cuda.empty_cache()
     return peak
 

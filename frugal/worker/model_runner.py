@@ -1,176 +1,92 @@
-"""Builds the model and its KV pool, turns a scheduled step into tensors, runs it, samples."""
+"""Runs steps on one device: a scheduled step into tensors, the model, sampling, the results.
+
+Built by worker.Worker over its model, with a KV pool bound (bind) and, where allowed, decode
+graphs captured (enable_graphs). Knows nothing of which page holds what: a step's page tables
+and tag changes come with it (core.scheduler.SchedulerOutput).
+"""
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import logging
-import time
+from types import ModuleType
 
 import torch
 
 from frugal import ops
-from frugal.config import KV_DTYPES, EngineConfig
-from frugal.core.page_allocator import PageAllocator
+from frugal.config import EngineConfig
 from frugal.core.scheduler import SchedulerOutput
 from frugal.layers.attention import AttentionMetadata
-from frugal.layers.linear import quantize_layers
-from frugal.layers.moe import quantize_moe
-from frugal.loader import Checkpoint
-from frugal.models.registry import model_class
 from frugal.parallel import SINGLE, Parallel
-from frugal.quant.experts import Fp8Experts
-from frugal.quant.fp8 import Fp8Weight
-from frugal.worker import kv_scales
 from frugal.worker.cuda_graph import DecodeGraphs
 from frugal.worker.kv_pool import KVPool
-from frugal.worker.memory import kv_budget, warm_up
-from frugal.worker.ranks import to_device
 from frugal.worker.sampler import Sampler, token_logprobs
 from frugal.worker.step import Launched, StepResult, failures, score_prompt, scores_prompt
 from frugal.worker.step_inputs import Pending, StepInputs, prepare
 
-logger = logging.getLogger("frugal")
 
-
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype):
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
+def to_device(x, device: str):
+    """Tensors (in tuples and AttentionMetadata) moved to device ("cpu" for a broadcast)."""
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
+    if isinstance(x, tuple):
+        return tuple(to_device(v, device) for v in x)
+    if isinstance(x, AttentionMetadata):
+        return AttentionMetadata(**{k: to_device(v, device) for k, v in vars(x).items()})
+    return x
 
 
 class ModelRunner:
-    """Owns the model, the KV pool and the sampler on one device.
+    """The model, the bound KV pool and the sampler on one device.
 
     parallel: this process's rank under tensor parallelism. Rank 0's runner is the engine's:
-    once built, before each model call it broadcasts the call to the other ranks' runners
-    (engine.worker), which make it too, so the collectives inside the model meet. While being
-    built, every rank makes the same calls (memory profile, warm-up) on its own."""
+    once built (leads), before each model call it broadcasts the call to the other ranks'
+    runners (worker.ranks), which make it too, so the collectives inside the model meet. While
+    being built, every rank makes the same calls (memory profile, warm-up) on its own."""
 
-    def __init__(self, config: EngineConfig, checkpoint: Checkpoint,
-                 parallel: Parallel = SINGLE) -> None:
-        self.config = config
+    def __init__(self, config: EngineConfig, model: torch.nn.Module, backend: ModuleType,
+                 sampler: Sampler, parallel: Parallel = SINGLE) -> None:
+        self.config, self.model, self.backend, self.sampler = config, model, backend, sampler
         self.parallel = parallel
         self.leads = False  # rank 0, built: its model calls are broadcast first
         self.device = config.resolved_device()
-        self.model_config = mc = checkpoint.config
-        self.dtype = config.resolved_dtype(mc)
-        self.backend = ops.load(config.resolved_ops_backend())
-        if self.device.startswith("cuda"):
-            # cuBLASLt picks faster kernels for the decode GEMMs at batch 64 (6.18 -> 6.00 ms
-            # per step for Llama-3.1-8B on the H200) and the same at batch 1
-            torch.backends.cuda.preferred_blas_library("cublaslt")
-        start = time.perf_counter()
-        with _default_dtype(self.dtype), torch.device(self.device):
-            self.model = model_class(mc)(mc, parallel)
-        checkpoint.load_into(self.model)
-        if config.quantization != "none":
-            quantize_layers(self.model, config.quantization)
-            quantize_moe(self.model, config.quantization)
-        kinds = set()  # the quantized weights loaded (from the checkpoint or quantized here)
-        for module in self.model.modules():  # into the layout the backend's kernels read
-            if getattr(module, "qweight", None) is not None:
-                kinds.add("fp8" if isinstance(module.qweight, Fp8Weight) else "int4")
-                module.qweight = self.backend.pack_weight(module.qweight, self.dtype)
-            if getattr(module, "qgate_up", None) is not None:  # routed experts (layers.moe)
-                kinds.add("fp8" if isinstance(module.qgate_up, Fp8Experts) else "int4")
-        self.weights_quantization = "+".join(sorted(kinds)) or "none"
-        triton_ops = self.backend.__name__.endswith("triton")
-        if triton_ops:  # see ops.triton.launch
-            from frugal.ops.triton.launch import set_default
-            set_default("wait" if kinds else "trigger")
-        logger.info("loaded %s (%s, %d layers) in %.1f s as %s on %s, %s ops", mc.architecture,
-                    type(checkpoint).__name__, mc.num_layers, time.perf_counter() - start,
-                    str(self.dtype).removeprefix("torch."), self.device,
-                    self.backend.__name__.rsplit(".", 1)[-1])
-        tokenizer = checkpoint.tokenizer
-        eos = tokenizer.eos_token_ids if tokenizer is not None else list(mc.eos_token_ids)
-        argmax = None
-        if triton_ops and self.device.startswith("cuda"):
-            from frugal.ops.triton.sampling import argmax
-        self.sampler = Sampler(self.device, config.seed, eos, argmax)
+        self.model_config = model.config
+        self.dtype = config.resolved_dtype(self.model_config)
+        self.pool: KVPool | None = None
         self.graphs: DecodeGraphs | None = None
-        self.integrity = False  # (the FP8 calibration below runs steps unchecked)
-        self._unread: list[Launched] = []  # steps that sampled nothing, status not yet read
-        cache = config.cache
-        kv_dtype = self.dtype if cache.kv_cache_dtype == "auto" else KV_DTYPES[cache.kv_cache_dtype]
-        scales = None
-        if cache.fp8 and parallel.size > 1:
-            raise ValueError("kv_cache_dtype: an FP8 cache is not split across ranks yet "
-                             "(tensor_parallel_size > 1)")
-        if cache.fp8:
-            scales = kv_scales.resolve(self, getattr(self.model, "kv_scales_found", {}),
-                                       tokenizer)
-        width = mc.cache_width(cache.fp8)
-        # this rank's KV heads (LlamaAttention); MLA's latent is replicated (layers.mla)
-        kv_heads = mc.num_kv_heads if mc.mla is not None else parallel.part(mc.num_kv_heads)[1]
-        page_bytes = KVPool.page_bytes(mc.num_layers, cache.page_size, kv_heads, width,
-                                       kv_dtype, mc.kv_parts)
-        # (MLA attention runs PyTorch ops with host-side shapes: no graphs for it yet)
-        self.use_graphs = (self.device.startswith("cuda") and not config.enforce_eager
-                           and triton_ops and mc.mla is None and parallel.size == 1)
-        budget = kv_budget(self, config)
-        num_pages = budget // page_bytes
-        num_pages = parallel.fewest(num_pages, self.device)  # (the same pages on every rank)
-        if num_pages < 1:
-            raise ValueError(f"kv_cache_memory: {budget} bytes is less than one page "
-                             f"({page_bytes} bytes)")
-        self.pool = KVPool(mc.num_layers, num_pages, cache.page_size, kv_heads, width,
-                           kv_dtype, self.device, mc.kv_parts)
-        self.allocator = PageAllocator(num_pages)
-        if scales is not None:
-            self.pool.scales = scales.values.to(self.device)
-            self.pool.scales_source = scales.source
-        self.bind_cache(self.pool)
-        if self.device.startswith("cuda"):
-            warm_up(self)
-        # tokens per byte against a cache in the activation dtype (FP8 under bf16: 2.0)
-        self.kv_capacity_ratio = KVPool.page_bytes(mc.num_layers, cache.page_size,
-                                                   kv_heads, mc.head_dim,
-                                                   self.dtype, mc.kv_parts) / page_bytes
-        logger.info("KV cache: %d pages x %d tokens = %d tokens (%.2f GiB, %s: %.2fx the tokens "
-                    "of %s)", num_pages, cache.page_size, self.pool.capacity_tokens,
-                    self.pool.num_bytes / 2**30, str(kv_dtype).removeprefix("torch."),
-                    self.kv_capacity_ratio, str(self.dtype).removeprefix("torch."))
-        self.max_model_len = min(config.scheduler.max_model_len or mc.max_position_embeddings,
-                                 mc.max_position_embeddings, self.pool.capacity_tokens)
+        self.integrity = False  # (FP8 calibration runs steps unchecked)
         self._graph_sets: dict[bool, DecodeGraphs] = {}
-        self.set_integrity(cache.kv_integrity)
-        self.leads = parallel.size > 1 and parallel.rank == 0
+        self._graph_args: tuple | None = None  # (max_bs, max_model_len) with graphs on
+        self._unread: list[Launched] = []  # steps that sampled nothing, status not yet read
 
-    def kv_key(self) -> str:
-        """What makes the KV of the same tokens differ between engines (the root of the prefix
-        cache's hashes): checkpoint, weights variant, layers, dtypes, FP8 KV scales."""
-        c, pool = self.config, self.pool
-        scales = "" if pool.scales is None else hashlib.sha256(
-            pool.scales.float().cpu().numpy().tobytes()).hexdigest()
-        return "|".join(map(str, (c.model, c.load_format, c.seed, self.weights_quantization,
-                                  c.num_layers, self.dtype, pool.dtype, scales)))
-
-    def set_integrity(self, on: bool) -> None:
-        """Turn the integrity check on or off between steps (benchmarks compare the two in one
-        process). Each mode has its own decode graphs, captured on first use."""
-        if on and not self.integrity:  # the device tags went stale while off
-            self.allocator.take_tag_updates()
-            self.pool.tags.copy_(torch.tensor(self.allocator.tags, dtype=torch.int32))
-        self.integrity = on
-        if self.use_graphs:
-            if on not in self._graph_sets:
-                c = self.config
-                self._graph_sets[on] = DecodeGraphs(
-                    self.model, self.backend, min(c.cuda_graph_max_bs, c.scheduler.max_num_seqs),
-                    self.max_model_len, c.cache.page_size, self.model_config.vocab_size,
-                    self.dtype, self.device, self.pool.tags if on else None)
-            self.graphs = self._graph_sets[on]
-
-    def bind_cache(self, pool: KVPool) -> None:
+    def bind(self, pool: KVPool | None) -> None:
+        """Run against pool (None: none; the model's attention layers point at its pages)."""
+        self.pool = pool
         for i, attn in enumerate(self.model.attention_layers()):
-            attn.k_cache, attn.v_cache = pool.k[i], pool.v[i]
-            attn.kv_scales = None if pool.scales is None else pool.scales[i]
+            attn.k_cache = None if pool is None else pool.k[i]
+            attn.v_cache = None if pool is None else pool.v[i]
+            attn.kv_scales = None if pool is None or pool.scales is None else pool.scales[i]
+
+    def enable_graphs(self, on: bool, max_bs: int, max_model_len: int) -> None:
+        """Decode steps of up to max_bs requests from CUDA graphs (captured now, for the
+        integrity setting in force; the other setting's on first use). Call once, bound."""
+        self._graph_args = (max_bs, max_model_len) if on else None
+        self.set_integrity(self.config.cache.kv_integrity)
+
+    def set_integrity(self, on: bool, tags: list[int] | None = None) -> None:
+        """Turn the integrity check on or off between steps (benchmarks compare the two in one
+        process); tags: every page's current tag, when turning it on again (the device's copy
+        went stale while it was off: core.kv_cache_manager.tags). Each mode has its own decode
+        graphs, captured on first use."""
+        if on and not self.integrity and tags is not None:
+            self.pool.tags.copy_(torch.tensor(tags, dtype=torch.int32))
+        self.integrity = on
+        if self._graph_args is not None:
+            if on not in self._graph_sets:
+                max_bs, max_model_len = self._graph_args
+                self._graph_sets[on] = DecodeGraphs(
+                    self.model, self.backend, max_bs, max_model_len, self.pool.page_size,
+                    self.model_config.vocab_size, self.dtype, self.device,
+                    self.pool.tags if on else None)
+            self.graphs = self._graph_sets[on]
 
     def prepare(self, out: SchedulerOutput) -> StepInputs:
         return prepare(out, self.pool.page_size, self.device)
@@ -213,14 +129,9 @@ class ModelRunner:
         if after is not None and after.inputs.sampled:
             pending = Pending(after.tokens, {after.out.requests[i]: j
                                              for j, i in enumerate(after.inputs.sampled)})
-        updates = self.allocator.take_tag_updates() if check else None
-        try:
-            inputs = prepare(out, self.pool.page_size, self.device, pending=pending, check=check,
-                             tag_updates=updates)
-        except BaseException:
-            if updates:  # (the device never got them: they go with the next step)
-                self.allocator.return_tag_updates(updates)
-            raise
+        # (raises before the device gets out.tag_updates: the caller gives them back)
+        inputs = prepare(out, self.pool.page_size, self.device, pending=pending, check=check,
+                         tag_updates=out.tag_updates if check else None)
         step = Launched(out, inputs, starts=[r.num_computed_tokens for r in out.requests])
         scoring = any(map(scores_prompt, out.requests, step.starts))
         if inputs.tag_updates is not None:

@@ -1,7 +1,7 @@
 """Tensor parallelism's other ranks: one process each, mirroring rank 0's model calls.
 
 `start` (on rank 0, from the engine) spawns ranks 1..N-1 and joins them in one torch.distributed
-group (Gloo on CPU, NCCL on GPUs: rank r on cuda:r). Each builds the same ModelRunner with its
+group (Gloo on CPU, NCCL on GPUs: rank r on cuda:r). Each builds the same Worker with its
 share of the model (frugal.parallel) and then serves: rank 0's runner broadcasts each model call
 (a batch's forward, or logits of hidden rows) before making it, the others make the same call,
 and the collectives inside meet. Only rank 0 schedules and samples.
@@ -29,7 +29,6 @@ import torch
 import torch.distributed as dist
 
 from frugal.config import EngineConfig
-from frugal.layers.attention import AttentionMetadata
 from frugal.loader import Checkpoint, open_checkpoint
 from frugal.model_config import first_layers
 from frugal.parallel import Parallel
@@ -41,17 +40,6 @@ KILL_S = 5.0  # what a rank gets to be reaped after SIGKILL
 LEAVE_S = 5.0  # what leaving the group may take (it may hang on a broken one)
 EXIT_GRACE_S = 1.0  # see lost
 PARENT_POLL_S = 0.25  # how often a rank > 0 looks for rank 0 (see exit_with_parent)
-
-
-def to_device(x, device: str):
-    """Tensors (in tuples and AttentionMetadata) moved to device ("cpu" for a broadcast)."""
-    if isinstance(x, torch.Tensor):
-        return x.to(device)
-    if isinstance(x, tuple):
-        return tuple(to_device(v, device) for v in x)
-    if isinstance(x, AttentionMetadata):
-        return AttentionMetadata(**{k: to_device(v, device) for k, v in vars(x).items()})
-    return x
 
 
 def load_checkpoint(config: EngineConfig) -> Checkpoint:
@@ -167,12 +155,13 @@ def serve(config: EngineConfig, rank: int, size: int, address: str, parent: int)
     """A rank > 0: build its runner, then make rank 0's calls until told to stop (or rank 0,
     the process `parent`, is gone). A failed call raises: this process exits, and rank 0
     sees it (see lost)."""
-    from frugal.worker.model_runner import ModelRunner
+    from frugal.worker.model_runner import to_device
+    from frugal.worker.worker import Worker
 
     exit_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to act on (it stops us)
     parallel = _join(config, rank, size, address)
-    runner = ModelRunner(config, load_checkpoint(config), parallel)
+    runner = Worker(config, load_checkpoint(config), parallel).runner
     while True:
         kind, args = parallel.broadcast()
         if kind == "stop":

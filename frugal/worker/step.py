@@ -10,9 +10,10 @@ import torch
 
 from frugal.core.scheduler import SchedulerOutput
 from frugal.request import Request, TokenLogprob
-from frugal.worker.memory import LOGITS_ROWS
 from frugal.worker.sampler import token_logprobs
 from frugal.worker.step_inputs import StepInputs
+
+LOGITS_ROWS = 256  # prompt positions scored per LM-head call (bounds [rows, vocab] memory)
 
 
 @dataclass

@@ -5,6 +5,7 @@ import random
 
 import pytest
 
+from frugal.core.kv_cache_manager import KVCacheManager
 from frugal.core.page_allocator import IntegrityError, PageAllocator
 from frugal.core.prefix_cache import PrefixCache
 from frugal.core.scheduler import Scheduler
@@ -25,8 +26,11 @@ def fake_token(r: Request) -> int:
 
 
 def scheduler(num_pages=64, budget=64, max_seqs=8):
-    allocator = PageAllocator(num_pages)
-    return Scheduler(allocator, PS, max_seqs, budget, PrefixCache(allocator, PS, "test-model"))
+    return Scheduler(KVCacheManager(num_pages, PS, True, "test-model"), max_seqs, budget)
+
+
+def uncached(num_pages, max_seqs, budget):
+    return Scheduler(KVCacheManager(num_pages, PS, prefix_caching=False), max_seqs, budget)
 
 
 def run(s: Scheduler, requests, abort=None, max_steps=2000):
@@ -104,8 +108,8 @@ def test_shared_prompts_compute_once_and_match_unshared():
     _, computed = run(s, reqs)
     # the first computes its whole prompt; the others (admitted in the same step) share 4 pages
     assert computed["0"] == 19 + 2 and all(computed[str(i)] == 3 + 2 for i in (1, 2, 3))
-    assert s.num_cache_hits == 3 * 16 and s.num_cache_queries == 4 * 19
-    ref_s = Scheduler(PageAllocator(64), PS, 8, 64)  # no cache: the same tokens
+    assert s.kv.num_cache_hits == 3 * 16 and s.kv.num_cache_queries == 4 * 19
+    ref_s = uncached(64, 8, 64)  # no cache: the same tokens
     fresh = [request(i, system + [100 + i, 200 + i]) for i in range(4)]
     assert run(ref_s, fresh)[0] == run(scheduler(), [request(i, system + [100 + i, 200 + i])
                                                      for i in range(4)])[0]
@@ -135,18 +139,18 @@ def test_random_workload_invariants_preemption_and_aborts():
     aborts = {str(i): i % 7 for i in range(0, 40, 9)}
     s = scheduler(num_pages=24, budget=32, max_seqs=6)
     got, _ = run(s, workload(), aborts)
-    want, _ = run(Scheduler(PageAllocator(24), PS, 6, 32), workload(), aborts)
+    want, _ = run(uncached(24, 6, 32), workload(), aborts)
     assert got == want
-    assert s.num_cache_hits > 0 and s.num_free == 24
-    s.cache.check()
+    assert s.kv.num_cache_hits > 0 and s.kv.num_free == 24
+    s.kv.cache.check()
 
 
 def test_stale_entry_is_never_read():
     s = scheduler(num_pages=16)
     prompt = list(range(1, 18))
     run(s, [request(0, prompt)])
-    victim = next(iter(s.cache.entries.values()))
-    faults.stale_cache_entry(s.allocator, victim)  # the cache's reference lost: page free
+    victim = next(iter(s.kv.cache.entries.values()))
+    faults.stale_cache_entry(s.kv.allocator, victim)  # the cache's reference lost: page free
     intruder = request(1, [7] * 4, max_tokens=1)
     s.add(intruder)
     launch(s)  # hands the page out again, with a new tag
@@ -154,7 +158,7 @@ def test_stale_entry_is_never_read():
     late = request(2, prompt)
     s.add(late)
     launch(s)
-    assert s.cache.num_stale == 1  # detected at the match: the prefix stops before it
+    assert s.kv.cache.num_stale == 1  # detected at the match: the prefix stops before it
     assert victim.page_id not in [ref.page_id for ref in late.page_table
                                   if ref.tag == victim.tag]
     assert late.num_computed_tokens == len(prompt)  # computed, not read from the stale page
@@ -164,8 +168,8 @@ def test_stale_entry_is_never_read():
 def test_check_finds_a_contradiction():
     s = scheduler()
     run(s, [request(0, range(1, 18))])
-    page = next(iter(s.cache.entries.values())).page_id
-    s.cache._evictable.pop(page)  # evictable pages forgotten: the pool would shrink for good
+    page = next(iter(s.kv.cache.entries.values())).page_id
+    s.kv.cache._evictable.pop(page)  # evictable pages forgotten: the pool would shrink for good
     with pytest.raises(IntegrityError, match="evictable"):
         s.check_integrity()
     s.recount()
@@ -181,11 +185,11 @@ def test_untrusted_request_takes_its_unwritten_pages_with_it():
     launch(s)  # b shares the pages a is writing in this step
     assert list(b.page_table)[:4] == list(a.page_table)[:4]
     sharers = s.untrusted(a, 0)  # a's step was masked: those pages hold nothing
-    assert sharers == [b] and s.cache.num_cached == 0
+    assert sharers == [b] and s.kv.cache.num_cached == 0
     s.finish(a, FinishReason.ERROR, trusted=False)
     s.finish(b, FinishReason.ERROR)
     s.check_integrity()
-    assert s.num_free == 64
+    assert s.kv.num_free == 64
 
 
 def test_eviction_that_meets_stale_entries_only_waits():
@@ -193,9 +197,9 @@ def test_eviction_that_meets_stale_entries_only_waits():
     instead of the step failing (and the idle recount settles the pool)."""
     s = scheduler(num_pages=5)
     run(s, [request(0, range(1, 18), max_tokens=1)])  # 4 full pages cached, all evictable
-    assert s.cache.num_evictable == 4 and s.allocator.num_free == 1
-    for ref in s.cache.entries.values():
-        s.allocator._tag[ref.page_id] += 1  # each handed out again while cached
+    assert s.kv.cache.num_evictable == 4 and s.kv.allocator.num_free == 1
+    for ref in s.kv.cache.entries.values():
+        s.kv.allocator._tag[ref.page_id] += 1  # each handed out again while cached
     s.add(request(1, range(50, 56), max_tokens=1))  # 2 pages: the free one and one evicted
     out = s.schedule()
-    assert out.requests == [] and s.cache.num_stale == 4 and s.cache.num_cached == 0
+    assert out.requests == [] and s.kv.cache.num_stale == 4 and s.kv.cache.num_cached == 0

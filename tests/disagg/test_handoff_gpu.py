@@ -8,8 +8,7 @@ import torch
 from frugal.config import CacheConfig, EngineConfig
 from frugal.engine.llm_engine import LLMEngine
 from frugal.request import SamplingParams
-
-from .test_handoff import SECRET, drain, prefill, settle
+from tests.disagg.engines import SECRET, drain, prefill, settle
 
 pytestmark = pytest.mark.gpu
 pytest.importorskip("nixl_cu13")

@@ -27,7 +27,7 @@ def engine(llm, monkeypatch):
     monkeypatch.undo()
     assert not llm.engine.has_unfinished_requests()
     llm.engine.scheduler.check_integrity()
-    assert llm.engine.scheduler.num_free == llm.engine.scheduler.allocator.num_pages
+    assert llm.engine.scheduler.kv.num_free == llm.engine.scheduler.kv.allocator.num_pages
 
 
 async def collect(engine: AsyncEngine, prompt, params, request_id):
@@ -90,7 +90,7 @@ def test_an_abort_that_raises_leaves_the_others_answered(engine, llm, monkeypatc
 def test_an_integrity_error_during_abort_is_contained(engine, llm):
     """kv-integrity off and a page handed out while still held: freeing the victim's table on
     abort finds the stale entry. The pages are recounted; nothing raises; the others finish."""
-    llm.engine.runner.set_integrity(False)
+    llm.engine.set_integrity(False)
     try:
         scheduler = llm.engine.scheduler
         started = threading.Event()
@@ -99,7 +99,7 @@ def test_an_integrity_error_during_abort_is_contained(engine, llm):
         def step():
             victim = llm.engine._requests.get("victim")
             if victim is not None and victim.page_table and not started.is_set():
-                faults.reuse_while_held(scheduler.allocator, victim.page_table[0])
+                faults.reuse_while_held(scheduler.kv.allocator, victim.page_table[0])
                 started.set()
             return inner()
 
@@ -123,7 +123,7 @@ def test_an_integrity_error_during_abort_is_contained(engine, llm):
         assert llm.engine.num_bookkeeping_errors >= 1  # seen and logged, not raised
     finally:
         del llm.engine.step
-        llm.engine.runner.set_integrity(True)
+        llm.engine.set_integrity(True)
 
 
 def test_an_add_that_raises_errors_that_request_only(engine, llm, monkeypatch):
@@ -189,6 +189,9 @@ def test_a_step_that_never_returns_marks_the_engine_dead(llm, monkeypatch):
     try:
         results, waited = run(main(), timeout=20)
         assert all(isinstance(r, EngineDeadError) for r in results) and waited < 5
+        deadline = time.monotonic() + 5  # on_dead is called just after the callers are answered
+        while not reasons and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert not engine.alive and "has not returned" in engine.dead and reasons
     finally:
         release.set()
@@ -238,7 +241,7 @@ def test_the_idle_engine_walks_its_bookkeeping_and_repairs_it(engine, llm):
     while metrics.bookkeeping_checks._value.get() < 1 and time.time() < deadline:
         time.sleep(0.05)
     assert metrics.bookkeeping_checks._value.get() >= 1
-    allocator = llm.engine.scheduler.allocator
+    allocator = llm.engine.scheduler.kv.allocator
     faults.double_free(allocator, allocator._free[0])  # a bug, found by the next walk
     run(collect(engine, [1, 2], SHORT, "y"))
     deadline = time.time() + 10

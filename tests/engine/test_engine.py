@@ -32,7 +32,7 @@ def drive(engine: LLMEngine, prompts, params) -> dict[str, list[int]]:
         for out in engine.step():
             join(joined, out)
         engine.scheduler.check_integrity()
-    assert engine.scheduler.num_free == engine.runner.pool.num_pages, "pages leaked"
+    assert engine.scheduler.kv.num_free == engine.runner.pool.num_pages, "pages leaked"
     assert all(joined[i].finished for i in ids)
     return [joined[i].outputs[0].token_ids for i in ids]
 
@@ -80,7 +80,7 @@ def test_abort_frees_pages_and_others_continue(llm, reference):
             join(done, o)
     assert done[keep].outputs[0].token_ids == reference[1]
     assert engine.abort_request(victim) is None  # already gone
-    assert engine.scheduler.num_free == engine.runner.pool.num_pages
+    assert engine.scheduler.kv.num_free == engine.runner.pool.num_pages
 
 
 @pytest.mark.parametrize("prompt, params, field", [
@@ -143,7 +143,7 @@ def test_generate_releases_requests_when_a_step_fails(llm, monkeypatch):
     with pytest.raises(RuntimeError, match="boom"):
         llm.generate(PROMPTS[:3], GREEDY)
     assert not engine.has_unfinished_requests()
-    assert engine.scheduler.num_free == engine.runner.pool.num_pages
+    assert engine.scheduler.kv.num_free == engine.runner.pool.num_pages
 
 
 def test_generate_validates_every_prompt_first(llm):

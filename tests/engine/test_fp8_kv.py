@@ -94,7 +94,7 @@ def test_fp8_holds_twice_the_tokens_of_bf16(tmp_path):
     fp8 = LLM(model, device="cpu", dtype="bfloat16", kv_cache_memory="16MiB",
               kv_cache_dtype="fp8")
     ratio = fp8.engine.runner.pool.capacity_tokens / bf16.engine.runner.pool.capacity_tokens
-    assert ratio >= 1.95 and fp8.engine.runner.kv_capacity_ratio == 2.0
+    assert ratio >= 1.95 and fp8.engine.worker.kv_capacity_ratio == 2.0
 
 
 def test_startup_calibration_sets_real_scales(fp8_llm):

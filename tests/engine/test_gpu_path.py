@@ -45,7 +45,7 @@ def test_cuda_graphs_equal_eager():
     ours = [o.outputs[0].token_ids for o in graphs.generate(PROMPTS, params)]
     assert ours == [o.outputs[0].token_ids for o in eager.generate(PROMPTS, params)]
     runner = graphs.engine.runner
-    assert runner.pool.num_pages == graphs.engine.scheduler.num_free
+    assert runner.pool.num_pages == graphs.engine.scheduler.kv.num_free
 
 
 def test_gpu_bf16_differs_only_within_rounding(llm, cpu_tokens):

@@ -21,7 +21,7 @@ INJECT_AT = 3  # after the prefill and two decode steps
 
 
 def steal_first_page(engine, requests):
-    faults.reuse_while_held(engine.scheduler.allocator, requests["0"].page_table[0])
+    faults.reuse_while_held(engine.scheduler.kv.allocator, requests["0"].page_table[0])
 
 
 def redirect_first_page(engine, requests):
@@ -29,7 +29,7 @@ def redirect_first_page(engine, requests):
 
 
 def free_twice(engine, requests):
-    allocator = engine.scheduler.allocator
+    allocator = engine.scheduler.kv.allocator
     faults.double_free(allocator, allocator._free[0])
 
 
@@ -78,7 +78,7 @@ def baseline(engine):
 
 @pytest.mark.parametrize("kind", list(FAULTS))
 def test_fault_fails_only_its_victim(engine, baseline, kind):
-    allocator, runner = engine.scheduler.allocator, engine.runner
+    allocator = engine.scheduler.kv.allocator
     assert engine.overlap  # (on the GPU the next step runs while the fault is found)
     failures = engine.num_integrity_failures
     got = run(engine, FAULTS[kind])
@@ -91,31 +91,31 @@ def test_fault_fails_only_its_victim(engine, baseline, kind):
         if rid != victim:
             assert (tokens, reason) == baseline[rid][:2], rid
     # nothing leaked, nothing freed twice (the prefix cache may keep pages nobody else holds)
-    assert engine.scheduler.num_free == allocator.num_pages
+    assert engine.scheduler.kv.num_free == allocator.num_pages
     engine.scheduler.check_integrity()
     again = run(engine)  # the engine keeps serving, with the same results as before
     assert {k: v[:2] for k, v in again.items()} == {k: v[:2] for k, v in baseline.items()}
 
     # Without the check (and without the host allocator's own checks at free time, as in the
     # engines that have neither) the fault goes unnoticed.
-    runner.set_integrity(False)
+    engine.set_integrity(False)
     allocator._check_live = lambda ref, what: None
     try:
         unchecked = run(engine, FAULTS[kind])
     finally:
         del allocator._check_live
-        runner.set_integrity(True)
+        engine.set_integrity(True)
         allocator.rebuild([])  # the unchecked fault left the books corrupt
     assert all(reason != "error" for _, reason, _ in unchecked.values())
     assert unchecked[victim][0] != baseline[victim][0]  # silent corruption without the check
 
 
 def test_check_off_costs_nothing_and_changes_nothing(engine, baseline):
-    engine.runner.set_integrity(False)
+    engine.set_integrity(False)
     try:
         got = run(engine)
     finally:
-        engine.runner.set_integrity(True)
+        engine.set_integrity(True)
     assert {k: v[:2] for k, v in got.items()} == {k: v[:2] for k, v in baseline.items()}
     assert engine.runner.pool.tags.dtype == torch.int32
 
@@ -146,5 +146,4 @@ def test_a_step_that_fails_to_launch_loses_no_tag_updates(monkeypatch):
             join(joined, out)
     got = joined["a"].outputs[0]
     assert got.error is None and got.token_ids == want.token_ids
-    runner = engine.runner
-    assert runner.pool.tags.tolist() == runner.allocator.tags
+    assert engine.runner.pool.tags.tolist() == engine.scheduler.kv.tags()

@@ -29,7 +29,7 @@ def _run(engine, requests, abort_after=None):
                 join(final, engine.abort_request(out.request_id))
         engine.scheduler.check_integrity()
     pool = engine.runner.pool
-    assert engine.scheduler.num_free == pool.num_pages
+    assert engine.scheduler.kv.num_free == pool.num_pages
     return [(final[i].outputs[0].token_ids, final[i].outputs[0].text,
              final[i].outputs[0].finish_reason, seen[i]) for i in ids]
 
@@ -73,7 +73,8 @@ def test_a_page_more_than_the_computed_tokens_need_is_caught():
     engine.step()  # 4 computed tokens: one full page
     scheduler = engine.scheduler
     scheduler.check_integrity()
-    assert scheduler._reserve(scheduler.running[0], 2)  # the page of the next token but one
+    request = scheduler.running[0]  # the page of the next token but one
+    assert scheduler.kv.grow(request, request.num_computed_tokens + 2)
     with pytest.raises(IntegrityError):
         scheduler.check_integrity()
 
@@ -105,7 +106,7 @@ def test_overlap_goes_on_through_prompt_chunks():
             unfollowed += e.has_unfinished_requests() and e._inflight is None
             inflight = e._inflight
             mixed += inflight is not None and 1 < max(inflight.out.num_new_tokens)
-        assert e.scheduler.num_free == e.runner.pool.num_pages
+        assert e.scheduler.kv.num_free == e.runner.pool.num_pages
         results.append([tokens[i] for i in ids])
         if overlap:
             assert unfollowed == 0 and mixed > 0
@@ -126,4 +127,4 @@ def test_overlap_goes_on_when_the_batch_shrinks():
         engine.scheduler.check_integrity()
         unfollowed += engine.has_unfinished_requests() and engine._inflight is None
     assert unfollowed == 0
-    assert engine.scheduler.num_free == engine.runner.pool.num_pages
+    assert engine.scheduler.kv.num_free == engine.runner.pool.num_pages

@@ -59,7 +59,7 @@ def drive(llm: LLM, jobs, late=()) -> dict:
                 out = engine.abort_request(rid)
                 if out is not None:
                     join(joined, out)
-    assert engine.scheduler.num_free == engine.runner.pool.num_pages
+    assert engine.scheduler.kv.num_free == engine.runner.pool.num_pages
     return joined
 
 
@@ -140,8 +140,8 @@ def test_stale_entry_is_caught_and_nothing_fails():
     drive(llm, [("first", prompt, GREEDY, None)])
     ids = engine.tokenize(prompt)
     probe = Request("probe", None, ids, GREEDY, len(ids) + 1)
-    victim = engine.scheduler.cache.entries[engine.scheduler.cache.hashes(probe, 16)[0]]
-    faults.stale_cache_entry(engine.scheduler.allocator, victim)
+    victim = engine.scheduler.kv.cache.entries[engine.scheduler.kv.cache.hashes(probe, 16)[0]]
+    faults.stale_cache_entry(engine.scheduler.kv.allocator, victim)
     errors = engine.stats().num_bookkeeping_errors
     engine.add_request("Completely different words here.", GREEDY, "other")  # takes the page
     engine.add_request(prompt, GREEDY, "r")
@@ -154,7 +154,7 @@ def test_stale_entry_is_caught_and_nothing_fails():
     assert engine.stats().num_bookkeeping_errors > errors  # detected, counted and logged
     engine.check_integrity()  # (a recount settles what the lost reference left)
     assert engine.check_integrity()
-    assert engine.scheduler.num_free == engine.runner.pool.num_pages
+    assert engine.scheduler.kv.num_free == engine.runner.pool.num_pages
 
 
 def test_shared_page_handed_out_again_fails_only_its_holder():
@@ -172,9 +172,9 @@ def test_shared_page_handed_out_again_fails_only_its_holder():
         for out in engine.step():
             join(joined, out)
     victim = engine._requests["victim"]
-    assert victim.num_cached_pages and engine.scheduler.allocator.refcount(
+    assert victim.num_cached_pages and engine.scheduler.kv.allocator.refcount(
         victim.page_table[0].page_id) == 2  # shared with the cache
-    faults.reuse_while_held(engine.scheduler.allocator, victim.page_table[0])
+    faults.reuse_while_held(engine.scheduler.kv.allocator, victim.page_table[0])
     engine.add_request("Completely different words here.", GREEDY, "thief")  # takes the page
     failures = engine.num_integrity_failures
     while engine.has_unfinished_requests():
@@ -185,4 +185,4 @@ def test_shared_page_handed_out_again_fails_only_its_holder():
     assert engine.num_integrity_failures == failures + 1
     assert joined["thief"].outputs[0].finish_reason == "length"
     same(joined, want, "b")
-    assert engine.check_integrity() and engine.scheduler.num_free == engine.runner.pool.num_pages
+    assert engine.check_integrity() and engine.scheduler.kv.num_free == engine.runner.pool.num_pages

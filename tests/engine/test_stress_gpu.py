@@ -55,7 +55,7 @@ def drive(llm: LLM, work) -> tuple[dict[str, tuple[list[int], str]], dict[str, i
         engine.scheduler.check_integrity()
         ahead += engine._inflight is not None
         steps += 1
-    assert engine.scheduler.num_free == engine.runner.pool.num_pages
+    assert engine.scheduler.kv.num_free == engine.runner.pool.num_pages
     engine.scheduler.check_integrity()
     results = {rid: (o.outputs[0].token_ids, o.outputs[0].finish_reason)
                for rid, o in joined.items()}

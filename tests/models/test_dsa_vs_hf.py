@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from frugal import LLM, SamplingParams
-from frugal.layers.mla import MlaAttention
+from frugal.layers.attention.mla import MlaAttention
 from tests.loader.test_hf_dir import save_random
 from tests.models.test_llama_vs_hf import assert_greedy_matches, assert_logits_match, frugal_logits
 

@@ -56,7 +56,7 @@ def test_quantization_flag_rounds_experts(tmp_path):
     write_model("qwen3-moe", tmp_path)
     llm = LLM(str(tmp_path), quantization="fp8", **KW)
     assert all(isinstance(e.qgate_up, Fp8Experts) for e in experts_of(llm))
-    assert llm.engine.runner.weights_quantization == "fp8"
+    assert llm.engine.worker.weights_quantization == "fp8"
 
 
 def test_num_layers_cuts_the_model(tmp_path):

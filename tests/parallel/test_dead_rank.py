@@ -179,7 +179,7 @@ async def _generate(engine: AsyncEngine, request_id: str) -> list[int]:
 
 def test_the_idle_engine_dies_with_a_rank_and_leaves_nothing():
     llm = LLM(dtype="float32", device="cpu", kv_cache_memory="16MiB", tensor_parallel_size=2)
-    workers = list(llm.engine._workers)
+    workers = list(llm.engine._ranks)
     reasons = []
     engine = AsyncEngine(llm.engine, on_dead=reasons.append)  # (no step_timeout)
     engine.start()

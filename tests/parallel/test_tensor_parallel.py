@@ -44,7 +44,7 @@ def compare(model: str | None, **kwargs) -> None:
               tensor_parallel_size=2, **kwargs)
     try:
         runner, mc = two.engine.runner, two.engine.model_config
-        assert runner.parallel == Parallel(0, 2) and all(w.is_alive() for w in two.engine._workers)
+        assert runner.parallel == Parallel(0, 2) and all(w.is_alive() for w in two.engine._ranks)
         # rank 0 holds its share: the first KV heads, half the vocabulary and features
         attn = runner.model.model.layers[0].self_attn
         if mc.mla is None:
@@ -67,7 +67,7 @@ def compare(model: str | None, **kwargs) -> None:
         assert two.engine.check_integrity()
     finally:
         two.engine.close()
-    assert all(not w.is_alive() for w in two.engine._workers)
+    assert all(not w.is_alive() for w in two.engine._ranks)
 
 
 def test_default_model_tp2_matches_tp1():

@@ -12,7 +12,6 @@ from frugal.cli.main import main as cli
 from frugal.loader.safetensors import SafetensorsCheckpoint
 from frugal.ops import torch_ref
 from frugal.quant.fp8 import Fp8Weight, checkpoint_form, quantize_fp8
-from frugal.quant.gptq import gptq_fp8
 from tests.engine.test_fp8_kv import tiny_dir
 
 PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -30,7 +29,7 @@ def test_on_the_fly_fp8_rounds_every_layer_matrix(tmp_path):
     assert isinstance(q, Fp8Weight) and q.block is None and q.scales.shape == (2 * 96, 1)
     assert q.w8a8 and model.lm_head.qweight is None
     ref = LLM(str(src), device="cpu", dtype="float32", kv_cache_memory="8MiB")
-    assert (llm.engine.runner.weights_quantization, ref.engine.runner.weights_quantization) == (
+    assert (llm.engine.worker.weights_quantization, ref.engine.worker.weights_quantization) == (
         "fp8", "none")
     for name, module in ref.engine.runner.model.named_modules():
         if getattr(module, "qweight", 1) is None and name.startswith("model.layers."):
@@ -114,7 +113,7 @@ def test_quantize_fp8_writes_what_loads_back(tmp_path, scheme, block, capsys):
     llm = LLM(str(out), device="cpu", kv_cache_memory="8MiB")
     o_proj = llm.engine.runner.model.model.layers[1].self_attn.o_proj.qweight
     assert isinstance(o_proj, Fp8Weight) and o_proj.w8a8 == (scheme == "fp8" and block is None)
-    assert llm.engine.runner.weights_quantization == "fp8"  # (loaded as stored, no flag)
+    assert llm.engine.worker.weights_quantization == "fp8"  # (loaded as stored, no flag)
     assert len(llm.generate([[5, 6, 7]], PARAMS)[0].outputs[0].token_ids) == 6
 
 
@@ -125,20 +124,3 @@ def test_quantize_fp8_rejects_misuse(tmp_path, capsys):
     assert "gptq quantizes FP8 per channel" in capsys.readouterr().err
     assert cli(base + ["--weight-block-size", "128"]) != 0
     assert "weight_block_size: only with --scheme fp8 or w8a16" in capsys.readouterr().err
-
-
-def test_gptq_fp8_beats_round_to_nearest():
-    """On correlated inputs GPTQ's error compensation lowers the layer's output error on the
-    FP8 grid too (same per-channel scales as round to nearest)."""
-    g = torch.Generator().manual_seed(3)
-    w = torch.randn(64, 256, generator=g) * 0.05
-    x = torch.randn(2048, 256, generator=g) @ (torch.randn(256, 256, generator=g) / 16)
-    q = gptq_fp8(w, x.double().t() @ x.double())
-    rtn = quantize_fp8(w)
-    assert torch.equal(q.scales, rtn.scales)
-    ref = x @ w.t()
-
-    def err(weight):
-        return float((x @ weight.t() - ref).norm() / ref.norm())
-
-    assert err(q.dequantize()) < 0.8 * err(rtn.dequantize())

@@ -149,7 +149,7 @@ def test_quantize_streams_into_shards(tmp_path, monkeypatch, capsys):
     """Round to nearest reads and writes one tensor at a time: output past Shards.MAX_BYTES is
     split into files with HF's index, loading back as the single file does; a checkpoint that
     fails part way leaves nothing behind."""
-    from frugal.cli.quantize import Shards
+    from frugal.cli.shards import Shards
     src = tiny_dir(tmp_path / "src")
     assert cli(["quantize", str(src), "--output", str(tmp_path / "one"), "--group-size", "32"]) == 0
     monkeypatch.setattr(Shards, "MAX_BYTES", 50_000)
@@ -180,7 +180,7 @@ def test_quantize_streams_into_shards(tmp_path, monkeypatch, capsys):
 def test_quantize_again_into_the_same_folder_replaces_the_weights(tmp_path, monkeypatch, capsys):
     """A second run into a folder that holds an earlier run's files (one file, then shards)
     leaves only its own; the input's own folder is refused."""
-    from frugal.cli.quantize import Shards
+    from frugal.cli.shards import Shards
     src = tiny_dir(tmp_path / "src")
     out = tmp_path / "out"
     assert cli(["quantize", str(src), "--output", str(out), "--scheme", "fp8"]) == 0

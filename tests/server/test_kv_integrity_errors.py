@@ -19,7 +19,7 @@ from frugal.engine.async_engine import AsyncEngine
 from frugal.metrics import Metrics
 from frugal.server.openai_api import build_app
 from tests import kv_faults as faults
-from tests.server.conftest import MODEL, free_port
+from tests.server.conftest import MODEL, free_port, wait_for
 
 uvicorn = pytest.importorskip("uvicorn")
 
@@ -38,7 +38,7 @@ def faulty_server(llm):
     def step():
         for request in engine.scheduler.running:
             if state["budget"] > 0 and len(request.output_token_ids) == 2:
-                free = engine.scheduler.allocator._free[0]
+                free = engine.scheduler.kv.allocator._free[0]
                 faults.redirect(request.page_table, 0, PageRef(free, 0))
                 state["budget"] -= 1
         return inner()
@@ -89,7 +89,8 @@ def test_non_streaming_gets_a_500_error_body(faulty_server):
     error = json.loads(raw)["error"]
     assert error["type"] == "server_error"
     assert "KV cache integrity check failed: page" in error["message"]
-    assert integrity_failures(url) == before + 1
+    # (the engine thread counts it just after answering: under load /metrics can be a step late)
+    assert wait_for(lambda: integrity_failures(url) == before + 1, timeout=5)
     status, raw = post(url, BODY)  # the next request is served normally
     assert status == 200 and json.loads(raw)["choices"][0]["finish_reason"] == "length"
 

@@ -1,4 +1,9 @@
-"""Plain PyTorch ops: the CPU path and the reference every fast kernel is tested against."""
+"""Plain PyTorch ops: the CPU path and the reference every fast kernel is tested against.
+
+Its device choices (see frugal.ops): no CUDA graphs (paged_attention reads the batch layout on
+the host with .tolist(), the MLA stores index with boolean masks: shapes from device values),
+torch's argmax for sampling, and no launch settings.
+"""
 
 from frugal.ops.torch_ref.activation import silu_and_mul
 from frugal.ops.torch_ref.attention import paged_attention, rotary_store_kv, store_kv, v_key_minor
@@ -10,7 +15,15 @@ from frugal.ops.torch_ref.moe import fused_moe, route_experts
 from frugal.ops.torch_ref.norm import rms_norm
 from frugal.ops.torch_ref.rotary import apply_rotary, apply_rotary_pairs
 
-__all__ = ["apply_rotary", "apply_rotary_pairs", "check_kv_pages", "fused_moe", "index_topk",
-           "linear", "mla_attention", "pack_weight", "paged_attention", "rms_norm",
-           "rotary_store_kv", "route_experts", "silu_and_mul", "sparse_mla_attention",
-           "store_index_key", "store_kv", "store_latent", "v_key_minor"]
+CUDA_GRAPHS = False
+argmax = None
+
+
+def configure(quantized_kinds: set[str]) -> None:
+    """Nothing to set: PyTorch's ops launch as they are."""
+
+
+__all__ = ["CUDA_GRAPHS", "apply_rotary", "apply_rotary_pairs", "argmax", "check_kv_pages",
+           "configure", "fused_moe", "index_topk", "linear", "mla_attention", "pack_weight",
+           "paged_attention", "rms_norm", "rotary_store_kv", "route_experts", "silu_and_mul",
+           "sparse_mla_attention", "store_index_key", "store_kv", "store_latent", "v_key_minor"]

@@ -6,6 +6,8 @@ keeps the top `index_topk` positions the token may see; MLA then attends over th
 indexer's key k(s) (one index_head_dim vector a token: LayerNorm(wk x), its first
 qk_rope_head_dim dims rotated in adjacent pairs) sits in the latent cache's row after the latent
 and rotary key, so it lives, moves and is checked with its page.
+
+The backend: MLA's layers (layers.attention.mla), each full layer with an Indexer of its own.
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ from torch import nn
 
 from frugal import ops
 from frugal.layers.attention import AttentionMetadata
+from frugal.layers.attention.mla import MlaAttention, MlaBackend
 from frugal.layers.linear import Linear
 from frugal.layers.rotary import RotaryEmbedding
 from frugal.model_config import ModelConfig
+from frugal.parallel import Parallel
 
 
 class Indexer(nn.Module):
@@ -65,3 +69,23 @@ class Indexer(nn.Module):
         rot, _ = ops.apply_rotary_pairs(x[..., :r], x[:, :1, :r], positions,
                                         self.rotary.cos_sin)
         return torch.cat([rot, x[..., r:]], dim=-1)
+
+
+class DsaBackend(MlaBackend):
+    """MLA's layers and cache row (its head_dim counts the index key; an FP8 row also keeps
+    the key's scale: ModelConfig.cache_width), an Indexer on each full layer."""
+
+    name = "dsa"
+
+    def layer(self, c: ModelConfig, rotary: RotaryEmbedding, index: int,
+              parallel: Parallel) -> MlaAttention:
+        indexer = Indexer(c, rotary) if index in c.dsa.full_layers else None
+        return MlaAttention(c, rotary, parallel, indexer)
+
+    def graph_capture(self, c: ModelConfig) -> str | None:
+        return ("DSA picks sparse or dense attention on the host (max_seq_len against "
+                "index_topk) and sizes its selection by max_seq_len; and "
+                + super().graph_capture(c))
+
+
+BACKEND = DsaBackend()

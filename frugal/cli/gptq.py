@@ -1,13 +1,16 @@
-"""GPTQ (Frantar et al., 2022) for INT4 weights: quantize a matrix column by column, pushing each
-column's rounding error onto the columns not yet quantized, weighted by the inverse Hessian of
-the layer's inputs (H = Σ x xᵀ over calibration tokens), so the layer's output moves as little as
-the 4-bit grid allows. Groups get their scale and zero when their first column comes up (from
-the weights as updated so far); or, with act_order, columns go in order of decreasing H[j, j]
-(the inputs with the most energy first, while the most columns remain to absorb their error)
-and each group's scale and zero come from the original weights ("static groups", so a group
-stays one contiguous run of inputs on disk). Either way a group's range is clipped: of the
-factors in SHRINK, the one whose rounding error Σ H[k, k] (w - q)² is least shrinks it (the
-grid search of the paper's reference code, weighted by each input's energy).
+"""GPTQ (Frantar et al., 2022), the offline algorithm of `frugal quantize --method gptq` (nothing
+that serves imports it).
+
+For INT4 weights: quantize a matrix column by column, pushing each column's rounding error onto
+the columns not yet quantized, weighted by the inverse Hessian of the layer's inputs (H = Σ x xᵀ
+over calibration tokens), so the layer's output moves as little as the 4-bit grid allows. Groups
+get their scale and zero when their first column comes up (from the weights as updated so far);
+or, with act_order, columns go in order of decreasing H[j, j] (the inputs with the most energy
+first, while the most columns remain to absorb their error) and each group's scale and zero come
+from the original weights ("static groups", so a group stays one contiguous run of inputs on
+disk). Either way a group's range is clipped: of the factors in SHRINK, the one whose rounding
+error Σ H[k, k] (w - q)² is least shrinks it (the grid search of the paper's reference code,
+weighted by each input's energy).
 
 Hessians come from the engine itself: forward pre-hooks on a layer's matmuls accumulate the
 inputs the matmul sees (after a fused RMSNorm) while calibration text runs through. `sequential`

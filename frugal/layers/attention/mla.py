@@ -8,24 +8,32 @@ its latent output goes through W_UV: the same scores and values as expanding eve
 to full keys and values, without ever forming them.
 
 With DeepSeek Sparse Attention (ModelConfig.dsa) the row also holds the indexer's key, and a
-token attends only to the positions its layer's selection names (layers.dsa): chosen here on a
-full layer, handed on to the shared layers after it. While no context of the step is longer than
-index_topk the selection is every position, and the dense kernel computes the same thing.
+token attends only to the positions its layer's selection names (layers.attention.dsa): chosen
+here on a full layer, handed on to the shared layers after it. While no context of the step is
+longer than index_topk the selection is every position, and the dense kernel computes the same
+thing.
+
+No CUDA graphs yet (MlaBackend.graph_capture says why).
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from frugal import ops
 from frugal.layers.attention import AttentionMetadata
-from frugal.layers.dsa import Indexer
+from frugal.layers.attention.base import AttentionBackend, KVLayout
 from frugal.layers.linear import Linear, load_whole, narrow
 from frugal.layers.norm import RMSNorm
 from frugal.layers.rotary import RotaryEmbedding, softmax_mscale
 from frugal.model_config import ModelConfig
 from frugal.parallel import SINGLE, Parallel
+
+if TYPE_CHECKING:
+    from frugal.layers.attention.dsa import Indexer
 
 
 class LatentProjection(nn.Module):
@@ -47,14 +55,15 @@ class LatentProjection(nn.Module):
 class MlaAttention(nn.Module):
     """k_cache (= v_cache): [num_pages, page_size, 1, kv_lora_rank + qk_rope_head_dim (+
     index_head_dim with DSA, + 16 bytes with DSA in FP8: ops.torch_ref.dsa)], bound by the model
-    runner, with kv_scales ([2, 1] fp32) when the cache is FP8. index: whether this layer runs
-    the DSA indexer (else it reuses the selection handed to it).
+    runner, with kv_scales ([2, 1] fp32) when the cache is FP8. indexer: the DSA indexer of a
+    layer that chooses its positions (layers.attention.dsa; None: a shared layer reuses the
+    selection handed to it, or no DSA).
 
     Tensor parallelism splits the heads (q_b_proj / q_proj, kv_b_proj and o_proj); the latent,
     its cache and the DSA indexer are replicated on every rank, as vLLM and SGLang keep them."""
 
-    def __init__(self, c: ModelConfig, rotary: RotaryEmbedding, index: bool = False,
-                 parallel: Parallel = SINGLE) -> None:
+    def __init__(self, c: ModelConfig, rotary: RotaryEmbedding, parallel: Parallel = SINGLE,
+                 indexer: Indexer | None = None) -> None:
         super().__init__()
         m = self.mla = c.mla
         first, self.num_heads = parallel.part(c.num_heads)
@@ -86,7 +95,7 @@ class MlaAttention(nn.Module):
         self.scale = ((m.qk_nope_head_dim + m.qk_rope_head_dim) ** -0.5
                       * softmax_mscale(c.rope_scaling))
         self.dsa = c.dsa
-        self.indexer = Indexer(c, rotary) if index else None
+        self.indexer = indexer
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
         self.kv_scales: torch.Tensor | None = None
@@ -134,3 +143,24 @@ class MlaAttention(nn.Module):
                                   self.kv_scales)
         o = torch.einsum("thc,hvc->thv", o, w_uv)
         return self.o_proj(o.reshape(-1, heads * m.v_head_dim), residual=h), selection
+
+
+class MlaBackend(AttentionBackend):
+    name = "mla"
+
+    def layer(self, c: ModelConfig, rotary: RotaryEmbedding, index: int,
+              parallel: Parallel) -> MlaAttention:
+        return MlaAttention(c, rotary, parallel)
+
+    def kv_layout(self, c: ModelConfig, parallel: Parallel, fp8: bool) -> KVLayout:
+        """One part (v is k): the latent and the rotary key, head_dim wide (ModelConfig sets it
+        so), in one "KV head" replicated on every rank."""
+        return KVLayout(parts=1, num_kv_heads=c.num_kv_heads, width=c.cache_width(fp8))
+
+    def graph_capture(self, c: ModelConfig) -> str | None:
+        return ("MLA's steps sync the host with the device: its latent store (PyTorch) "
+                "indexes with a mask of the valid slots, and its attention without a count of "
+                "decodes takes the PyTorch path, which reads the batch layout on the host")
+
+
+BACKEND = MlaBackend()
