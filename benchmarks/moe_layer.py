@@ -1,7 +1,10 @@
 """Time one MoE layer's experts (ops.triton.fused_moe) at a real model's shapes, by tokens per
 step, float / FP8-block / INT4 experts, against the per-expert PyTorch loop (torch_ref), and
 print a table: microseconds per call, CUDA-graph replayed, and the weight bytes read per
-microsecond (the experts a step touches, each read once).
+microsecond (the experts a step touches, each read once: TB/s). Up to moe_gemv.MAX_SLOTS slots
+fused_moe takes the small-batch path (each slot reads its expert, no sort); --sorted times the
+sorted grouped GEMMs there too, and the routing kernel (ops.triton.moe_route) against the torch
+ops it replaces is timed beside them.
 
     python benchmarks/moe_layer.py [--model qwen3-30b-a3b] [--tokens 1,8,32,64,256,2048]
 """
@@ -16,7 +19,9 @@ import torch
 from frugal.loader.dummy import PRESETS
 from frugal.model_config import ModelConfig
 from frugal.ops import torch_ref
+from frugal.ops.triton import moe_gemv
 from frugal.ops.triton.moe import fused_moe
+from frugal.ops.triton.moe_route import route_experts
 from frugal.quant.experts import quantize_experts
 
 
@@ -44,6 +49,8 @@ def main() -> None:
     p.add_argument("--model", default="qwen3-30b-a3b", choices=["qwen3-30b-a3b", "glm-4.5-air"])
     p.add_argument("--tokens", default="1,8,32,64,256,2048")
     p.add_argument("--json", default=None, help="also write the rows here")
+    p.add_argument("--sorted", action="store_true",
+                   help="also time the sorted path where the small-batch path runs")
     args = p.parse_args()
     c = ModelConfig.from_hf(PRESETS[args.model])
     m = c.moe
@@ -59,8 +66,9 @@ def main() -> None:
     print(f"{args.model}: {e} experts, top {m.top_k}, hidden {h}, expert inter {i}; H200 us per "
           "layer (CUDA graph)")
     print("| tokens | experts hit | torch_ref bf16 | frugal bf16 | frugal FP8 | frugal INT4 | "
-          "INT4 GB/s |")
-    print("|---|---|---|---|---|---|---|")
+          "TB/s bf16 / FP8 / INT4 | route: torch ops / kernel |")
+    print("|---|---|---|---|---|---|---|---|")
+    router_w = torch.randn(e, h, device="cuda", generator=g).mul_(0.02).bfloat16()
     for t in [int(s) for s in args.tokens.split(",")]:
         x = torch.randn(t, h, device="cuda", generator=g).bfloat16()
         router = torch.randn(t, e, device="cuda", generator=g)
@@ -79,12 +87,24 @@ def main() -> None:
         for name, (gu, dn) in forms.items():
             args_ = (x, gu, dn, weights, ids)
             row[f"{name}_us"] = timed(lambda a=args_: fused_moe(*a))
-        touched = hit * 3 * h * i * bytes_per["int4"]
-        row["int4_gbs"] = touched / row["int4_us"] / 1e3
+            row[f"{name}_tbs"] = hit * 3 * h * i * bytes_per[name] / row[f"{name}_us"] / 1e6
+            if args.sorted and t * m.top_k <= moe_gemv.MAX_SLOTS:
+                limit, moe_gemv.MAX_SLOTS = moe_gemv.MAX_SLOTS, 0
+                row[f"{name}_sorted_us"] = timed(lambda a=args_: fused_moe(*a))
+                moe_gemv.MAX_SLOTS = limit
+        bias = torch.zeros(e, device="cuda") if m.correction_bias else None
+        route = (x, router_w, bias, m.top_k, m.scoring, m.norm_topk_prob, m.n_group,
+                 m.topk_group, m.routed_scaling_factor)
+        row["route_torch_us"] = timed(lambda r=route: torch_ref.route_experts(*r))
+        row["route_kernel_us"] = timed(lambda r=route: route_experts(*r))
         rows.append(row)
         ref = row.get("torch_ref_bf16_us")
-        print(f"| {t} | {hit} | {'-' if ref is None else f'{ref:.0f}'} | {row['bf16_us']:.1f} | "
-              f"{row['fp8_us']:.1f} | {row['int4_us']:.1f} | {row['int4_gbs']:.0f} |")
+        sorted_ = "".join(f" (sorted {row[k + '_sorted_us']:.1f})" if k + "_sorted_us" in row
+                          else "" for k in ("bf16",))
+        print(f"| {t} | {hit} | {'-' if ref is None else f'{ref:.0f}'} | "
+              f"{row['bf16_us']:.1f}{sorted_} | {row['fp8_us']:.1f} | {row['int4_us']:.1f} | "
+              f"{row['bf16_tbs']:.2f} / {row['fp8_tbs']:.2f} / {row['int4_tbs']:.2f} | "
+              f"{row['route_torch_us']:.1f} / {row['route_kernel_us']:.1f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "rows": rows}, f, indent=1)

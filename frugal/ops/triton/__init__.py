@@ -16,7 +16,6 @@ launch mode for the weights loaded (ops.triton.launch).
 # without graphs)
 from frugal.ops.torch_ref.dsa import store_index_key
 from frugal.ops.torch_ref.mla import store_latent
-from frugal.ops.torch_ref.moe import route_experts
 from frugal.ops.torch_ref.rotary import apply_rotary, apply_rotary_pairs
 from frugal.ops.triton.attention import paged_attention
 from frugal.ops.triton.dsa import index_topk, sparse_mla_attention
@@ -27,6 +26,7 @@ from frugal.ops.triton.launch import set_default
 from frugal.ops.triton.linear import linear, pack_weight
 from frugal.ops.triton.mla_decode import mla_attention
 from frugal.ops.triton.moe import fused_moe
+from frugal.ops.triton.moe_route import route_experts
 from frugal.ops.triton.sampling import argmax
 
 CUDA_GRAPHS = True

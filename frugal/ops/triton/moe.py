@@ -166,6 +166,10 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor | Experts, down: torch.Tens
     of torch_ref.fused_moe (same arguments; x [T, hidden] contiguous)."""
     tokens, hidden = x.shape
     top_k = ids.shape[1]
+    from frugal.ops.triton.moe_gemv import MAX_SLOTS, fused_moe_gemv  # (it builds on this one)
+
+    if tokens * top_k <= MAX_SLOTS:  # a few tokens: no sorting, each slot reads its expert
+        return fused_moe_gemv(x, gate_up, down, weights, ids)
     num_experts, inter = gate_up.shape[0], down.shape[2]
     block_m = 16 if tokens * top_k <= 16 * num_experts else 64
     sorted_slots, block_expert, total = align(ids, num_experts, block_m)

@@ -1,0 +1,94 @@
+"""Routing in one launch: a token's expert scores, their choice and their weights by one program.
+
+torch_ref.route_experts spells routing as ~10 small ops (softmax or sigmoid, the group scores,
+their top-k, a mask, the top-k, a gather, the renormalization, the scaling): at decode batch
+sizes each costs a launch and more than its work. Here the router logits (x @ routerᵀ in fp32,
+one matmul) go to `_route`, one program a token over all its experts (up to BLOCK_E = the next
+power of two):
+  softmax: the top_k probabilities, renormalized to sum 1 if asked (Qwen3-MoE);
+  sigmoid: experts chosen by sigmoid + correction bias, among the topk_group best of n_group
+           groups (a group scores the sum of its two best), weighted by their sigmoid,
+           renormalized by their sum + 1e-20 if asked (GLM-4.5, DeepSeek-V3, Kimi K2);
+then times routed_scaling. The top k are found by k rounds of argmax (k ≤ 8 at real shapes;
+ties go to the lower expert id). Grouping needs the experts to fill BLOCK_E exactly (a power of
+two: DeepSeek-V3's 256 in 8 groups); otherwise the torch ops route (route_experts falls back).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from frugal.ops.torch_ref.moe import route_experts as route_experts_torch
+
+
+@triton.jit
+def _route(logits_ptr, bias_ptr, weights_ptr, ids_ptr, E, scaling, TOP_K: tl.constexpr,
+           SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
+           N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_E: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_E)
+    ok = offs < E
+    x = tl.load(logits_ptr + row * E + offs, mask=ok, other=float("-inf"))
+    if SIGMOID:
+        score = tl.where(ok, 1.0 / (1.0 + tl.exp(-x)), 0.0)
+        choice = score
+        if HAS_BIAS:
+            choice += tl.load(bias_ptr + offs, mask=ok, other=0.0)
+        choice = tl.where(ok, choice, float("-inf"))
+        if N_GROUP > 1:  # keep the TOPK_GROUP groups whose two best are best
+            GS: tl.constexpr = BLOCK_E // N_GROUP
+            grouped = tl.reshape(choice, (N_GROUP, GS))
+            col = tl.arange(0, GS)[None, :]
+            first = tl.max(grouped, axis=1)
+            at = tl.argmax(grouped, axis=1)
+            second = tl.max(tl.where(col == at[:, None], float("-inf"), grouped), axis=1)
+            group_score = first + second
+            groups = tl.arange(0, N_GROUP)
+            keep = groups < 0
+            for _ in tl.static_range(TOPK_GROUP):
+                best = tl.argmax(group_score, axis=0)
+                keep = keep | (groups == best)
+                group_score = tl.where(groups == best, float("-inf"), group_score)
+            choice = tl.reshape(tl.where(keep[:, None], grouped, float("-inf")), (BLOCK_E,))
+    else:
+        p = tl.exp(x - tl.max(x, axis=0))
+        score = p / tl.sum(p, axis=0)
+        choice = tl.where(ok, score, float("-inf"))
+    slots = tl.arange(0, TOP_K)
+    weights = tl.zeros((TOP_K,), dtype=tl.float32)
+    ids = tl.zeros((TOP_K,), dtype=tl.int64)
+    for j in tl.static_range(TOP_K):
+        best = tl.argmax(choice, axis=0)
+        weights = tl.where(slots == j, tl.sum(tl.where(offs == best, score, 0.0), axis=0),
+                           weights)
+        ids = tl.where(slots == j, best.to(tl.int64), ids)
+        choice = tl.where(offs == best, float("-inf"), choice)
+    if RENORMALIZE:
+        total = tl.sum(weights, axis=0)
+        weights = weights / (total + 1e-20) if SIGMOID else weights / total
+    tl.store(weights_ptr + row * TOP_K + slots, weights * scaling)
+    tl.store(ids_ptr + row * TOP_K + slots, ids)
+
+
+def route_experts(x: torch.Tensor, router: torch.Tensor, correction_bias: torch.Tensor | None,
+                  top_k: int, scoring: str, renormalize: bool, n_group: int, topk_group: int,
+                  scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The twin of torch_ref.route_experts (same arguments and results: weights [T, top_k] fp32,
+    ids [T, top_k] int64)."""
+    num_tokens, num_experts = x.shape[0], router.shape[0]
+    block_e = triton.next_power_of_2(num_experts)
+    grouped = scoring == "sigmoid" and n_group > 1
+    if (grouped and block_e != num_experts) or top_k & (top_k - 1) or num_tokens == 0:
+        return route_experts_torch(x, router, correction_bias, top_k, scoring, renormalize,
+                                   n_group, topk_group, scaling)
+    logits = (x.float() @ router.float().t()).contiguous()
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=x.device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=x.device)
+    bias = correction_bias if correction_bias is not None else logits
+    _route[(num_tokens,)](logits, bias, weights, ids, num_experts, float(scaling), TOP_K=top_k,
+                          SIGMOID=scoring == "sigmoid", HAS_BIAS=correction_bias is not None,
+                          RENORMALIZE=renormalize, N_GROUP=n_group if grouped else 1,
+                          TOPK_GROUP=topk_group, BLOCK_E=block_e, num_warps=4)
+    return weights, ids
