@@ -22,8 +22,18 @@ DTYPES = {
     "fp16": torch.float16,
     "half": torch.float16,
 }
-# KV cache dtypes beyond the activation dtypes: FP8 e4m3 with per-layer, per-head scales
-KV_DTYPES = {**DTYPES, "fp8_e4m3": torch.float8_e4m3fn, "fp8": torch.float8_e4m3fn}
+# Quantized KV cache formats: name -> (K's dtype, V's dtype; None: the activations'), and
+# whether each row carries its own scale (ops.torch_ref.kv_quant) rather than one static scale a
+# layer and KV head. Names follow vLLM's where it has them.
+KV_FORMATS = {
+    "fp8_e4m3": (torch.float8_e4m3fn, torch.float8_e4m3fn, False),
+    "fp8_per_token_head": (torch.float8_e4m3fn, torch.float8_e4m3fn, True),
+    "int8_per_token_head": (torch.int8, torch.int8, True),
+    "fp8_v": (None, torch.float8_e4m3fn, True),
+}
+KV_ALIASES = {"fp8": "fp8_e4m3", "int8_per_token": "int8_per_token_head"}
+KV_DTYPES = {**DTYPES, **{name: fmt[1] for name, fmt in KV_FORMATS.items()},
+             **{alias: KV_FORMATS[name][1] for alias, name in KV_ALIASES.items()}}
 
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
@@ -79,7 +89,12 @@ class CacheConfig:
 
     kv_cache_dtype fp8_e4m3 (alias fp8) stores K and V as FP8 with a scale per layer, KV head
     and K/V, taken from the checkpoint, else from kv_scales_path (`frugal calibrate-kv`), else
-    calibrated at start-up on text the model writes (or on calibration_file).
+    calibrated at start-up on built-in texts (or on calibration_file). fp8_per_token_head and
+    int8_per_token_head (alias int8_per_token) store each token and head's row with its own
+    scale (nothing calibrated); fp8_v keeps K in the activation dtype and V as such FP8 rows.
+    Any quantized format is checked at start-up against a cache in the activation dtype (KL of
+    the next-token distribution on built-in texts, worker.kv_check); kv_cache_max_kl refuses
+    to start above that KL.
 
     kv_integrity: before every step, check on the device that each request's pages still carry
     the tags they had when it got them, and abort only the requests whose pages do not.
@@ -94,6 +109,7 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"
     kv_scales_path: str | None = None
     calibration_file: str | None = None
+    kv_cache_max_kl: float | None = None
     kv_integrity: bool = True
     enable_prefix_caching: bool = True
 
@@ -108,15 +124,24 @@ class CacheConfig:
         if self.kv_cache_dtype not in ("auto", *KV_DTYPES):
             raise ValueError(f"kv_cache_dtype: unsupported {self.kv_cache_dtype!r} "
                              f"(auto, {', '.join(KV_DTYPES)})")
-        if self.kv_cache_dtype == "fp8":
-            object.__setattr__(self, "kv_cache_dtype", "fp8_e4m3")
+        if self.kv_cache_dtype in KV_ALIASES:
+            object.__setattr__(self, "kv_cache_dtype", KV_ALIASES[self.kv_cache_dtype])
+        if self.kv_cache_max_kl is not None and not (
+                self.quantized and self.kv_cache_max_kl >= 0):
+            raise ValueError("kv_cache_max_kl: a KL >= 0, with a quantized kv_cache_dtype "
+                             f"({', '.join(KV_FORMATS)})")
         if not self.fp8 and (self.kv_scales_path or self.calibration_file):
             raise ValueError("kv_scales_path / calibration_file: only with kv_cache_dtype "
                              "fp8_e4m3")
 
     @property
     def fp8(self) -> bool:
+        """FP8 with static scales (calibrated, loaded or from the checkpoint)."""
         return self.kv_cache_dtype == "fp8_e4m3"
+
+    @property
+    def quantized(self) -> bool:
+        return self.kv_cache_dtype in KV_FORMATS
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,8 @@ class LLM:
                  kv_cache_memory: str | int | float | None = None,
                  gpu_memory_utilization: float = 0.9, kv_cache_dtype: str = "auto",
                  kv_scales_path: str | None = None, calibration_file: str | None = None,
-                 max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
+                 kv_cache_max_kl: float | None = None, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int = 2048,
                  max_model_len: int | None = None, enforce_eager: bool = False,
                  quantization: str = "none", num_layers: int | None = None,
                  enable_prefix_caching: bool = True, tensor_parallel_size: int = 1) -> None:
@@ -37,6 +38,7 @@ class LLM:
                               gpu_memory_utilization=gpu_memory_utilization,
                               kv_cache_dtype=kv_cache_dtype, kv_scales_path=kv_scales_path,
                               calibration_file=calibration_file,
+                              kv_cache_max_kl=kv_cache_max_kl,
                               enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,

@@ -40,6 +40,12 @@ class Metrics:
                               "model's activation dtype (FP8 KV under bf16: 2)")
         self.kv_info = Gauge("frugal_kv_cache_info", "KV cache dtype and FP8 scale source (1)",
                              ["model_name", "kv_cache_dtype", "kv_scales"], registry=r)
+        self.kv_check_kl = gauge("frugal_kv_cache_check_kl",
+                                 "Start-up check of a quantized KV cache: mean KL of the "
+                                 "next-token distribution from the unquantized cache's")
+        self.kv_check_top1 = gauge("frugal_kv_cache_check_top1_agreement",
+                                   "Start-up check of a quantized KV cache: share of positions "
+                                   "whose top-1 token is the unquantized cache's")
         self.prompt_tokens = counter("frugal_prompt_tokens", "Prompt tokens of finished requests")
         self.generation_tokens = counter("frugal_generation_tokens", "Generated tokens")
         self.preemptions = counter("frugal_preemptions", "Requests preempted for KV space")
@@ -87,6 +93,9 @@ class Metrics:
         self.kv_tokens.set(stats.capacity_tokens)
         self.kv_ratio.set(stats.kv_capacity_ratio)
         self.kv_info.labels(model_name=self.model_name, **stats.kv_cache).set(1)
+        if stats.kv_check_kl is not None:
+            self.kv_check_kl.set(stats.kv_check_kl)
+            self.kv_check_top1.set(stats.kv_check_top1)
         self._seen = {name: getattr(stats, name) for name, _ in self._totals()}
         self.update(stats)
 

@@ -46,8 +46,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--cuda-graph-max-bs", type=int, default=256,
                    help="largest decode batch run from a CUDA graph")
     g.add_argument("--kv-cache-dtype", default="auto",
-                   help="auto (the activation dtype), bfloat16, float16, float32, fp8_e4m3 "
-                        "(alias fp8: half the bytes per token, scaled per layer and KV head)")
+                   help="auto (the activation dtype), bfloat16, float16, float32; 8-bit: "
+                        "fp8_e4m3 (alias fp8: scaled per layer and KV head, calibrated), "
+                        "fp8_per_token_head and int8_per_token_head (alias int8_per_token: a "
+                        "scale per token and head, stored in the page), fp8_v (K in the "
+                        "activation dtype, V as fp8_per_token_head)")
+    g.add_argument("--kv-cache-max-kl", type=float, default=None,
+                   help="refuse to start when the quantized KV cache moves the next-token "
+                        "distribution of built-in texts by more than this mean KL (the "
+                        "start-up check always logs it)")
     g.add_argument("--kv-scales-path", default=None,
                    help="FP8 KV scales from `frugal calibrate-kv` (default: the checkpoint's, "
                         "else calibrated at start-up)")
@@ -80,6 +87,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                           kv_cache_dtype=args.kv_cache_dtype,
                           kv_scales_path=args.kv_scales_path,
                           calibration_file=args.calibration_file,
+                          kv_cache_max_kl=args.kv_cache_max_kl,
                           kv_integrity=args.kv_integrity == "on",
                           enable_prefix_caching=args.enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,

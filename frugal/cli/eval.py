@@ -27,8 +27,9 @@ def add_eval_parser(subparsers) -> None:
                    help="perplexity on the Wikipedia passages of BoolQ")
     g.add_argument("--ctx-len", type=int, default=512, help="tokens per perplexity window")
     g.add_argument("--generate", type=int, default=None, metavar="N",
-                   help="greedy answers to N chat prompts (questions of the four informative "
-                        "tasks) against --reference: identical answers, first divergence")
+                   help="greedy answers to N chat prompts (8 built-in ones, then questions of "
+                        "the four informative tasks) against --reference: identical answers, "
+                        "first divergence, and KL teacher-forced on the reference's answers")
     g.add_argument("--generate-tokens", type=int, default=64, help="tokens per answer")
     g.add_argument("--windows", type=int, default=None, help="at most N perplexity windows")
     g.add_argument("--reference", default=None, metavar="FLAGS",
@@ -62,7 +63,7 @@ def describe(llm: LLM) -> str:
     dtype = str(runner.dtype).removeprefix("torch.")
     quant = worker.weights_quantization  # (also a checkpoint's own quantized weights)
     weights = f"{dtype} weights" if quant == "none" else f"{quant} weights, {dtype} activations"
-    return f"{weights}, {str(runner.pool.k[0].dtype).removeprefix('torch.')} KV, {runner.device}"
+    return f"{weights}, {runner.pool.name} KV, {runner.device}"
 
 
 def run_eval(args: argparse.Namespace) -> int:
@@ -135,11 +136,12 @@ def run_eval(args: argparse.Namespace) -> int:
                 lines.append(f"| {p.task} | {p.num_items} | {ref_acc} | {acc} | {p.diff:+.2f} "
                              f"[{p.ci_low:+.2f}, {p.ci_high:+.2f}] | {p.gained}/{p.lost} |")
     if args.generate:
-        prompts = generation.questions(args.generate)
+        prompts = generation.prompts(args.generate)
         tok = llm.get_tokenizer()
-        agree = generation.agreement(
-            generation.answers(llm, prompts, args.generate_tokens),
-            generation.answers(reference, prompts, args.generate_tokens), prompts, tok.decode)
+        ref_answers = generation.answers(reference, prompts, args.generate_tokens)
+        agree = generation.agreement(generation.answers(llm, prompts, args.generate_tokens),
+                                     ref_answers, prompts, tok.decode)
+        generation.divergence(llm, reference, prompts, ref_answers, agree)
         report["generate"] = asdict(agree)
         lines += ["", *generation.format_agreement(agree, args.generate_tokens)]
     if args.perplexity:

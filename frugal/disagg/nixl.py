@@ -54,7 +54,7 @@ class KVLayout:
         scales = ("" if pool.scales is None else
                   hashlib.sha256(pool.scales.float().cpu().numpy().tobytes()).hexdigest())
         return cls(num_layers, parts, page_size, heads, head_dim,
-                   str(pool.dtype).removeprefix("torch."), scales)
+                   pool.name, scales)
 
     def check(self, remote: KVLayout, where: str) -> None:
         """Raise ValueError naming every field where `remote` (the worker at `where`)

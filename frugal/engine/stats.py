@@ -28,16 +28,19 @@ class EngineStats:
     num_pages_cached: int = 0  # pages the prefix cache maps (evictable or shared)
     prefix_cache_queries: int = 0  # tokens of admitted requests looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens found there
+    kv_check_kl: float | None = None  # a quantized cache's start-up check (worker.kv_check)
+    kv_check_top1: float | None = None
 
 
 def snapshot(engine) -> EngineStats:
     """engine's (an LLMEngine's) stats now: call it between its steps, on its thread."""
     pool, kv, t = engine.worker.pool, engine.scheduler.kv, engine.connector.stats()
-    scheduler, cache = engine.scheduler, kv.cache
+    scheduler, cache, checked = engine.scheduler, kv.cache, engine.worker.kv_check
     return EngineStats(
         len(scheduler.running), len(scheduler.waiting), pool.num_pages,
         pool.num_pages - kv.num_free, pool.capacity_tokens, engine.worker.kv_capacity_ratio,
         pool.describe(), engine.num_preemptions, engine.num_integrity_failures,
         engine.num_bookkeeping_errors + (cache.num_stale if cache else 0), kv.num_held,
         t.num_loads, t.num_load_failures, t.num_leases_expired, t.bytes_loaded,
-        cache.num_cached if cache else 0, kv.num_cache_queries, kv.num_cache_hits)
+        cache.num_cached if cache else 0, kv.num_cache_queries, kv.num_cache_hits,
+        checked and checked.kl_mean, checked and checked.top1_agree)

@@ -3,7 +3,8 @@
 Scores that average over positions (multiple choice, KL divergence) can hide what a user sees
 first: a greedy answer that leaves the reference's in its first tokens and never comes back.
 This measures that directly: the same chat prompts answered greedily by both configurations,
-how many answers are identical, and where the others first differ.
+how many answers are identical, and where the others first differ; and, teacher-forced on each
+prompt with the reference's answer, how far the next-token distributions are apart (KL).
 """
 
 from __future__ import annotations
@@ -11,10 +12,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from frugal.eval.data import Item, load_task
+from frugal.eval.perplexity import perplexity
 from frugal.llm import LLM
 from frugal.request import SamplingParams
 
 TASKS = ("piqa", "openbookqa", "siqa", "commonsenseqa")  # where the questions come from
+CHAT = [  # what a user asks first, before the questions of the tasks
+    "What is the capital of France?",
+    "Explain in a few paragraphs how a refrigerator keeps food cold.",
+    "Write a Python function that returns the n-th Fibonacci number, with a docstring.",
+    "What is 17 multiplied by 23? Show the steps.",
+    "List ten animals that live in the ocean and one fact about each.",
+    "Summarize the causes of the French Revolution for a high-school student.",
+    "Translate to French: The weather is nice today and we are going to the market.",
+    "Give three tips for writing clear technical documentation.",
+]
 _WRAPPERS = (("Question: ", "\nAnswer:"), ("Q: ", "\nA:"), ("", "\nAnswer:"))
 
 
@@ -29,11 +41,20 @@ class Agreement:
     mean_first_divergence: float
     first_divergence: list[int]
     examples: list[dict] = field(default_factory=list)  # the first differing answers, both
+    kl_mean: float | None = None  # teacher-forced on prompt + reference answer (see divergence)
+    top1_agree_pct: float | None = None
+
+
+def prompts(num_prompts: int) -> list[str]:
+    """The built-in chat prompts (CHAT), then questions of the tasks: num_prompts in all."""
+    return CHAT[:num_prompts] + questions(max(num_prompts - len(CHAT), 0))
 
 
 def questions(num_prompts: int) -> list[str]:
     """num_prompts questions, taken in turn from each task's items (lm-eval's prompt wrappers
     removed, so each reads as a user's question)."""
+    if num_prompts == 0:
+        return []
     per_task = -(-num_prompts // len(TASKS))
     items = [load_task(t, per_task).items for t in TASKS]
     out = []
@@ -57,6 +78,18 @@ def answers(llm: LLM, prompts: list[str], max_tokens: int) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
+def divergence(llm: LLM, reference: LLM, prompts: list[str],
+               reference_answers: list[list[int]], agree: Agreement) -> None:
+    """Fill agree's KL and top-1 agreement: both configurations read each chat prompt followed by
+    the reference's answer; KL(reference || llm) of the next-token distribution, averaged over
+    every position after the first (eval.perplexity)."""
+    tokenizer = llm.get_tokenizer()
+    sequences = [tokenizer.encode_chat([{"role": "user", "content": p}], True) + list(a)
+                 for p, a in zip(prompts, reference_answers)]
+    score = perplexity(llm, sequences, reference)
+    agree.kl_mean, agree.top1_agree_pct = score.kld_mean, score.top1_agree_pct
+
+
 def agreement(ours: list[list[int]], reference: list[list[int]], prompts: list[str],
               decode, num_examples: int = 5) -> Agreement:
     """Compare answers position by position; decode turns token ids into text."""
@@ -74,10 +107,12 @@ def agreement(ours: list[list[int]], reference: list[list[int]], prompts: list[s
 
 
 def format_agreement(a: Agreement, max_tokens: int) -> list[str]:
-    lines = ["| prompts | tokens each | identical answers | mean first divergence (token) |",
-             "|---|---|---|---|",
+    kl = ("—" if a.kl_mean is None
+          else f"{a.kl_mean:.5f} | {a.top1_agree_pct:.2f}")
+    lines = ["| prompts | tokens each | identical answers | mean first divergence (token) | "
+             "mean KL (teacher-forced) | top-1 agree % |", "|---|---|---|---|---|---|",
              f"| {a.num_prompts} | {max_tokens} | {a.num_identical} | "
-             f"{a.mean_first_divergence:.1f} |"]
+             f"{a.mean_first_divergence:.1f} | {kl} |"]
     for e in a.examples:
         lines += ["", f"first differing at token {e['first_divergence']}: {e['prompt']!r}",
                   f"  this:      {e['answer'][:160]!r}", f"  reference: {e['reference'][:160]!r}"]

@@ -20,13 +20,18 @@ class KVPool:
     token's slot is page_id * page_size + offset; `k[layer].view(-1, num_kv_heads,
     head_dim)[slot]` is its key. The pool starts zeroed, and FP8 stores saturate
     (NaN included), so no page ever holds a NaN: kernels may read a whole last page.
-    An FP8 pool also has scales: [num_layers, 2, num_kv_heads] fp32 (K, V), set by its owner
-    before use, and scales_source saying where they came from. tags: [num_pages] int32, each
+    A static FP8 pool also has scales: [num_layers, 2, num_kv_heads] fp32 (K, V), set by its
+    owner before use, and scales_source saying where they came from. A row_scaled pool's 8-bit
+    rows carry their scales (ops.torch_ref.kv_quant; V not key-minor). k_split (K's dtype,
+    head_dim), with parts 1: each row is K's values in that dtype, then V's row (so
+    k[layer] and v[layer] are strided views of one tensor). tags: [num_pages] int32, each
     page's current tag (core.page_allocator), kept up to date by the model runner.
     """
 
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: str, parts: int = 2) -> None:
+                 head_dim: int, dtype: torch.dtype, device: str, parts: int = 2,
+                 name: str | None = None, row_scaled: bool = False,
+                 k_split: tuple[torch.dtype, int] | None = None) -> None:
         self.num_pages = num_pages
         self.page_size = page_size
         shape = (num_layers, parts, num_pages, page_size, num_kv_heads, head_dim)
@@ -35,10 +40,17 @@ class KVPool:
         # never meet a stale NaN.
         self._storage = torch.zeros(shape, dtype=dtype, device=device)
         self.k = [self._storage[i, 0] for i in range(num_layers)]
-        v_shape = ((num_pages, num_kv_heads, head_dim, page_size) if v_key_minor(dtype)
-                   else shape[2:])
+        v_shape = ((num_pages, num_kv_heads, head_dim, page_size)
+                   if v_key_minor(dtype) and not row_scaled else shape[2:])
         self.v = [self._storage[i, parts - 1].view(v_shape) for i in range(num_layers)]
+        if k_split is not None:
+            k_dtype, dim = k_split
+            k_bytes = dim * k_dtype.itemsize
+            self.k = [rows.view(torch.uint8)[..., :k_bytes].view(k_dtype) for rows in self.k]
+            self.v = [rows[..., k_bytes:] for rows in self.v]
         self.dtype = dtype
+        self.name = name or str(dtype).removeprefix("torch.")
+        self.row_scaled = row_scaled
         self.tags = torch.zeros(num_pages, dtype=torch.int32, device=device)
         self.scales: torch.Tensor | None = None
         self.scales_source: str | None = None
@@ -48,9 +60,9 @@ class KVPool:
         return self.num_pages * self.page_size
 
     def describe(self) -> dict:
-        """The pool's dtype and, for FP8, where its scales came from (for /v1/models, /metrics)."""
-        return {"kv_cache_dtype": str(self.dtype).removeprefix("torch."),
-                "kv_scales": self.scales_source or "none (not FP8)"}
+        """The pool's format and where its scales come from (for /v1/models, /metrics)."""
+        scales = "per token and head, in each row" if self.row_scaled else "none (not FP8)"
+        return {"kv_cache_dtype": self.name, "kv_scales": self.scales_source or scales}
 
     @property
     def storage(self) -> torch.Tensor:

@@ -4,9 +4,12 @@
 The cache stores x / scale saturated to ±448 (float8_e4m3fn's largest value), so a scale is the
 amax of what it covers over 448. Where they come from, in order: the checkpoint's k_scale /
 v_scale tensors (compressed-tensors and ModelOpt write them per tensor or per head); a file from
-`frugal calibrate-kv` (--kv-scales-path); else a calibration at start-up: the model writes text
-from built-in prompts (or reads --calibration-file) into a small cache in its activation dtype,
-and the amax of every head's K and V there sets its scales. Never a silent 1.0.
+`frugal calibrate-kv` (--kv-scales-path); else a calibration at start-up: the model reads
+built-in texts (or --calibration-file), prefill only, into a small cache in its activation
+dtype, and the amax of every head's K and V there, times HEADROOM, sets its scales. Never a
+silent 1.0. The headroom keeps values past the calibration set from clamping (chat text
+exceeds a calibrated amax by up to 1.6x); a power of two, it costs e4m3 no mantissa bit, only
+range at the subnormal end.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from frugal.core.page_table import PageTable
 from frugal.core.scheduler import SchedulerOutput
 from frugal.ops.torch_ref.attention import FP8_MAX
 from frugal.request import Request, SamplingParams
+from frugal.worker.kv_check import texts
 from frugal.worker.kv_spec import KVSpec
 
 if TYPE_CHECKING:
@@ -31,7 +35,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("frugal")
 FORMAT = "frugal-kv-scales/1"
-# Varied registers: chat, code, arithmetic, lists, prose. The model continues each one.
+# Chat prompts in varied registers (code, arithmetic, lists, prose): what `frugal quantize`
+# calibrates GPTQ on.
 PROMPTS = [
     "Explain in a few paragraphs how a refrigerator keeps food cold.",
     "Write a Python function that returns the n-th Fibonacci number, with a docstring.",
@@ -42,7 +47,7 @@ PROMPTS = [
     "Translate to French: The weather is nice today and we are going to the market.",
     "Give three tips for writing clear technical documentation.",
 ]
-GENERATED_TOKENS = 64  # per built-in prompt
+HEADROOM = 2.0
 FILE_CHUNK, FILE_CHUNKS = 512, 8  # --calibration-file: up to 8 windows of 512 tokens
 
 
@@ -116,7 +121,9 @@ def _checked(values: torch.Tensor, source: str) -> KVScales:
 
 def calibration_prompts(runner: ModelRunner, tokenizer, path: str | None
                         ) -> tuple[list[list[int]], int, str]:
-    """(token ids of each prompt, tokens to generate after each, description)."""
+    """(token ids of each prompt, tokens to sample after each (1: read the prompt only, the
+    sampled token's KV is never written), description)."""
+
     if path is not None:
         if tokenizer is None:
             raise ValueError("calibration_file: the model has no tokenizer")
@@ -129,22 +136,17 @@ def calibration_prompts(runner: ModelRunner, tokenizer, path: str | None
             raise ValueError(f"calibration_file: {path!r} holds no text")
         chunks = [ids[i:i + FILE_CHUNK] for i in range(0, len(ids), FILE_CHUNK)][:FILE_CHUNKS]
         return chunks, 1, f"{sum(map(len, chunks))} tokens of {path}"
-    if tokenizer is not None:
-        prompts = [tokenizer.encode(p) for p in PROMPTS]
-    else:  # dummy weights: no text, so prompts of fixed random token ids
-        g = torch.Generator().manual_seed(0)
-        vocab = runner.model_config.vocab_size
-        prompts = [torch.randint(vocab, (24,), generator=g).tolist() for _ in PROMPTS]
-    return prompts, GENERATED_TOKENS, f"{len(prompts)} built-in prompts"
+    prompts = texts(runner, tokenizer)
+    return prompts, 1, f"{len(prompts)} built-in texts"
 
 
 @torch.inference_mode()
 def calibrate(runner: ModelRunner, spec: KVSpec, prompts: list[list[int]], generate: int,
               what: str) -> KVScales:
     """Run prompts (then `generate` greedy tokens each) through the runner's model into a
-    zeroed cache of spec in its activation dtype; scales = per-head amax / 448. The runner
-    must have no pool bound yet (a worker calibrates before it sizes its pool) and no graphs;
-    it has none afterwards either."""
+    zeroed cache of spec in its activation dtype; scales = per-head amax * HEADROOM / 448. The
+    runner must have no pool bound yet (a worker calibrates before it sizes its pool) and no
+    graphs; it has none afterwards either."""
     mc, page_size = runner.model_config, spec.page_size
     if runner.pool is not None or runner.graphs is not None:
         raise RuntimeError("kv_scales.calibrate: the runner is already bound to a pool")
@@ -161,7 +163,7 @@ def calibrate(runner: ModelRunner, spec: KVSpec, prompts: list[list[int]], gener
             requests.append(request)
             first += n
         todo = [len(ids) for ids in prompts]
-        for _ in range(generate):
+        for _ in range(generate):  # (the first step reads the prompts)
             _step(runner, requests, todo)
             todo = [1] * len(requests)
         written = sum(r.num_computed_tokens for r in requests)
@@ -177,7 +179,7 @@ def calibrate(runner: ModelRunner, spec: KVSpec, prompts: list[list[int]], gener
             torch.cuda.empty_cache()  # the pool sizing that follows counts cached blocks as used
     # a head that saw only zeros could take any scale: give it a tiny one, not 1.0
     source = f"calibrated on {what} ({written} tokens)"
-    return _checked(amax.clamp(min=1e-4) / FP8_MAX, source)
+    return _checked(amax.clamp(min=1e-4) * HEADROOM / FP8_MAX, source)
 
 
 def _step(runner: ModelRunner, requests: list[Request], num_new: list[int]) -> None:

@@ -28,7 +28,8 @@ from frugal.models.registry import model_class
 from frugal.parallel import SINGLE, Parallel
 from frugal.quant.experts import Fp8Experts
 from frugal.quant.fp8 import Fp8Weight
-from frugal.worker import kv_scales
+from frugal.worker import kv_check, kv_scales
+from frugal.worker.kv_check import KVCheck
 from frugal.worker.kv_scales import KVScales
 from frugal.worker.kv_spec import KVSpec
 from frugal.worker.memory import kv_budget, warm_up
@@ -65,6 +66,7 @@ class Worker:
         self.load_model(checkpoint)
         self.kv_spec = KVSpec.of(mc, config.cache, self.dtype, parallel)
         scales = self.find_kv_scales(checkpoint)
+        self.kv_check = self.check_kv_cache(checkpoint, scales)
         self.init_cache(self.determine_num_pages(), scales)
         self.warm_up()
         # built: rank 0's model calls are broadcast to the other ranks from now on
@@ -119,6 +121,15 @@ class Worker:
                                  getattr(self.model, "kv_scales_found", {}),
                                  checkpoint.tokenizer)
 
+    def check_kv_cache(self, checkpoint: Checkpoint, scales: KVScales | None) -> KVCheck | None:
+        """Quantized caches only: how far the format moves the next-token distribution (see
+        worker.kv_check; raises ValueError above --kv-cache-max-kl)."""
+        cache = self.config.cache
+        if not cache.quantized:
+            return None
+        return kv_check.check(self.runner, self.kv_spec, checkpoint.tokenizer,
+                              None if scales is None else scales.values, cache.kv_cache_max_kl)
+
     def determine_num_pages(self) -> int:
         """Pages of kv_spec the KV budget holds (the same on every rank)."""
         budget = kv_budget(self.runner, self.kv_spec, self.config, self.uses_graphs)
@@ -140,7 +151,7 @@ class Worker:
                                   / self.kv_spec.page_bytes)
         logger.info("KV cache: %d pages x %d tokens = %d tokens (%.2f GiB, %s: %.2fx the tokens "
                     "of %s)", num_pages, cache.page_size, self.pool.capacity_tokens,
-                    self.pool.num_bytes / 2**30, str(self.pool.dtype).removeprefix("torch."),
+                    self.pool.num_bytes / 2**30, self.pool.name,
                     self.kv_capacity_ratio, str(self.dtype).removeprefix("torch."))
         self.max_model_len = min(
             self.config.scheduler.max_model_len or mc.max_position_embeddings,
@@ -174,4 +185,4 @@ class Worker:
         scales = "" if pool.scales is None else hashlib.sha256(
             pool.scales.float().cpu().numpy().tobytes()).hexdigest()
         return "|".join(map(str, (c.model, c.load_format, c.seed, self.weights_quantization,
-                                  c.num_layers, self.dtype, pool.dtype, scales)))
+                                  c.num_layers, self.dtype, pool.name, scales)))

@@ -12,7 +12,8 @@ from frugal.config import CacheConfig
 from frugal.eval import multiple_choice as mc
 from frugal.eval.data import load_task, wiki_text
 from frugal.eval.perplexity import perplexity, windows
-from frugal.worker.kv_scales import FORMAT, PROMPTS
+from frugal.worker.kv_check import TEXTS
+from frugal.worker.kv_scales import FORMAT
 from tests.models.test_llama_vs_hf import frugal_logits
 
 transformers = pytest.importorskip("transformers")
@@ -74,7 +75,7 @@ def test_calibrate_kv_file_round_trip_and_errors(tmp_path):
     llm = LLM(model, device="cpu", kv_cache_dtype="fp8", kv_cache_memory="8MiB",
               kv_scales_path=str(out))
     pool = llm.engine.runner.pool
-    assert pool.scales_source.startswith(f"file {out} (calibrated on {len(PROMPTS)} built-in")
+    assert pool.scales_source.startswith(f"file {out} (calibrated on {len(TEXTS)} built-in")
     torch.testing.assert_close(pool.scales[:, 0].cpu(), torch.tensor(data["k_scale"]))
     bad = tmp_path / "bad.json"
     for content, message in [({**data, "k_scale": data["k_scale"][:1]}, "shape"),
@@ -99,7 +100,7 @@ def test_fp8_holds_twice_the_tokens_of_bf16(tmp_path):
 
 def test_startup_calibration_sets_real_scales(fp8_llm):
     pool = fp8_llm.engine.runner.pool
-    assert pool.scales_source.startswith(f"start-up: calibrated on {len(PROMPTS)} built-in")
+    assert pool.scales_source.startswith(f"start-up: calibrated on {len(TEXTS)} built-in")
     scales = pool.scales
     assert scales.shape == (30, 2, 3) and bool((scales > 0).all())
     assert not bool(torch.isclose(scales, torch.ones_like(scales)).any())  # never a silent 1.0

@@ -4,9 +4,12 @@ Single-token (decode) requests are attended together in one padded batch; reques
 new tokens (prefill chunks) one at a time. Grouped-query attention is done by folding each KV
 head's query group into the query axis, so K/V are never repeated.
 
-An FP8 cache (float8_e4m3fn) comes with kv_scales: [2, num_kv_heads] fp32, row 0 for K, row 1
-for V; the cache holds x / scale, saturated to ±448 (never NaN), and reads back as fp8 · scale.
-Its V is key-minor: [num_pages, num_kv_heads, head_dim, page_size] (see v_key_minor).
+A static FP8 cache (float8_e4m3fn) comes with kv_scales: [2, num_kv_heads] fp32, row 0 for K,
+row 1 for V; the cache holds x / scale, saturated to ±448 (never NaN), and reads back as
+fp8 · scale. Its V is key-minor: [num_pages, num_kv_heads, head_dim, page_size] (see
+v_key_minor). An 8-bit cache part given no kv_scales carries a scale in each row instead
+(ops.torch_ref.kv_quant: e4m3 or int8, [..., head_dim + 4]); K and V may differ (K in the
+activation dtype, V 8-bit).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from frugal.ops.torch_ref.kv_quant import dequantize_rows, quantize_rows, row_scaled
 from frugal.ops.torch_ref.rotary import apply_rotary
 from frugal.quant.fp8 import FP8_MAX
 
@@ -47,8 +51,11 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     docstring).
     """
     for x, cache, row in ((k, k_cache, 0), (v, v_cache, 1)):
-        x = quantize(x, kv_scales[row] if kv_scales is not None else None, cache.dtype)
-        minor = row == 1 and v_key_minor(cache.dtype)
+        if row_scaled(cache, x.shape[-1], kv_scales):
+            x, minor = quantize_rows(x, cache.dtype), False
+        else:
+            x = quantize(x, kv_scales[row] if kv_scales is not None else None, cache.dtype)
+            minor = row == 1 and v_key_minor(cache.dtype)
         if cache.element_size() == 1:  # (CPU index_copy_ has no FP8 kernel: copy the bytes)
             cache, x = cache.view(torch.uint8), x.view(torch.uint8)
         if minor:
@@ -129,7 +136,8 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         page_table[:, :1].long() * page_size)
     flat = slots.flatten()  # index_select: several times faster than advanced indexing on CPU
     k, v = (_gather(cache, flat, None if kv_scales is None else kv_scales[row],
-                    row == 1 and v_key_minor(cache.dtype))
+                    row == 1 and v_key_minor(cache.dtype) and kv_scales is not None,
+                    row_scaled(cache, head_dim, kv_scales))
             .view(batch, max_len, num_kv_heads, head_dim)  # [B, L, Hkv, D] fp32
             for cache, row in ((k_cache, 0), (v_cache, 1)))
     q_pos = lengths - n + torch.arange(n, device=q.device)  # [B, n]
@@ -147,14 +155,17 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 
 def _gather(cache: torch.Tensor, slots: torch.Tensor, scale: torch.Tensor | None,
-            key_minor: bool = False) -> torch.Tensor:
+            key_minor: bool = False, scaled_rows: bool = False) -> torch.Tensor:
     """Rows [len(slots), heads, dim] of cache [num_pages, page_size, heads, dim] (key_minor:
-    [num_pages, heads, dim, page_size]) at slots, in fp32 (FP8 times scale)."""
+    [num_pages, heads, dim, page_size]) at slots, in fp32 (FP8 times scale; scaled_rows: each
+    row times its own scale)."""
     if key_minor:
         page_size = cache.shape[3]
         picked = cache.view(torch.uint8)[slots // page_size, :, :, slots % page_size]
         return picked.view(cache.dtype).float() * scale[None, :, None]
     rows = cache.view(-1, *cache.shape[2:])
+    if scaled_rows:
+        return dequantize_rows(rows.view(torch.uint8).index_select(0, slots).view(cache.dtype))
     if cache.element_size() != 1:
         return rows.index_select(0, slots).float()
     picked = rows.view(torch.uint8).index_select(0, slots).view(cache.dtype)

@@ -16,9 +16,10 @@ import torch
 import triton
 import triton.language as tl
 
+from frugal.ops.torch_ref.kv_quant import row_scaled, scale_view
 from frugal.ops.triton import fp8_decode
 from frugal.ops.triton.decode_split import merge_kernel, split_len
-from frugal.ops.triton.kv_blocks import dot_dtype, load_kv, softmax_step
+from frugal.ops.triton.kv_blocks import dot_dtype, load_kv, row_scales, softmax_step
 from frugal.ops.triton.launch import enter, pdl
 
 # The CPU interpreter's bf16 tl.dot is wrong: compute the products in fp32 there.
@@ -41,16 +42,21 @@ _FP8_GLUON = True  # FP8 decodes run fp8_decode's kernel where it fits (False: t
 
 
 @triton.jit(do_not_specialize=["pages_stride", "num_splits"])
-def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, scales_ptr, page_table_ptr, seq_lens_ptr,
-                   cu_ptr, partial_ptr, lse_ptr, out_ptr, scale, pages_stride, num_splits,
-                   NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
-                   GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
-                   PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
-                   PRECISION: tl.constexpr, DIRECT: tl.constexpr, MIN_SPLIT: tl.constexpr,
-                   FP8: tl.constexpr, PDL: tl.constexpr):
+def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, scales_ptr, k_scale_ptr, v_scale_ptr,
+                   page_table_ptr, seq_lens_ptr, cu_ptr, partial_ptr, lse_ptr, out_ptr, scale,
+                   pages_stride, num_splits, NUM_HEADS: tl.constexpr,
+                   NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                   BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
+                   DIRECT: tl.constexpr, MIN_SPLIT: tl.constexpr, FP8: tl.constexpr,
+                   K_ROW: tl.constexpr, V_ROW: tl.constexpr, K_SROW: tl.constexpr,
+                   V_SROW: tl.constexpr, PDL: tl.constexpr):
     """DIRECT (one split): write the normalized output itself, no partials to merge.
-    FP8: K/V are read as FP8 and widened in registers; the head's K scale joins the softmax
-    scale and its V scale multiplies the output (scales_ptr: [2, NUM_KV_HEADS])."""
+    FP8 (static scales): K/V are read as FP8 and widened in registers; the head's K scale joins
+    the softmax scale and its V scale multiplies the output (scales_ptr: [2, NUM_KV_HEADS]).
+    K_ROW, V_ROW: see kv_blocks.load_kv; K_SROW / V_SROW > 0: K / V rows carry their own
+    scales (ops.torch_ref.kv_quant), row r's at k_scale_ptr / v_scale_ptr + r * K_SROW / V_SROW.
+    """
     enter(PDL)
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -69,7 +75,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, scales_ptr, page_table_ptr, 
     d_mask = d < HEAD_DIM
     q = tl.load(q_ptr + (row * NUM_HEADS + heads)[:, None] * HEAD_DIM + d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)
-    q = dot_dtype(q, DOT_F32, FP8)
+    q = dot_dtype(q, DOT_F32, FP8 or K_SROW > 0)
     qk_scale = scale * 1.4426950408889634
     v_scale = 1.0
     if FP8:
@@ -82,11 +88,13 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, scales_ptr, page_table_ptr, 
     for kv_start in range(first, last, BLOCK_N):  # every block holds >= 1 valid token
         pos = tl.multiple_of(kv_start, BLOCK_N) + n
         n_mask = pos < last
-        k, v = load_kv(k_cache_ptr, v_cache_ptr, page_table_ptr + b * pages_stride, pos, n_mask,
-                       last, d, d_mask, kv_head, q, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, DOT_F32,
-                       FP8)
+        k, v, rows = load_kv(k_cache_ptr, v_cache_ptr, page_table_ptr + b * pages_stride, pos,
+                             n_mask, last, d, d_mask, kv_head, q, NUM_KV_HEADS, HEAD_DIM,
+                             PAGE_SIZE, DOT_F32, FP8, True, K_ROW, V_ROW)
+        ks = row_scales(k_scale_ptr, rows, n_mask, K_SROW) if K_SROW > 0 else None
+        vs = row_scales(v_scale_ptr, rows, n_mask, V_SROW) if V_SROW > 0 else None
         m_i, l_i, acc = softmax_step(q, k, v, n_mask[None, :], m_i, l_i, acc, qk_scale,
-                                     PRECISION)
+                                     PRECISION, True, ks, vs)
     has_work = l_i > 0
     normed = acc * (v_scale / tl.where(has_work, l_i, 1.0))[:, None]
     if DIRECT:
@@ -103,16 +111,18 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, scales_ptr, page_table_ptr, 
 
 
 @triton.jit(do_not_specialize=["pages_stride", "first"])
-def _extend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, scales_ptr, page_table_ptr, seq_lens_ptr,
-                   cu_ptr, out_ptr, scale, pages_stride, first, NUM_HEADS: tl.constexpr,
-                   NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-                   HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
-                   PRECISION: tl.constexpr, FP8: tl.constexpr):
+def _extend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, scales_ptr, k_scale_ptr, v_scale_ptr,
+                   page_table_ptr, seq_lens_ptr, cu_ptr, out_ptr, scale, pages_stride, first,
+                   NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
+                   GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+                   PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   DOT_F32: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
+                   K_ROW: tl.constexpr, V_ROW: tl.constexpr, K_SROW: tl.constexpr,
+                   V_SROW: tl.constexpr):
     """One program: BLOCK_M // GROUP_PAD new tokens of one request, for every query head of one
     KV head (row r: token r // GROUP_PAD, head r % GROUP_PAD of the group), so each K/V block is
-    loaded (FP8: and widened) once for the group. Requests from `first` on. FP8: as in
-    _decode_kernel."""
+    loaded (FP8: and widened) once for the group. Requests from `first` on. FP8, K_ROW ..
+    V_SROW: as in _decode_kernel."""
     b = first + tl.program_id(0)
     kv_head = tl.program_id(1)
     block = tl.program_id(2)
@@ -131,7 +141,7 @@ def _extend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, scales_ptr, page_table_ptr, 
         q_pos = seq_len - num_new + i  # absolute position of each new token
         offs = ((start + i) * NUM_HEADS + heads)[:, None] * HEAD_DIM + d[None, :]
         q = tl.load(q_ptr + offs, mask=row_mask[:, None] & d_mask[None, :], other=0.0)
-        q = dot_dtype(q, DOT_F32, FP8)
+        q = dot_dtype(q, DOT_F32, FP8 or K_SROW > 0)
         qk_scale = scale * 1.4426950408889634
         v_scale = 1.0
         if FP8:
@@ -150,17 +160,24 @@ def _extend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, scales_ptr, page_table_ptr, 
         n = tl.arange(0, BLOCK_N)
         for kv_start in range(0, seen, BLOCK_N):
             pos = tl.multiple_of(kv_start, BLOCK_N) + n
-            k, v = load_kv(k_cache_ptr, v_cache_ptr, table, pos, None, end, d, d_mask, kv_head,
-                           q, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, DOT_F32, FP8, False)
+            k, v, rows = load_kv(k_cache_ptr, v_cache_ptr, table, pos, None, end, d, d_mask,
+                                 kv_head, q, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, DOT_F32, FP8,
+                                 False, K_ROW, V_ROW)
+            ks = row_scales(k_scale_ptr, rows, None, K_SROW, False) if K_SROW > 0 else None
+            vs = row_scales(v_scale_ptr, rows, None, V_SROW, False) if V_SROW > 0 else None
             m_i, l_i, acc = softmax_step(q, k, v, None, m_i, l_i, acc, qk_scale, PRECISION,
-                                         False)
+                                         False, ks, vs)
         for kv_start in range(seen, end, BLOCK_N):
             pos = tl.multiple_of(kv_start, BLOCK_N) + n
             n_mask = pos < end
-            k, v = load_kv(k_cache_ptr, v_cache_ptr, table, pos, n_mask, end, d, d_mask,
-                           kv_head, q, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, DOT_F32, FP8)
+            k, v, rows = load_kv(k_cache_ptr, v_cache_ptr, table, pos, n_mask, end, d, d_mask,
+                                 kv_head, q, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, DOT_F32, FP8,
+                                 True, K_ROW, V_ROW)
+            ks = row_scales(k_scale_ptr, rows, n_mask, K_SROW) if K_SROW > 0 else None
+            vs = row_scales(v_scale_ptr, rows, n_mask, V_SROW) if V_SROW > 0 else None
             allowed = (pos[None, :] <= q_pos[:, None]) & n_mask[None, :]
-            m_i, l_i, acc = softmax_step(q, k, v, allowed, m_i, l_i, acc, qk_scale, PRECISION)
+            m_i, l_i, acc = softmax_step(q, k, v, allowed, m_i, l_i, acc, qk_scale, PRECISION,
+                                         True, ks, vs)
         out = acc * (v_scale / tl.where(l_i > 0, l_i, 1.0))[:, None]
         tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty),
                  mask=row_mask[:, None] & d_mask[None, :])
@@ -213,23 +230,28 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     new tokens and the context length of any request (they size the launch grid). The first
     num_decodes requests (all of them when max_query_len is 1) run the decode kernel, the rest
     the extend kernel."""
-    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    num_heads, head_dim = q.shape[1:]
+    k_rows, v_rows = (row_scaled(c, head_dim, kv_scales) for c in (k_cache, v_cache))
+    fp8 = k_cache.dtype == torch.float8_e4m3fn and not k_rows
     if fp8 and kv_scales is None:
         raise ValueError("an FP8 KV cache needs kv_scales")
     scales = kv_scales if fp8 else seq_lens  # (any tensor: not read unless FP8)
-    num_heads, head_dim = q.shape[1:]
+    k_scales = scale_view(k_cache, head_dim) if k_rows else seq_lens  # (likewise)
+    v_scales = scale_view(v_cache, head_dim) if v_rows else seq_lens
     page_size, num_kv_heads = k_cache.shape[1:3]
     group = num_heads // num_kv_heads
     batch = seq_lens.shape[0]
     decodes = batch if max_query_len == 1 else num_decodes
     q = q.contiguous()
     out = torch.empty_like(q)
-    args = (q, k_cache, v_cache, scales, page_table, seq_lens, cu_seqlens_q)
+    args = (q, k_cache, v_cache, scales, k_scales, v_scales, page_table, seq_lens, cu_seqlens_q)
     # fp32 activations get exact fp32 products (no TF32), so GPU and CPU paths agree
     consts = dict(NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim,
                   DIM_PAD=triton.next_power_of_2(head_dim), PAGE_SIZE=page_size,
                   DOT_F32=_DOT_F32, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-                  FP8=fp8)
+                  FP8=fp8, K_ROW=k_cache.stride(2), V_ROW=0 if fp8 else v_cache.stride(2),
+                  K_SROW=k_scales.stride(2) if k_rows else 0,
+                  V_SROW=v_scales.stride(2) if v_rows else 0)
     if decodes:
         _decode(args, out, scale, decodes, max_seq_len, consts)
     if decodes < batch:
@@ -244,7 +266,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 def _decode(args: tuple, out: torch.Tensor, scale: float, batch: int, max_seq_len: int,
             consts: dict) -> None:
     """The decode kernel (and the merge of its splits) for requests 0 .. batch - 1."""
-    q, k_cache, v_cache, scales, page_table, seq_lens, cu_seqlens_q = args
+    q, k_cache, v_cache, scales, _, _, page_table, seq_lens, cu_seqlens_q = args
     fp8, num_heads, head_dim = consts["FP8"], consts["NUM_HEADS"], consts["HEAD_DIM"]
     num_kv_heads, group = consts["NUM_KV_HEADS"], consts["GROUP"]
     gluon = fp8 and _FP8_GLUON and fp8_decode.fits(q, group, head_dim, consts["PAGE_SIZE"])

@@ -1,6 +1,6 @@
 """Building blocks of the Triton paged-attention kernels (frugal.ops.triton.attention): a block
-of K/V rows gathered through a page table (bf16/fp32, or FP8 widened in registers) and one step
-of online softmax over it."""
+of K/V rows gathered through a page table (bf16/fp32, or 8-bit widened in registers, with the
+rows' own scales where they carry them) and one step of online softmax over it."""
 
 import triton
 import triton.language as tl
@@ -21,20 +21,28 @@ def dot_dtype(q, DOT_F32: tl.constexpr, FP8: tl.constexpr):
 @triton.jit
 def load_kv(k_cache_ptr, v_cache_ptr, table_ptr, pos, n_mask, end, d, d_mask, kv_head, q,
             NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-            DOT_F32: tl.constexpr, FP8: tl.constexpr, MASKED: tl.constexpr = True):
+            DOT_F32: tl.constexpr, FP8: tl.constexpr, MASKED: tl.constexpr = True,
+            K_ROW: tl.constexpr = 0, V_ROW: tl.constexpr = 0):
     """K and V rows [BLOCK_N, DIM_PAD] of context positions `pos` (a block starting at a
     multiple of PAGE_SIZE), gathered through the page table of one request; masked rows (pos >=
     end) read as 0. Cast to q's dtype for the dot. MASKED False: every pos < end and
-    HEAD_DIM == DIM_PAD, so the loads carry no mask (n_mask is not read).
+    HEAD_DIM == DIM_PAD, so the loads carry no mask (n_mask is not read). K_ROW / V_ROW:
+    elements from one (slot, head) row to the next (0: HEAD_DIM, a dense cache; more when rows
+    carry a scale, or K and V share one row: ops.torch_ref.kv_quant).
 
-    FP8: V is key-minor, so a page's keys load as runs of PAGE_SIZE bytes; the mask is per page
-    (rows past `end` in the last page are read: pool memory, never NaN, and their weights are 0).
+    FP8 (static scales): V is key-minor, so a page's keys load as runs of PAGE_SIZE bytes; the
+    mask is per page (rows past `end` in the last page are read: pool memory, never NaN, and
+    their weights are 0). Returns (k, v, k_rows, v_rows): the last two, the (slot, head) row
+    index of each key ([BLOCK_N], for loading row scales).
     """
     other = 0.0 if MASKED else None
     page = tl.load(table_ptr + pos // PAGE_SIZE, mask=n_mask if MASKED else None,
                    other=0 if MASKED else None).to(tl.int64)
     slot = page * PAGE_SIZE + pos % PAGE_SIZE
-    offs = (slot * NUM_KV_HEADS + kv_head)[:, None] * HEAD_DIM + d[None, :]
+    rows_kv = slot * NUM_KV_HEADS + kv_head
+    KR: tl.constexpr = K_ROW if K_ROW > 0 else HEAD_DIM
+    VR: tl.constexpr = V_ROW if V_ROW > 0 else HEAD_DIM
+    offs = rows_kv[:, None] * KR + d[None, :]
     mask = n_mask[:, None] & d_mask[None, :] if MASKED else None
     k = tl.load(k_cache_ptr + offs, mask=mask, other=other)
     if FP8:
@@ -46,23 +54,34 @@ def load_kv(k_cache_ptr, v_cache_ptr, table_ptr, pos, n_mask, end, d, d_mask, kv
         v = tl.load(v_cache_ptr + rows[:, None] + (d * PAGE_SIZE)[None, :],
                     mask=in_page[:, None] & d_mask[None, :] if MASKED else None, other=other)
     else:
-        v = tl.load(v_cache_ptr + offs, mask=mask, other=other)
+        v = tl.load(v_cache_ptr + rows_kv[:, None] * VR + d[None, :], mask=mask, other=other)
     if DOT_F32:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
     else:
         k = k.to(q.dtype)
         v = v.to(q.dtype)
-    return k, v
+    return k, v, rows_kv
+
+
+@triton.jit
+def row_scales(scale_ptr, rows_kv, n_mask, SCALE_ROW: tl.constexpr, MASKED: tl.constexpr = True):
+    """The fp32 scales of K or V rows rows_kv ([BLOCK_N]; scale_ptr: a float32 view of the
+    cache whose row r's scale is at r * SCALE_ROW); masked rows read 0."""
+    return tl.load(scale_ptr + rows_kv * SCALE_ROW, mask=n_mask if MASKED else None,
+                   other=0.0 if MASKED else None)
 
 
 @triton.jit
 def softmax_step(q, k, v, allowed, m_i, l_i, acc, qk_scale, PRECISION: tl.constexpr,
-                 MASKED: tl.constexpr = True):
+                 MASKED: tl.constexpr = True, k_scale=None, v_scale=None):
     """One block of online softmax (log2 units): scores q·kᵀ where allowed (everywhere if not
     MASKED), then rescale the running max m_i, sum l_i and output acc. Returns the updated
-    (m_i, l_i, acc)."""
+    (m_i, l_i, acc). k_scale, v_scale ([BLOCK_N] or None): each key's and value's own scale
+    (rows that carry one), applied to its score column and to its weight in p·v."""
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    if k_scale is not None:
+        s = s * k_scale[None, :]
     if MASKED:
         s = tl.where(allowed, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -70,5 +89,7 @@ def softmax_step(q, k, v, allowed, m_i, l_i, acc, qk_scale, PRECISION: tl.conste
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
+    if v_scale is not None:
+        p = p * v_scale[None, :]
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return m_new, l_i, acc

@@ -1,5 +1,6 @@
 """Writing new keys and values into the paged cache, fused with the rotary embedding (and, for an
-FP8 cache, with the quantization: x / scale, saturated to the FP8 range)."""
+8-bit cache, with the quantization: x / scale, saturated to the FP8 range for static scales; for
+rows that carry their own scale, the row's amax sets it: ops.torch_ref.kv_quant)."""
 
 from __future__ import annotations
 
@@ -7,22 +8,27 @@ import torch
 import triton
 import triton.language as tl
 
+from frugal.ops.torch_ref.kv_quant import QMAX, row_scaled, scale_view
 from frugal.ops.triton.launch import enter, pdl
 
 
 @triton.jit
 def _rotary_store_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, slot_ptr, q_out_ptr,
-                         k_cache_ptr, v_cache_ptr, scales_ptr, q_stride, k_stride, v_stride,
-                         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
-                         HEADS_PAD: tl.constexpr, KV_PAD: tl.constexpr, HALF: tl.constexpr,
-                         HALF_PAD: tl.constexpr, DIM: tl.constexpr, PASS: tl.constexpr,
-                         PASS_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr, FP8: tl.constexpr,
-                         PDL: tl.constexpr):
+                         k_cache_ptr, v_cache_ptr, scales_ptr, k_scale_ptr, v_scale_ptr,
+                         q_stride, k_stride, v_stride, NUM_HEADS: tl.constexpr,
+                         NUM_KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
+                         KV_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+                         DIM: tl.constexpr, PASS: tl.constexpr, PASS_PAD: tl.constexpr,
+                         PAGE_SIZE: tl.constexpr, FP8: tl.constexpr, K_ROW: tl.constexpr,
+                         V_ROW: tl.constexpr, K_SROW: tl.constexpr, V_SROW: tl.constexpr,
+                         K_QMAX: tl.constexpr, V_QMAX: tl.constexpr, PDL: tl.constexpr):
     """One program per token: rotate its q heads into q_out, rotate its k heads and store them
     with its v heads at its slot (unless the slot is negative). Each head's first 2 * HALF dims
-    rotate, its last PASS dims (partial rotary; DIM = 2 * HALF + PASS) pass through. FP8:
-    divided by the head's scale (scales_ptr: [2, NUM_KV_HEADS], K then V) and saturated; V
-    key-minor ([pages, NUM_KV_HEADS, DIM, PAGE_SIZE])."""
+    rotate, its last PASS dims (partial rotary; DIM = 2 * HALF + PASS) pass through. FP8
+    (static): divided by the head's scale (scales_ptr: [2, NUM_KV_HEADS], K then V) and
+    saturated; V key-minor ([pages, NUM_KV_HEADS, DIM, PAGE_SIZE]). K_ROW, V_ROW: elements
+    from one (slot, head) row of the cache to the next. K_SROW / V_SROW > 0: K / V rows carry
+    their scale (ops.torch_ref.kv_quant: amax / K_QMAX), row r's at k_scale_ptr + r * K_SROW."""
     enter(PDL)
     t = tl.program_id(0)
     pos = tl.load(pos_ptr + t)
@@ -53,23 +59,40 @@ def _rotary_store_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, slot_ptr, q_
         k_src = k_ptr + t * k_stride + j * DIM + i[None, :]
         k1 = tl.load(k_src, mask=kv_mask, other=0.0).to(tl.float32)
         k2 = tl.load(k_src + HALF, mask=kv_mask, other=0.0).to(tl.float32)
-        kv_dst = (slot * NUM_KV_HEADS + j) * DIM + i[None, :]
+        row = slot * NUM_KV_HEADS + j  # [KV_PAD, 1]
+        kv_dst = row * K_ROW + i[None, :]
         # round to the activation dtype first, as the unfused path stores a rotated k tensor
         x_ty = k_ptr.dtype.element_ty
-        k_scale = 1.0
-        v_scale = 1.0
+        k_rot1 = (k1 * cos - k2 * sin).to(x_ty)
+        k_rot2 = (k2 * cos + k1 * sin).to(x_ty)
+        kv_pass = (j < NUM_KV_HEADS) & (p[None, :] < DIM)
+        k_pass = tl.load(k_ptr + t * k_stride + j * DIM + p[None, :], mask=kv_pass, other=0.0)
+        k_scale = tl.full([KV_PAD, 1], 1.0, tl.float32)
+        v_scale = tl.full([KV_PAD, 1], 1.0, tl.float32)
         if FP8:
             k_scale = tl.load(scales_ptr + j, mask=j < NUM_KV_HEADS, other=1.0)
             v_scale = tl.load(scales_ptr + NUM_KV_HEADS + j, mask=j < NUM_KV_HEADS, other=1.0)
-        _store(k_cache_ptr + kv_dst, (k1 * cos - k2 * sin).to(x_ty), k_scale, kv_mask, FP8)
-        _store(k_cache_ptr + kv_dst + HALF, (k2 * cos + k1 * sin).to(x_ty), k_scale, kv_mask,
-               FP8)
+        if K_SROW > 0:  # the row's amax over all its dims sets its scale
+            amax = tl.maximum(tl.max(_finite_abs(k_rot1), 1), tl.max(_finite_abs(k_rot2), 1))
+            if PASS > 0:
+                amax = tl.maximum(amax, tl.max(_finite_abs(k_pass), 1))
+            k_scale = (amax / K_QMAX)[:, None]
+            tl.store(k_scale_ptr + row * K_SROW, k_scale, mask=j < NUM_KV_HEADS)
+        _store(k_cache_ptr + kv_dst, k_rot1, k_scale, kv_mask, FP8, K_SROW > 0)
+        _store(k_cache_ptr + kv_dst + HALF, k_rot2, k_scale, kv_mask, FP8, K_SROW > 0)
         if PASS > 0:
-            kv_pass = (j < NUM_KV_HEADS) & (p[None, :] < DIM)
-            _store(k_cache_ptr + (slot * NUM_KV_HEADS + j) * DIM + p[None, :],
-                   tl.load(k_ptr + t * k_stride + j * DIM + p[None, :], mask=kv_pass,
-                           other=0.0), k_scale, kv_pass, FP8)
+            _store(k_cache_ptr + row * K_ROW + p[None, :], k_pass, k_scale, kv_pass, FP8,
+                   K_SROW > 0)
         d = tl.arange(0, 2 * HALF_PAD)  # V's dims, all DIM of them (in two halves' worth)
+        if V_SROW > 0:  # a first pass for the row's amax
+            amax = tl.zeros([KV_PAD], tl.float32)
+            for start in tl.static_range(0, DIM, 2 * HALF_PAD):
+                v_mask = (j < NUM_KV_HEADS) & ((start + d)[None, :] < DIM)
+                x = tl.load(v_ptr + t * v_stride + j * DIM + start + d[None, :], mask=v_mask,
+                            other=0.0)
+                amax = tl.maximum(amax, tl.max(_finite_abs(x), 1))
+            v_scale = (amax / V_QMAX)[:, None]
+            tl.store(v_scale_ptr + row * V_SROW, v_scale, mask=j < NUM_KV_HEADS)
         for start in tl.static_range(0, DIM, 2 * HALF_PAD):
             v_mask = (j < NUM_KV_HEADS) & ((start + d)[None, :] < DIM)
             x = tl.load(v_ptr + t * v_stride + j * DIM + start + d[None, :], mask=v_mask,
@@ -78,17 +101,36 @@ def _rotary_store_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, slot_ptr, q_
                 v_dst = (((slot // PAGE_SIZE) * NUM_KV_HEADS + j) * DIM + start + d[None, :]) \
                     * PAGE_SIZE + slot % PAGE_SIZE
             else:
-                v_dst = (slot * NUM_KV_HEADS + j) * DIM + start + d[None, :]
-            _store(v_cache_ptr + v_dst, x, v_scale, v_mask, FP8)
+                v_dst = row * V_ROW + start + d[None, :]
+            _store(v_cache_ptr + v_dst, x, v_scale, v_mask, FP8, V_SROW > 0)
 
 
 @triton.jit
-def _store(ptr, x, scale, mask, FP8: tl.constexpr):
-    """Store x in the cache's dtype; FP8: x / scale, saturated to ±448, NaN stored as 0 (an FP8
-    pool never holds NaN: the attention kernels read whole last pages)."""
+def _finite_abs(x):
+    """|x| in fp32 with NaN as 0 and inf as the largest float32 (as the row's values are)."""
+    y = x.to(tl.float32)
+    return tl.minimum(tl.abs(tl.where(y == y, y, 0.0)), 3.4028234663852886e38)
+
+
+@triton.jit
+def _store(ptr, x, scale, mask, FP8: tl.constexpr, ROW_SCALED: tl.constexpr = False):
+    """Store x in the cache's dtype; FP8 (static): x / scale, saturated to ±448, NaN stored as
+    0 (an FP8 pool never holds NaN: the attention kernels read whole last pages). ROW_SCALED:
+    x / its row's scale (0 for a row of zeros) rounded to e4m3 or int8 (half away from zero)."""
     if FP8:
         y = x.to(tl.float32) / scale
         y = tl.clamp(tl.where(y == y, y, 0.0), -448.0, 448.0)
+        tl.store(ptr, y.to(ptr.dtype.element_ty), mask=mask)
+    elif ROW_SCALED:
+        y = x.to(tl.float32)
+        y = tl.minimum(tl.maximum(tl.where(y == y, y, 0.0), -3.4028234663852886e38),
+                       3.4028234663852886e38)
+        y = tl.where(scale > 0, y / tl.where(scale > 0, scale, 1.0), 0.0)
+        if ptr.dtype.element_ty == tl.int8:
+            y = tl.clamp(y, -127.0, 127.0)
+            y = tl.where(y < 0, -tl.floor(0.5 - y), tl.floor(y + 0.5))
+        else:
+            y = tl.clamp(y, -448.0, 448.0)
         tl.store(ptr, y.to(ptr.dtype.element_ty), mask=mask)
     else:
         tl.store(ptr, x.to(ptr.dtype.element_ty), mask=mask)
@@ -104,11 +146,14 @@ def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
                     slot_mapping: torch.Tensor, kv_scales: torch.Tensor | None = None
                     ) -> torch.Tensor:
     """See torch_ref.rotary_store_kv. q, k, v may be views of one fused qkv projection."""
-    fp8 = k_cache.dtype == torch.float8_e4m3fn
-    if fp8 and kv_scales is None:
-        raise ValueError("an FP8 KV cache needs kv_scales")
     q, k, v = _heads_packed(q), _heads_packed(k), _heads_packed(v)
     num_tokens, num_heads, head_dim = q.shape
+    k_rows, v_rows = (row_scaled(c, head_dim, kv_scales) for c in (k_cache, v_cache))
+    fp8 = k_cache.dtype == torch.float8_e4m3fn and not k_rows
+    if fp8 and kv_scales is None:
+        raise ValueError("an FP8 KV cache needs kv_scales")
+    k_scales = scale_view(k_cache, head_dim) if k_rows else k_cache  # (any tensor: not read)
+    v_scales = scale_view(v_cache, head_dim) if v_rows else k_cache
     num_kv_heads, half = k.shape[1], cos_sin.shape[1] // 2
     passed = head_dim - 2 * half
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -117,10 +162,13 @@ def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
     launch_pdl = pdl(q.device)
     _rotary_store_kernel[(num_tokens,)](
         q, k, v, positions, cos_sin, slot_mapping, out, k_cache, v_cache,
-        kv_scales if fp8 else k_cache, q.stride(0),
+        kv_scales if fp8 else k_cache, k_scales, v_scales, q.stride(0),
         k.stride(0), v.stride(0), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
         HEADS_PAD=triton.next_power_of_2(num_heads), KV_PAD=triton.next_power_of_2(num_kv_heads),
         HALF=half, HALF_PAD=triton.next_power_of_2(half), DIM=head_dim, PASS=passed,
         PASS_PAD=triton.next_power_of_2(max(passed, 1)), PAGE_SIZE=k_cache.shape[1], FP8=fp8,
+        K_ROW=k_cache.stride(2), V_ROW=0 if fp8 else v_cache.stride(2),
+        K_SROW=k_scales.stride(2) if k_rows else 0, V_SROW=v_scales.stride(2) if v_rows else 0,
+        K_QMAX=QMAX.get(k_cache.dtype, 1.0), V_QMAX=QMAX.get(v_cache.dtype, 1.0),
         PDL=launch_pdl, launch_pdl=launch_pdl > 0)
     return out
