@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 INDEX_SCALE_BYTES = 16  # an FP8 index key's fp32 scale and padding, after its bytes
+LATENT_SCALE_BYTES = 16  # a latent row's own fp32 scale (8-bit rows) and padding, after it
 
 
 @dataclass(frozen=True)
@@ -200,11 +201,13 @@ class ModelConfig:
         """MLA: the values of a cache row before the DSA index key, [latent | rotary key]."""
         return self.mla.kv_lora_rank + self.mla.qk_rope_head_dim
 
-    def cache_width(self, fp8: bool) -> int:
-        """Values (bytes, for FP8) of a cache row a token and KV head: head_dim, but an FP8 DSA
+    def cache_width(self, fp8: bool, row_scaled: bool = False) -> int:
+        """Values (bytes, for 8-bit) of a cache row a token and KV head: head_dim, but an FP8 DSA
         row's index key takes 16 bytes more (its fp32 scale, padded: rows stay 16-byte
-        aligned, see ops.torch_ref.dsa)."""
-        return self.head_dim + (INDEX_SCALE_BYTES if fp8 and self.dsa is not None else 0)
+        aligned, see ops.torch_ref.dsa), and so does an MLA latent row that carries its own
+        scale (row_scaled: ops.torch_ref.kv_quant)."""
+        extra = INDEX_SCALE_BYTES if (fp8 or row_scaled) and self.dsa is not None else 0
+        return self.head_dim + extra + (LATENT_SCALE_BYTES if row_scaled else 0)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",

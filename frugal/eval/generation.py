@@ -3,16 +3,18 @@
 Scores that average over positions (multiple choice, KL divergence) can hide what a user sees
 first: a greedy answer that leaves the reference's in its first tokens and never comes back.
 This measures that directly: the same chat prompts answered greedily by both configurations,
-how many answers are identical, and where the others first differ; and, teacher-forced on each
-prompt with the reference's answer, how far the next-token distributions are apart (KL).
+how many answers are identical, and where the others first differ; and, teacher-forced on the
+reference's answers, how far the next-token distributions over them are apart (KL).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from frugal.eval.data import Item, load_task
-from frugal.eval.perplexity import perplexity
+from frugal.eval.perplexity import log_probs
 from frugal.llm import LLM
 from frugal.request import SamplingParams
 
@@ -41,7 +43,7 @@ class Agreement:
     mean_first_divergence: float
     first_divergence: list[int]
     examples: list[dict] = field(default_factory=list)  # the first differing answers, both
-    kl_mean: float | None = None  # teacher-forced on prompt + reference answer (see divergence)
+    kl_mean: float | None = None  # teacher-forced on the reference's answers (see divergence)
     top1_agree_pct: float | None = None
 
 
@@ -79,15 +81,25 @@ def answers(llm: LLM, prompts: list[str], max_tokens: int) -> list[list[int]]:
 
 
 def divergence(llm: LLM, reference: LLM, prompts: list[str],
-               reference_answers: list[list[int]], agree: Agreement) -> None:
+               reference_answers: list[list[int]], agree: Agreement, batch: int = 8) -> None:
     """Fill agree's KL and top-1 agreement: both configurations read each chat prompt followed by
-    the reference's answer; KL(reference || llm) of the next-token distribution, averaged over
-    every position after the first (eval.perplexity)."""
+    the reference's answer; KL(reference || llm) of the next-token distribution (fp64) and
+    top-1 agreement at the positions that predict the answer's tokens."""
     tokenizer = llm.get_tokenizer()
-    sequences = [tokenizer.encode_chat([{"role": "user", "content": p}], True) + list(a)
-                 for p, a in zip(prompts, reference_answers)]
-    score = perplexity(llm, sequences, reference)
-    agree.kl_mean, agree.top1_agree_pct = score.kld_mean, score.top1_agree_pct
+    klds, agreeing = [], 0
+    for start in range(0, len(prompts), batch):
+        chats = [tokenizer.encode_chat([{"role": "user", "content": p}], True)
+                 for p in prompts[start:start + batch]]
+        answers_ = reference_answers[start:start + batch]
+        sequences = [c + list(a) for c, a in zip(chats, answers_)]
+        for chat, mine, ref in zip(chats, log_probs(llm, sequences),
+                                   log_probs(reference, sequences)):
+            mine, ref = mine[len(chat) - 1:].double(), ref[len(chat) - 1:].to(mine.device).double()
+            klds.append((ref.exp() * (ref - mine)).sum(-1).clamp_min(0.0).cpu())
+            agreeing += (ref.argmax(-1) == mine.argmax(-1)).sum().item()
+    kld = torch.cat(klds)
+    agree.kl_mean = kld.mean().item() if kld.numel() else 0.0
+    agree.top1_agree_pct = 100 * agreeing / max(kld.numel(), 1)
 
 
 def agreement(ours: list[list[int]], reference: list[list[int]], prompts: list[str],

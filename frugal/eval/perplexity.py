@@ -43,7 +43,7 @@ def windows(token_ids: list[int], ctx_len: int, max_windows: int | None) -> list
     return [token_ids[i * ctx_len:(i + 1) * ctx_len] for i in range(count)]
 
 
-def _log_probs(llm: LLM, batch: list[list[int]]) -> list[torch.Tensor]:
+def log_probs(llm: LLM, batch: list[list[int]]) -> list[torch.Tensor]:
     """Per window: [ctx_len - 1, vocab] log-probabilities of tokens 1.., on the engine's device."""
     params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs_tensor=True)
     return [out.prompt_logprobs_tensor for out in llm.generate(batch, params)]
@@ -60,8 +60,8 @@ def perplexity(llm: LLM, wins: list[list[int]], reference: LLM | None = None,
     for start in range(0, len(wins), batch):
         chunk = wins[start:start + batch]
         bar.update(len(chunk))
-        mine = _log_probs(llm, chunk)
-        theirs = _log_probs(reference, chunk) if reference is not None else [None] * len(chunk)
+        mine = log_probs(llm, chunk)
+        theirs = log_probs(reference, chunk) if reference is not None else [None] * len(chunk)
         for window, lp, ref in zip(chunk, mine, theirs):
             targets = torch.tensor(window[1:], device=lp.device)
             token_lp = lp.gather(1, targets[:, None]).squeeze(1).double()

@@ -47,9 +47,13 @@ class KVSpec:
                    layout.width, dtype, name)
         if name not in KV_FORMATS or not KV_FORMATS[name][2]:
             return spec
-        if mc.mla is not None:
-            raise ValueError(f"kv_cache_dtype: {name} is not available for MLA models yet "
-                             "(auto or fp8_e4m3)")
+        if mc.mla is not None:  # one row: the latent's 8-bit values, its scale, the index key
+            if KV_FORMATS[name][0] is None or (mc.dsa is not None and dtype != torch.float8_e4m3fn):
+                raise ValueError(f"kv_cache_dtype: {name} is not available for "
+                                 f"{'DSA' if mc.dsa else 'MLA'} models (auto, fp8_e4m3, "
+                                 f"fp8_per_token_head{'' if mc.dsa else ', int8_per_token_head'})")
+            return dataclasses.replace(spec, width=mc.cache_width(True, row_scaled=True),
+                                       row_scaled=True)
         d = layout.width
         if d % SCALE_BYTES:
             raise ValueError(f"kv_cache_dtype: {name} needs a head_dim divisible by "

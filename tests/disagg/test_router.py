@@ -54,7 +54,7 @@ def test_kv_dtype_mismatch_is_refused_at_the_handshake(system):
                                          prefill(system, PROMPTS[0]), key=WORKER_KEY)
     assert status == 400, body
     message = body["error"]["message"]
-    assert "kv_cache_dtype 'float32' there, 'float8_e4m3fn' here" in message, message
+    assert "kv_cache_dtype 'float32' there, 'fp8_e4m3' here" in message, message
     assert body["error"]["param"] == "kv_transfer_params"
     assert wait_empty(system["fp8"], timeout=2)
 

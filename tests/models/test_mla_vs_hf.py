@@ -73,7 +73,8 @@ def test_mla_cache_holds_one_latent_row_per_token(tmp_path):
 
 def fake_quantized(monkeypatch, llm) -> None:
     """Make llm's (non-FP8) cache hold what an FP8 one reads back: each latent row rounded
-    through FP8 with the scales of `llm.fp8_scales` ([layers, 2, 1]), each DSA index key
+    through FP8 with the scales of `llm.fp8_scales` ([layers, 2, 1]; None: through
+    `llm.row_dtype` with the row's own scale, ops.torch_ref.kv_quant), each DSA index key
     through FP8 with its own amax / 448."""
     from frugal.ops import torch_ref
     from frugal.quant.fp8 import FP8_MAX
@@ -86,6 +87,11 @@ def fake_quantized(monkeypatch, llm) -> None:
         return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * scale
 
     def latent(rows, cache, slots, kv_scales=None):
+        if llm.fp8_scales is None:
+            from frugal.ops.torch_ref.kv_quant import dequantize_rows, quantize_rows
+
+            store_latent(dequantize_rows(quantize_rows(rows, llm.row_dtype)), cache, slots)
+            return
         store_latent(rounded(rows, llm.fp8_scales[caches[cache.data_ptr()], 0]), cache, slots)
 
     def index_key(key, cache, slots):
@@ -127,3 +133,31 @@ def test_fp8_cache_reads_back_the_rounded_rows(case, device, tmp_path, monkeypat
     fake_quantized(monkeypatch, ref)
     want = frugal_logits(ref, ids)
     torch.testing.assert_close(got.cpu(), want.cpu(), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("case,fmt", [("deepseek-v3", "fp8_per_token_head"),
+                                      ("deepseek-v3", "int8_per_token_head"),
+                                      ("glm-5", "fp8_per_token_head")])
+def test_row_scaled_cache_reads_back_the_rounded_rows(case, fmt, tmp_path, monkeypatch):
+    """8-bit latent rows with their own scale (and GLM-5's FP8 index keys after them) compute
+    exactly what the fp32 cache does when it holds the rows rounded the same way; fp8_v (K
+    and V are MLA's same rows) and int8 with DSA are refused by name."""
+    if case == "glm-5":
+        from tests.models.test_dsa_vs_hf import config
+        save_random(config(qk_rope_head_dim=8), tmp_path)
+    else:
+        write_model(case, tmp_path)
+    quantized = LLM(str(tmp_path), dtype="float32", device="cpu", kv_cache_memory="8MiB",
+                    kv_cache_dtype=fmt)
+    assert quantized.engine.runner.pool.row_scaled and quantized.engine.worker.kv_check
+    ids = torch.randint(0, 320, (150,), generator=torch.Generator().manual_seed(1)).tolist()
+    got = frugal_logits(quantized, ids)
+    ref = LLM(str(tmp_path), dtype="float32", device="cpu", kv_cache_memory="8MiB")
+    ref.fp8_scales = None
+    ref.row_dtype = torch.int8 if fmt.startswith("int8") else torch.float8_e4m3fn
+    fake_quantized(monkeypatch, ref)
+    torch.testing.assert_close(got, frugal_logits(ref, ids), atol=1e-4, rtol=1e-4)
+    refused = "fp8_v" if case != "glm-5" else "int8_per_token_head"
+    with pytest.raises(ValueError, match=f"kv_cache_dtype: {refused} is not available"):
+        LLM(str(tmp_path), dtype="float32", device="cpu", kv_cache_memory="8MiB",
+            kv_cache_dtype=refused)

@@ -181,3 +181,41 @@ def test_row_scaled_decode_at_real_shapes(fmt, batch, seq_len):
     args = (q, k_cache, v_cache, table, cu, lens, 128 ** -0.5, 1, seq_len)
     torch.testing.assert_close(triton_attention.paged_attention(*args).float(),
                                torch_ref.paged_attention(*args).float(), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("dtype", [FP8, INT8])
+def test_mla_rows_with_their_scale_decode_and_sparse_as_torch_ref(dtype):
+    """MLA latent rows [latent | rope] with their own scale, then 12 bytes of padding and an
+    index key's columns (a column view, as the layer passes it): the Triton decode and sparse
+    kernels against torch_ref, and torch_ref against the unquantized rows."""
+    from frugal.ops.triton.dsa import sparse_mla_attention
+    from frugal.ops.triton.mla_decode import mla_decode
+
+    g = torch.Generator().manual_seed(8)
+    lat, rope, heads, page_size, pages = 32, 16, 4, 16, 12
+    width = lat + rope
+    rows = torch.zeros(pages, page_size, 1, width + 16 + 8, dtype=torch.uint8).view(dtype)
+    cache = rows[..., :width + SCALE_BYTES]
+    plain = torch.zeros(pages, page_size, 1, width)
+    latent = torch.randn(pages * page_size, 1, width, generator=g) * 2
+    slots = torch.arange(pages * page_size)
+    torch_ref.store_latent(latent, cache, slots)
+    torch_ref.store_latent(latent, plain, slots)
+    table = torch.randperm(pages, generator=g)[:9].view(3, 3).int()
+    seq_lens = torch.tensor([20, 9, 48], dtype=torch.int32)
+    q = torch.randn(3, heads, width, generator=g)
+    cu = torch.arange(4, dtype=torch.int32)
+    args = (table, cu, seq_lens, width ** -0.5, 1, 48, lat, 3)
+    ref = torch_ref.mla_attention(q, cache, *args)
+    exact = torch_ref.mla_attention(q, plain, *args)
+    assert 0 < (ref - exact).abs().max() < (0.05 if dtype == INT8 else 0.2)
+    dev = [t.to(DEVICE) for t in (q, rows, table, seq_lens)]
+    got = mla_decode(dev[0], dev[1][..., :width + SCALE_BYTES], dev[2], dev[3], width ** -0.5,
+                     48, lat)
+    torch.testing.assert_close(got.cpu(), ref, atol=1e-4, rtol=1e-4)
+    selection = torch.tensor([[0, 5, 19, -1], [8, 2, -1, -1], [47, 0, 30, 12]],
+                             dtype=torch.int32)
+    ref = torch_ref.sparse_mla_attention(q, cache, table, cu, selection, 0.2, lat)
+    got = sparse_mla_attention(dev[0], dev[1][..., :width + SCALE_BYTES], dev[2],
+                               cu.to(DEVICE), selection.to(DEVICE), 0.2, lat)
+    torch.testing.assert_close(got.cpu(), ref, atol=1e-4, rtol=1e-4)

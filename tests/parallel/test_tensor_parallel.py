@@ -110,3 +110,13 @@ def test_mla_tp2_matches_tp1(kind, tmp_path):
         from tests.models.test_mla_vs_hf import CASES
         save_random(CASES[kind](), tmp_path)
     compare(str(tmp_path))
+
+
+@pytest.mark.parametrize("fmt", ["int8_per_token_head", "fp8_v"])
+def test_row_scaled_kv_tp2_matches_tp1(fmt, tmp_path):
+    """KV rows with a scale per token and head split with their heads; every rank runs the
+    start-up check (its LM head is vocab-parallel) and they agree."""
+    save_random(transformers.LlamaConfig(
+        vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256), tmp_path)
+    compare(str(tmp_path), kv_cache_dtype=fmt)

@@ -29,7 +29,8 @@ from frugal.layers.attention.base import AttentionBackend, KVLayout
 from frugal.layers.linear import Linear, load_whole, narrow
 from frugal.layers.norm import RMSNorm
 from frugal.layers.rotary import RotaryEmbedding, softmax_mscale
-from frugal.model_config import ModelConfig
+from frugal.model_config import LATENT_SCALE_BYTES, ModelConfig
+from frugal.ops.torch_ref.kv_quant import SCALE_BYTES
 from frugal.parallel import SINGLE, Parallel
 
 if TYPE_CHECKING:
@@ -55,7 +56,8 @@ class LatentProjection(nn.Module):
 class MlaAttention(nn.Module):
     """k_cache (= v_cache): [num_pages, page_size, 1, kv_lora_rank + qk_rope_head_dim (+
     index_head_dim with DSA, + 16 bytes with DSA in FP8: ops.torch_ref.dsa)], bound by the model
-    runner, with kv_scales ([2, 1] fp32) when the cache is FP8. indexer: the DSA indexer of a
+    runner, with kv_scales ([2, 1] fp32) when the cache is static FP8; 8-bit rows without them
+    carry their own scale after the latent (ModelConfig.cache_width). indexer: the DSA indexer of a
     layer that chooses its positions (layers.attention.dsa; None: a shared layer reuses the
     selection handed to it, or no DSA).
 
@@ -120,19 +122,20 @@ class MlaAttention(nn.Module):
         rotate = ops.apply_rotary_pairs if m.rope_interleave else ops.apply_rotary
         q_rope, k_rope = rotate(q_rope, k_rope[:, None, :], positions, self.rotary.cos_sin)
         width = m.kv_lora_rank + m.qk_rope_head_dim
-        cache = self.k_cache[..., :width]
+        # 8-bit rows given no kv_scales carry their own scale (ops.torch_ref.kv_quant), padded
+        own = self.kv_scales is None and self.k_cache.element_size() == 1
+        cache = self.k_cache[..., :width + (SCALE_BYTES if own else 0)]
+        index = self.k_cache[..., width + (LATENT_SCALE_BYTES if own else 0):]
         ops.store_latent(torch.cat([self.kv_a_layernorm(latent)[:, None, :], k_rope], dim=-1),
                          cache, meta.slot_mapping, self.kv_scales)
         if self.indexer is not None:  # (a shared layer's index columns stay zero)
-            ops.store_index_key(self.indexer.key(x, positions), self.k_cache[..., width:],
-                                meta.slot_mapping)
+            ops.store_index_key(self.indexer.key(x, positions), index, meta.slot_mapping)
         w = self.kv_b_proj.weight.view(heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
         w_uk, w_uv = w.split([m.qk_nope_head_dim, m.v_head_dim], dim=1)
         q_latent = torch.cat([torch.einsum("thn,hnc->thc", q_nope, w_uk), q_rope], dim=-1)
         if self.dsa is not None and meta.max_seq_len > self.dsa.topk:
             if self.indexer is not None:
-                selection = self.indexer.select(x, q_resid, positions,
-                                                self.k_cache[..., width:], meta)
+                selection = self.indexer.select(x, q_resid, positions, index, meta)
             o = ops.sparse_mla_attention(q_latent, cache, meta.page_table, meta.cu_seqlens_q,
                                          selection, self.scale, m.kv_lora_rank, self.kv_scales)
         else:

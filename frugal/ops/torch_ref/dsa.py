@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from frugal.model_config import INDEX_SCALE_BYTES as SCALE_BYTES
+from frugal.ops.torch_ref.kv_quant import dequantize_rows, row_scaled
 from frugal.ops.torch_ref.mla import store_rows
 from frugal.quant.fp8 import FP8_MAX
 
@@ -94,7 +95,8 @@ def sparse_mla_attention(q: torch.Tensor, cache: torch.Tensor, page_table: torch
     rows = cache.view(-1, cache.shape[-1])
     if cache.element_size() == 1:
         rows = rows.view(torch.uint8).index_select(0, slots.flatten()).view(cache.dtype)
-        rows = rows.float() * kv_scales[0]
+        own = row_scaled(cache, q.shape[-1], kv_scales)  # (rows with their own scale)
+        rows = dequantize_rows(rows) if own else rows.float() * kv_scales[0]
     else:
         rows = rows.index_select(0, slots.flatten()).float()
     rows = rows.view(num_tokens, k, -1)  # [T, k, width]

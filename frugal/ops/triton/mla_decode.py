@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from frugal.ops import torch_ref
+from frugal.ops.torch_ref.kv_quant import row_scaled, scale_view
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Heads a program takes: all of them up to 64 (tl.dot needs at least 16), so each cached row is
@@ -37,10 +38,12 @@ NUM_STAGES: int | None = None  # None: Triton's default
 @triton.jit
 def _kernel(q_ptr, cache_ptr, page_table_ptr, seq_lens_ptr, out_ptr, lse_ptr, scale,
             num_heads, keys_per_split, sqt, sqh, spt, srow, sob, sos, soh, slb, sls,
-            sel_ptr, request_ptr, num_selected, ssel, kv_scale_ptr,
+            sel_ptr, request_ptr, num_selected, ssel, kv_scale_ptr, row_scale_ptr,
             PAGE_SIZE: tl.constexpr, LAT: tl.constexpr, ROPE: tl.constexpr, SPARSE: tl.constexpr,
             FP8: tl.constexpr, F32_DOT: tl.constexpr, BLOCK_H: tl.constexpr,
-            BLOCK_N: tl.constexpr):
+            BLOCK_N: tl.constexpr, SCALE_ROW: tl.constexpr):
+    """FP8: a static cache, its one scale at kv_scale_ptr. SCALE_ROW > 0: 8-bit rows with their
+    own scale, slot s's at row_scale_ptr + s * SCALE_ROW (on its scores and its weight)."""
     b = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
@@ -74,10 +77,11 @@ def _kernel(q_ptr, cache_ptr, page_table_ptr, seq_lens_ptr, out_ptr, lse_ptr, sc
             pos = tl.load(sel_ptr + b * ssel + pos, mask=ok, other=-1)
             ok = pos >= 0
         page = tl.load(page_table_ptr + table_row * spt + pos // PAGE_SIZE, mask=ok, other=0)
-        row = cache_ptr + (page.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE)[:, None] * srow
+        slot = page.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE
+        row = cache_ptr + slot[:, None] * srow
         c = tl.load(row + lat[None, :], mask=ok[:, None], other=0.0)  # [BLOCK_N, LAT]
         k_rope = tl.load(row + LAT + rope[None, :], mask=ok[:, None], other=0.0)
-        if FP8:  # (the scale is applied to the scores and the output)
+        if FP8 or SCALE_ROW > 0:  # (scales are applied to the scores and the weights / output)
             c, k_rope = c.to(q_lat.dtype), k_rope.to(q_lat.dtype)
         if F32_DOT:
             c, k_rope = c.to(tl.float32), k_rope.to(tl.float32)
@@ -85,11 +89,17 @@ def _kernel(q_ptr, cache_ptr, page_table_ptr, seq_lens_ptr, out_ptr, lse_ptr, sc
                  + tl.dot(q_rope, tl.trans(k_rope), input_precision="ieee"))
         else:
             s = tl.dot(q_lat, tl.trans(c)) + tl.dot(q_rope, tl.trans(k_rope))
-        s = tl.where(ok[None, :], s * qk_scale, float("-inf"))
+        s = s * qk_scale
+        if SCALE_ROW > 0:
+            own = tl.load(row_scale_ptr + slot * SCALE_ROW, mask=ok, other=0.0)
+            s = s * own[None, :]
+        s = tl.where(ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m - m_new)
         total = total * alpha + tl.sum(p, axis=1)
+        if SCALE_ROW > 0:
+            p = p * own[None, :]
         if F32_DOT:
             acc = acc * alpha[:, None] + tl.dot(p, c, input_precision="ieee")
         else:
@@ -122,9 +132,11 @@ def mla_decode(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor,
 
     selection ([B, k] int32, see torch_ref.dsa) with request ([B] int32, each row's page_table
     row): the B rows are new tokens of any requests attending to their selected positions;
-    seq_lens and max_seq_len are then unused. An FP8 cache comes with kv_scales ([2, 1],
-    torch_ref.mla)."""
+    seq_lens and max_seq_len are then unused. A static FP8 cache comes with kv_scales ([2, 1],
+    torch_ref.mla); 8-bit rows without them carry their own scale (cache [.., width + 4])."""
     batch, num_heads, width = q.shape
+    own = row_scaled(cache, width, kv_scales)
+    row_scales = scale_view(cache, width) if own else seq_lens  # (any tensor: not read)
     page_size = cache.shape[1]
     block_h = min(MAX_BLOCK_H, max(16, triton.next_power_of_2(num_heads)))
     if selection is not None:
@@ -144,9 +156,10 @@ def mla_decode(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor,
                   out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
                   selection if sparse else seq_lens, request if sparse else seq_lens,
                   max_seq_len, selection.stride(0) if sparse else 0,
-                  seq_lens if kv_scales is None else kv_scales, PAGE_SIZE=page_size,
+                  seq_lens if kv_scales is None else kv_scales, row_scales, PAGE_SIZE=page_size,
                   LAT=kv_lora_rank, ROPE=width - kv_lora_rank, SPARSE=sparse,
-                  FP8=cache.element_size() == 1,
+                  FP8=cache.element_size() == 1 and not own,
+                  SCALE_ROW=row_scales.stride(1) if own else 0,
                   F32_DOT=_INTERPRET or q.dtype == torch.float32, BLOCK_H=block_h,
                   BLOCK_N=BLOCK_N, num_warps=NUM_WARPS or (8 if kv_lora_rank >= 256 else 4),
                   **({} if NUM_STAGES is None else {"num_stages": NUM_STAGES}))
