@@ -17,12 +17,7 @@ from frugal.engine.detokenizer import IncrementalDetokenizer
 from frugal.engine.outputs import check_stop, delta_output, new_request, prompt_token_ids
 from frugal.engine.stats import EngineStats, snapshot
 from frugal.parallel import SINGLE
-from frugal.request import (
-    FinishReason,
-    Request,
-    RequestOutput,
-    SamplingParams,
-)
+from frugal.request import FinishReason, Request, RequestOutput, SamplingParams
 from frugal.worker import ranks
 from frugal.worker.step import Launched, StepResult
 from frugal.worker.worker import Worker
@@ -48,10 +43,7 @@ class LLMEngine:
         self.worker = Worker(config, checkpoint, parallel)
         self.runner = self.worker.runner
         pool = self.worker.pool
-        self.max_model_len = self.worker.max_model_len
-        if self.max_model_len < wanted:
-            logger.warning("max_model_len lowered from %d to %d: the KV cache holds no more",
-                           wanted, self.max_model_len)
+        self.max_model_len = self.worker.max_model_len  # (lowered to what the pool holds)
         kv = KVCacheManager(pool.num_pages, pool.page_size, config.cache.enable_prefix_caching,
                             self.worker.kv_key())
         self.scheduler = Scheduler(kv, config.scheduler.max_num_seqs,

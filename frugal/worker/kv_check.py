@@ -67,13 +67,14 @@ class KVCheck:
                 f"agreement {100 * self.top1_agree:.1f} % over {self.num_tokens} tokens")
 
 
-def texts(runner: ModelRunner, tokenizer) -> list[list[int]]:
-    """Token ids of the built-in texts (dummy weights, no tokenizer: fixed random ids)."""
+def texts(runner: ModelRunner, tokenizer, which: list[str] = TEXTS) -> list[list[int]]:
+    """Token ids of built-in texts (dummy weights, no tokenizer: fixed random ids, another
+    seed for another list)."""
     if tokenizer is not None:
-        return [tokenizer.encode(t) for t in TEXTS]
-    g = torch.Generator().manual_seed(0)
+        return [tokenizer.encode(t) for t in which]
+    g = torch.Generator().manual_seed(0 if which is TEXTS else 1)
     return [torch.randint(runner.model_config.vocab_size, (64,), generator=g).tolist()
-            for _ in TEXTS]
+            for _ in which]
 
 
 @torch.inference_mode()

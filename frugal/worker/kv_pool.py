@@ -50,6 +50,8 @@ class KVPool:
             self.v = [rows[..., k_bytes:] for rows in self.v]
         self.dtype = dtype
         self.name = name or str(dtype).removeprefix("torch.")
+        if k_split is not None:  # (what a peer must match: the K bytes' dtype too)
+            self.name += f" (K {str(k_split[0]).removeprefix('torch.')})"
         self.row_scaled = row_scaled
         self.tags = torch.zeros(num_pages, dtype=torch.int32, device=device)
         self.scales: torch.Tensor | None = None

@@ -48,6 +48,20 @@ PROMPTS = [
     "Give three tips for writing clear technical documentation.",
 ]
 HEADROOM = 2.0
+# What start-up calibration reads (prefill only): registers like the check's (worker.kv_check),
+# other texts, so that the check measures static scales out of sample.
+TEXTS = [
+    "The French Revolution began in 1789, when debt, bad harvests and the privileges of the "
+    "nobility and clergy drove the Third Estate to declare itself a National Assembly. The "
+    "storming of the Bastille in July made it a popular revolt.",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, x):\n"
+    "        self.items.append(x)\n\n    def pop(self):\n        return self.items.pop()\n",
+    "Solve 3x + 7 = 25. Subtract 7 from both sides: 3x = 18. Divide by 3: x = 6. Check: "
+    "3 * 6 + 7 = 18 + 7 = 25.",
+    "User: Give me three tips for clear technical writing.\nAssistant: 1. Say who does what, "
+    "in the active voice. 2. One idea a sentence. 3. Show an example before the rule.\nUser: "
+    "Thanks! Translate 'good morning' to French.\nAssistant: Bonjour.",
+]
 FILE_CHUNK, FILE_CHUNKS = 512, 8  # --calibration-file: up to 8 windows of 512 tokens
 
 
@@ -136,7 +150,7 @@ def calibration_prompts(runner: ModelRunner, tokenizer, path: str | None
             raise ValueError(f"calibration_file: {path!r} holds no text")
         chunks = [ids[i:i + FILE_CHUNK] for i in range(0, len(ids), FILE_CHUNK)][:FILE_CHUNKS]
         return chunks, 1, f"{sum(map(len, chunks))} tokens of {path}"
-    prompts = texts(runner, tokenizer)
+    prompts = texts(runner, tokenizer, TEXTS)
     return prompts, 1, f"{len(prompts)} built-in texts"
 
 

@@ -42,6 +42,7 @@ class KVSpec:
         """The cache a config asks for ('auto' dtype: the activations')."""
         name = cache.kv_cache_dtype
         dtype = activation_dtype if name == "auto" else KV_DTYPES[name]
+        name = name if name in KV_FORMATS else "auto"  # (an unquantized pool: named by dtype)
         layout = backend_for(mc).kv_layout(mc, parallel, cache.fp8)  # (its attention's rows)
         spec = cls(mc.num_layers, layout.parts, cache.page_size, layout.num_kv_heads,
                    layout.width, dtype, name)

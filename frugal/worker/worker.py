@@ -153,9 +153,12 @@ class Worker:
                     "of %s)", num_pages, cache.page_size, self.pool.capacity_tokens,
                     self.pool.num_bytes / 2**30, self.pool.name,
                     self.kv_capacity_ratio, str(self.dtype).removeprefix("torch."))
-        self.max_model_len = min(
-            self.config.scheduler.max_model_len or mc.max_position_embeddings,
-            mc.max_position_embeddings, self.pool.capacity_tokens)
+        wanted = min(self.config.scheduler.max_model_len or mc.max_position_embeddings,
+                     mc.max_position_embeddings)
+        self.max_model_len = min(wanted, self.pool.capacity_tokens)
+        if self.max_model_len < wanted and self.parallel.rank == 0:
+            logger.warning("max_model_len lowered from %d to %d: the KV cache holds no more",
+                           wanted, self.max_model_len)
 
     def warm_up(self) -> None:
         """Compile the prompt kernels (a compile mid-serving stalls every request), and capture

@@ -12,8 +12,7 @@ from frugal.config import CacheConfig
 from frugal.eval import multiple_choice as mc
 from frugal.eval.data import load_task, wiki_text
 from frugal.eval.perplexity import perplexity, windows
-from frugal.worker.kv_check import TEXTS
-from frugal.worker.kv_scales import FORMAT
+from frugal.worker.kv_scales import FORMAT, TEXTS
 from tests.models.test_llama_vs_hf import frugal_logits
 
 transformers = pytest.importorskip("transformers")

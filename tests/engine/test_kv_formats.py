@@ -61,15 +61,15 @@ def test_fp8_v_pool_views_k_and_v_in_one_row():
     assert pool.v[0].shape == (3, 4, 8, 20) and pool.v[0].dtype == torch.float8_e4m3fn
     pool.k[1].fill_(1.0)
     assert pool.v[1].view(torch.uint8).eq(0).all() and pool.k[0].eq(0).all()
-    assert pool.describe() == {"kv_cache_dtype": "fp8_v",
+    assert pool.describe() == {"kv_cache_dtype": "fp8_v (K bfloat16)",
                                "kv_scales": "per token and head, in each row"}
 
 
 @pytest.mark.parametrize("fmt", ROW_FORMATS)
 def test_row_formats_generate_with_prefix_hits_and_pages_copied_between_pools(tmp_path, fmt):
-    """A tiny model: greedy tokens with a prefix-cache hit equal those without; the pool's pages
-    copied byte for byte into another pool (what a KV transfer does) carry their scales: same
-    checksums, same continuation."""
+    """A tiny model: greedy tokens with a prefix-cache hit equal those without; a page copied
+    as a KV transfer moves it (num_layers x parts chunks of chunk_bytes at the offsets NIXL's
+    descriptors name) carries every layer's K, V and their scales."""
     model = str(tiny_dir(tmp_path))
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     prompt = list(range(3, 40))
@@ -81,11 +81,20 @@ def test_row_formats_generate_with_prefix_hits_and_pages_copied_between_pools(tm
     assert warm.generate([prompt], params)[0].outputs[0].token_ids == want
     assert warm.engine.scheduler.kv.num_cache_hits >= 32
     src, dst = cold.engine.worker.pool, warm.engine.worker.pool
-    pages = list(range(4))
-    dst.storage[:, :, pages] = src.storage[:, :, pages]
+    size, chunks = src.chunk_bytes, src.storage.shape[0] * src.storage.shape[1]
+    src_bytes, dst_bytes = (p.storage.view(-1).view(torch.uint8) for p in (src, dst))
+    pages = [0, 2, 3]
+    for c in range(chunks):
+        for p in pages:
+            at_src, at_dst = ((c * pool.num_pages + p) * size for pool in (src, dst))
+            dst_bytes[at_dst:at_dst + size] = src_bytes[at_src:at_src + size]
     assert dst.checksums(pages) == src.checksums(pages)
+    for layer in range(len(src.k)):
+        for a, b in ((src.k[layer], dst.k[layer]), (src.v[layer], dst.v[layer])):
+            assert torch.equal(a[pages].view(torch.uint8), b[pages].view(torch.uint8))
+            assert a[pages].view(torch.uint8).any()  # (written: the copy moved something)
     stats = warm.engine.stats()
-    assert stats.kv_cache["kv_cache_dtype"] == fmt and stats.kv_check_kl is not None
+    assert stats.kv_cache["kv_cache_dtype"].startswith(fmt) and stats.kv_check_kl is not None
 
 
 def test_startup_check_measures_warns_and_refuses(caplog):

