@@ -161,3 +161,36 @@ def test_row_scaled_cache_reads_back_the_rounded_rows(case, fmt, tmp_path, monke
     with pytest.raises(ValueError, match=f"kv_cache_dtype: {refused} is not available"):
         LLM(str(tmp_path), dtype="float32", device="cpu", kv_cache_memory="8MiB",
             kv_cache_dtype=refused)
+
+
+@pytest.mark.parametrize("fmt", ["auto", "fp8_per_token_head"])
+def test_prompts_expanded_equal_absorbed_in_mixed_steps(fmt, tmp_path, monkeypatch):
+    """Prompt requests attend expanded (layers.attention.mla_prefill), decodes absorbed: chunked
+    prompts (16 tokens a step) beside decodes, a prefix-cache hit, give the tokens and
+    log-probabilities of the absorbed path everywhere (BUDGET_BYTES 0)."""
+    from frugal import SamplingParams
+    from frugal.layers.attention import mla_prefill
+
+    write_model("deepseek-v3", tmp_path)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 320, (n,), generator=g).tolist() for n in (40, 9, 57)]
+    prompts.append(prompts[2][:48] + [7, 8, 9])  # shares three pages with the one before
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
+    calls = []
+    attend = mla_prefill.attend
+    monkeypatch.setattr(mla_prefill, "attend", lambda *a: calls.append(1) or attend(*a))
+
+    def run():
+        llm = LLM(str(tmp_path), dtype="float32", device="cpu", kv_cache_memory="8MiB",
+                  max_num_batched_tokens=16, kv_cache_dtype=fmt)
+        outs = [o.outputs[0] for o in llm.generate(prompts, params)]
+        return [o.token_ids for o in outs], [[lp.logprob for lp in o.logprobs] for o in outs]
+
+    tokens, logprobs = run()
+    assert calls  # (the expanded path ran)
+    monkeypatch.setattr(mla_prefill, "BUDGET_BYTES", 0)
+    calls.clear()
+    want_tokens, want_logprobs = run()
+    assert not calls and tokens == want_tokens
+    torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(want_logprobs), atol=1e-4,
+                               rtol=1e-4)

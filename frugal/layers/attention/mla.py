@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from frugal import ops
-from frugal.layers.attention import AttentionMetadata
+from frugal.layers.attention import AttentionMetadata, mla_prefill
 from frugal.layers.attention.base import AttentionBackend, KVLayout
 from frugal.layers.linear import Linear, load_whole, narrow
 from frugal.layers.norm import RMSNorm
@@ -132,8 +132,13 @@ class MlaAttention(nn.Module):
             ops.store_index_key(self.indexer.key(x, positions), index, meta.slot_mapping)
         w = self.kv_b_proj.weight.view(heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
         w_uk, w_uv = w.split([m.qk_nope_head_dim, m.v_head_dim], dim=1)
+        sparse = self.dsa is not None and meta.max_seq_len > self.dsa.topk
+        if not sparse and mla_prefill.fits(meta, heads, q_nope.shape[-1] + q_rope.shape[-1],
+                                           q.dtype):
+            o = self.decodes_and_prompts(q_nope, q_rope, cache, w, meta)
+            return self.o_proj(o.reshape(-1, heads * m.v_head_dim), residual=h), None
         q_latent = torch.cat([torch.einsum("thn,hnc->thc", q_nope, w_uk), q_rope], dim=-1)
-        if self.dsa is not None and meta.max_seq_len > self.dsa.topk:
+        if sparse:
             if self.indexer is not None:
                 selection = self.indexer.select(x, q_resid, positions, index, meta)
             o = ops.sparse_mla_attention(q_latent, cache, meta.page_table, meta.cu_seqlens_q,
@@ -146,6 +151,28 @@ class MlaAttention(nn.Module):
                                   self.kv_scales)
         o = torch.einsum("thc,hvc->thv", o, w_uv)
         return self.o_proj(o.reshape(-1, heads * m.v_head_dim), residual=h), selection
+
+    def decodes_and_prompts(self, q_nope: torch.Tensor, q_rope: torch.Tensor,
+                            cache: torch.Tensor, w: torch.Tensor, meta: AttentionMetadata
+                            ) -> torch.Tensor:
+        """A step with prompt rows, dense: its num_decodes decodes absorbed (one token each,
+        first), its prompt requests expanded (layers.attention.mla_prefill). Returns
+        [num_tokens, heads, v_head_dim]."""
+        m, d = self.mla, meta.num_decodes
+        w_uk, w_uv = w.split([m.qk_nope_head_dim, m.v_head_dim], dim=1)
+        o = torch.empty(*q_nope.shape[:2], m.v_head_dim, dtype=q_nope.dtype,
+                        device=q_nope.device)
+        if d:
+            q_latent = torch.cat([torch.einsum("thn,hnc->thc", q_nope[:d], w_uk), q_rope[:d]],
+                                 dim=-1)
+            latent = ops.mla_attention(q_latent, cache, meta.page_table[:d],
+                                       meta.cu_seqlens_q[:d + 1], meta.seq_lens[:d], self.scale,
+                                       1, meta.max_seq_len, m.kv_lora_rank, d, self.kv_scales)
+            o[:d] = torch.einsum("thc,hvc->thv", latent, w_uv)
+        o[d:] = mla_prefill.attend(torch.cat([q_nope[d:], q_rope[d:]], dim=-1), cache,
+                                   self.kv_scales, w, m.kv_lora_rank, m.v_head_dim, self.scale,
+                                   meta)
+        return o
 
 
 class MlaBackend(AttentionBackend):

@@ -1,0 +1,85 @@
+"""MLA prompt attention, expanded: the step's prompt requests attend as plain multi-head attention.
+
+Decode rows attend absorbed (one latent row read for every head: ops.mla_attention), but a prompt
+chunk has many query rows per cached row, and there absorption costs (kv_lora_rank + rope) +
+kv_lora_rank products a (query, key) pair and head against (nope + rope) + v without it: 1088
+against 320 at DeepSeek-V3's shapes. So, as vLLM and SGLang do, the prompt requests' contexts are
+gathered from the paged latent cache in one batch (no loop over requests), up-projected by
+kv_b_proj into per-head keys [k_nope | k_rope] and values, laid out page by page, and attended by
+ops.paged_attention (one program per request, head and block of new tokens, causal).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from frugal import ops
+from frugal.layers.attention import AttentionMetadata
+from frugal.ops.torch_ref.kv_quant import dequantize_rows
+
+PAGE = 16  # tokens a page of the expanded keys and values
+BUDGET_BYTES = 1 << 30  # expanded keys and values of one step at most (else: absorbed)
+
+
+def fits(meta: AttentionMetadata, num_heads: int, key_dim: int, dtype: torch.dtype) -> bool:
+    """Whether the step's prompt requests (after its num_decodes decodes) have room to expand:
+    their contexts' keys and values (both key_dim wide) within BUDGET_BYTES, bounded above by
+    max_seq_len for each of them (host values only)."""
+    prompts = meta.seq_lens.shape[0] - meta.num_decodes
+    bound = prompts * (meta.max_seq_len + PAGE) * num_heads * key_dim * 2 * dtype.itemsize
+    return prompts > 0 and meta.max_query_len > 1 and bound <= BUDGET_BYTES
+
+
+def latent_rows(cache: torch.Tensor, slots: torch.Tensor,
+                kv_scales: torch.Tensor | None) -> torch.Tensor:
+    """The latent rows at slots: [len(slots), kv_lora_rank + rope] fp32; an 8-bit cache's
+    dequantized (static: times kv_scales[0]; given none, each row times its own scale)."""
+    rows = cache.view(-1, cache.shape[-1])
+    if cache.element_size() != 1:
+        return rows.index_select(0, slots).float()
+    picked = rows.view(torch.uint8).index_select(0, slots).view(cache.dtype)
+    return dequantize_rows(picked) if kv_scales is None else picked.float() * kv_scales[0]
+
+
+def attend(q: torch.Tensor, cache: torch.Tensor, kv_scales: torch.Tensor | None,
+           w_kv: torch.Tensor, kv_lora_rank: int, v_head_dim: int, scale: float,
+           meta: AttentionMetadata) -> torch.Tensor:
+    """The prompt requests' rows: requests num_decodes.. of meta, their new tokens' queries q
+    [num_tokens, heads, nope + rope] (not absorbed: the rope part rotated); cache the latent
+    rows [num_pages, page_size, 1, kv_lora_rank + rope (+ 4: rows with a scale)] with these
+    tokens stored; w_kv [heads, nope + v_head_dim, kv_lora_rank] (kv_b_proj). Returns
+    [num_tokens, heads, v_head_dim] in q's dtype."""
+    first = meta.num_decodes
+    heads, key_dim = q.shape[1], q.shape[2]
+    nope = w_kv.shape[1] - v_head_dim
+    seq_lens = meta.seq_lens[first:].long()
+    page_size = cache.shape[1]
+    # every context position of every prompt request, request by request
+    num_pages = -(-seq_lens // PAGE)
+    total = int(num_pages.sum()) * PAGE
+    request = torch.repeat_interleave(torch.arange(seq_lens.shape[0], device=q.device),
+                                      num_pages * PAGE, output_size=total)
+    starts = (torch.cumsum(num_pages, 0) - num_pages) * PAGE  # each request's first row
+    pos = torch.arange(total, device=q.device) - starts[request]
+    valid = pos < seq_lens[request]
+    pos = torch.where(valid, pos, 0)  # (padding rows read position 0, always written)
+    table = meta.page_table[first:].long()
+    slots = table[request, pos // page_size] * page_size + pos % page_size
+    rows = latent_rows(cache, slots, kv_scales).to(q.dtype)  # [total, lora + rope]
+    kv = torch.einsum("sc,hdc->shd", rows[:, :kv_lora_rank], w_kv)  # [total, heads, nope + v]
+    keys = torch.empty(total, heads, key_dim, dtype=q.dtype, device=q.device)
+    keys[..., :nope] = kv[..., :nope]
+    keys[..., nope:] = rows[:, None, kv_lora_rank:]
+    values = torch.zeros(total, heads, key_dim, dtype=q.dtype, device=q.device)
+    values[..., :v_head_dim] = kv[..., nope:]
+    keys[~valid], values[~valid] = 0, 0
+    width = int(num_pages.max())
+    columns = torch.arange(width, device=q.device)
+    pages = (starts // PAGE)[:, None] + columns
+    pages = torch.where(columns < num_pages[:, None], pages, 0).int()
+    cu = meta.cu_seqlens_q[first:] - meta.cu_seqlens_q[first]
+    out = ops.paged_attention(q, keys.view(-1, PAGE, heads, key_dim),
+                              values.view(-1, PAGE, heads, key_dim), pages, cu,
+                              meta.seq_lens[first:], scale, meta.max_query_len,
+                              meta.max_seq_len)
+    return out[..., :v_head_dim]
