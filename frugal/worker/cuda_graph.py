@@ -84,7 +84,8 @@ class DecodeGraphs:
 
     def _forward(self, bs: int) -> None:
         meta = AttentionMetadata(self.slots[:bs], self.page_table[:bs], self.cu_seqlens[:bs + 1],
-                                 self.seq_lens[:bs], max_query_len=1, max_seq_len=self.max_seq_len)
+                                 self.seq_lens[:bs], max_query_len=1, max_seq_len=self.max_seq_len,
+                                 num_decodes=bs)
         with ops.use(self.backend):
             if self.tags is not None:
                 ops.check_kv_pages(meta.page_table, self.page_tags[:bs], self.tags,

@@ -219,3 +219,55 @@ def test_mla_rows_with_their_scale_decode_and_sparse_as_torch_ref(dtype):
     got = sparse_mla_attention(dev[0], dev[1][..., :width + SCALE_BYTES], dev[2],
                                cu.to(DEVICE), selection.to(DEVICE), 0.2, lat)
     torch.testing.assert_close(got.cpu(), ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["bf16", "static", "fp8_rows", "int8_rows"])
+def test_triton_latent_and_index_key_store_as_torch_ref(mode):
+    """The Triton latent store (no host mask: a negative slot stores nothing) and the FP8 index
+    key store write what torch_ref writes, into a column view of wider rows; NaN as 0. (The CPU
+    interpreter converts a few fp32 values to FP8 wrongly: a few may be a step further off.)"""
+    from frugal.ops.triton.latent_store import store_index_key, store_latent
+
+    g = torch.Generator().manual_seed(11)
+    width, dim, tokens = 24, 16, 6
+    dtype = {"bf16": torch.bfloat16, "int8_rows": INT8}.get(mode, FP8)
+    own = mode.endswith("rows")
+    lat_bytes = width + (16 if own else 0)
+    row = lat_bytes + (dim + 16 if dtype.itemsize == 1 else dim)
+    latent = torch.randn(tokens, 1, width, generator=g) * 3
+    latent[2, 0, 5] = float("nan")
+    key = torch.randn(tokens, dim, generator=g)
+    slots = torch.tensor([3, 0, 9, -1, 12, 7])
+    scales = None if mode != "static" else torch.tensor([[0.05], [0.05]])
+    caches = []
+    for store_l, store_k, device in ((torch_ref.store_latent, torch_ref.store_index_key, "cpu"),
+                                     (store_latent, store_index_key, DEVICE)):
+        rows = torch.zeros(4, 4, 1, row, dtype=torch.uint8, device=device)
+        rows = rows if dtype == torch.bfloat16 else rows.view(dtype)
+        if dtype == torch.bfloat16:
+            rows = torch.zeros(4, 4, 1, row, dtype=dtype, device=device)
+        store_l(latent.to(device), rows[..., :width + (4 if own else 0)], slots.to(device),
+                None if scales is None else scales.to(device))
+        if dtype.itemsize == 1:
+            index = rows[..., lat_bytes:].view(FP8)
+            store_k(key.to(device), index, slots.to(device))
+        caches.append(rows.cpu())
+    ref, ours = caches
+    if dtype == torch.bfloat16:  # (the interpreter may round to bf16 otherwise)
+        torch.testing.assert_close(ours, ref, atol=0, rtol=0 if DEVICE == "cuda" else 1e-2,
+                                   equal_nan=True)  # (a bf16 cache keeps a NaN, as torch_ref)
+        return
+    raw, ref_raw = ours.view(torch.uint8), ref.view(torch.uint8)
+    if own:  # the latent's scale, bit for bit, and the padding untouched
+        assert torch.equal(raw[..., width:lat_bytes], ref_raw[..., width:lat_bytes])
+    lat = ours[..., :width].float() if not own else dequantize_rows(ours[..., :width + 4])
+    ref_lat = ref[..., :width].float() if not own else dequantize_rows(ref[..., :width + 4])
+    step = ref_lat.abs().amax(-1, keepdim=True) / (127 if dtype == INT8 else 8) + 1e-6
+    off = (lat - ref_lat).abs() > step
+    assert off.sum() <= (0 if DEVICE == "cuda" else lat.numel() // 50)
+    keys = dequantize_rows(ours[..., lat_bytes:lat_bytes + dim + 4].view(FP8))
+    ref_keys = dequantize_rows(ref[..., lat_bytes:lat_bytes + dim + 4].view(FP8))
+    off = (keys - ref_keys).abs() > ref_keys.abs().amax(-1, keepdim=True) / 8 + 1e-6
+    assert off.sum() <= (0 if DEVICE == "cuda" else keys.numel() // 50)
+    assert torch.equal(raw[..., lat_bytes + dim:], ref_raw[..., lat_bytes + dim:])  # scale, pad
+    assert not raw.view(16, -1)[[1, 2, 4, 5, 6, 8, 10, 11, 13, 14, 15]].any()  # unwritten

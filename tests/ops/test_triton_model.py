@@ -49,15 +49,18 @@ def test_triton_backend_runs_a_moe_model_with_partial_rotary(quantization, tmp_p
             == [o.outputs[0].token_ids for o in ref.generate(prompts, params)])
 
 
-def test_triton_backend_runs_an_mla_model(tmp_path):
+@pytest.mark.parametrize("kv", ["auto", "int8_per_token_head"])
+def test_triton_backend_runs_an_mla_model(kv, tmp_path):
     """DeepSeek-V3-shaped (latent attention, q_lora, grouped sigmoid routing): the Triton
-    backend (its matmuls, fused MoE and MLA decode kernel; prompts' MLA attention as PyTorch
-    ops, no graphs) equals torch_ref."""
+    backend (its matmuls, fused MoE, latent store, MLA decode kernel, and prompts expanded
+    through its paged attention; no graphs) equals torch_ref, with an fp32 cache or with
+    int8 rows that carry their own scale (the interpreter converts some values to FP8 wrongly)."""
     from tests.models.test_mla_vs_hf import write_model as write_mla
 
     path = str(tmp_path)
     write_mla("deepseek-v3-rope16", path)
-    kwargs = dict(dtype="float32", device=DEVICE, kv_cache_memory="8MiB", page_size=16)
+    kwargs = dict(dtype="float32", device=DEVICE, kv_cache_memory="8MiB", page_size=16,
+                  kv_cache_dtype=kv)
     ref = LLM(path, ops_backend="torch_ref", **kwargs)
     tri = LLM(path, ops_backend="triton", **kwargs)
     assert tri.engine.runner.graphs is None
@@ -68,3 +71,35 @@ def test_triton_backend_runs_an_mla_model(tmp_path):
     prompts = [ids, ids[:17]]
     assert ([o.outputs[0].token_ids for o in tri.generate(prompts, params)]
             == [o.outputs[0].token_ids for o in ref.generate(prompts, params)])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["deepseek-v3-rope16", "glm-5"])
+def test_mla_decode_graphs_replay_as_eager(case, tmp_path, monkeypatch):
+    """What MlaBackend.graph_capture waits for: with its gate lifted here, decode steps of an
+    MLA model (and of GLM-5's sparse path: contexts past its top-k) replayed from CUDA graphs
+    give the eager steps' tokens and log-probabilities."""
+    from frugal.layers.attention import dsa, mla
+    from tests.loader.test_hf_dir import save_random
+    from tests.models.test_mla_vs_hf import write_model as write_mla
+
+    for backend in (mla.MlaBackend, dsa.DsaBackend):
+        monkeypatch.setattr(backend, "graph_capture", lambda self, c: None)
+    if case == "glm-5":
+        from tests.models.test_dsa_vs_hf import config
+        save_random(config(qk_rope_head_dim=16), tmp_path)
+    else:
+        write_mla(case, str(tmp_path))
+    kwargs = dict(dtype="float32", device="cuda", kv_cache_memory="64MiB")
+    graphs = LLM(str(tmp_path), **kwargs)
+    eager = LLM(str(tmp_path), enforce_eager=True, **kwargs)
+    assert graphs.engine.runner.graphs is not None and eager.engine.runner.graphs is None
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, 320, (n,), generator=g).tolist() for n in (7, 40, 90)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+    ours = [o.outputs[0] for o in graphs.generate(prompts, params)]
+    want = [o.outputs[0] for o in eager.generate(prompts, params)]
+    assert [o.token_ids for o in ours] == [o.token_ids for o in want]
+    torch.testing.assert_close(torch.tensor([[lp.logprob for lp in o.logprobs] for o in ours]),
+                               torch.tensor([[lp.logprob for lp in o.logprobs] for o in want]),
+                               atol=1e-4, rtol=1e-4)

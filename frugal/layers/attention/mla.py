@@ -188,9 +188,9 @@ class MlaBackend(AttentionBackend):
         return KVLayout(parts=1, num_kv_heads=c.num_kv_heads, width=c.cache_width(fp8))
 
     def graph_capture(self, c: ModelConfig) -> str | None:
-        return ("MLA's steps sync the host with the device: its latent store (PyTorch) "
-                "indexes with a mask of the valid slots, and its attention without a count of "
-                "decodes takes the PyTorch path, which reads the batch layout on the host")
+        return ("MLA's decode steps no longer sync the host with the device (the Triton "
+                "latent store, decode counts in the graphs' metadata), but their graphs are not "
+                "yet checked against eager steps on a GPU")
 
 
 BACKEND = MlaBackend()

@@ -6,7 +6,7 @@ see (at most its own), and no position appears twice.
 
 Index keys sit in the cache rows after the latent: [num_pages, page_size, 1, dim] in the
 model's dtype, or FP8 (float8_e4m3fn) [.., dim + 16]: the key / its scale (amax / 448, one a
-token), then the fp32 scale's 4 bytes and 12 of padding.
+token), then the fp32 scale's 4 bytes (ops.torch_ref.kv_quant's row) and 12 of padding.
 """
 
 from __future__ import annotations
@@ -14,9 +14,8 @@ from __future__ import annotations
 import torch
 
 from frugal.model_config import INDEX_SCALE_BYTES as SCALE_BYTES
-from frugal.ops.torch_ref.kv_quant import dequantize_rows, row_scaled
+from frugal.ops.torch_ref.kv_quant import dequantize_rows, quantize_rows, row_scaled
 from frugal.ops.torch_ref.mla import store_rows
-from frugal.quant.fp8 import FP8_MAX
 
 
 def store_index_key(key: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -25,11 +24,8 @@ def store_index_key(key: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.
     if cache.element_size() != 1:
         store_rows(key[:, None, :].to(cache.dtype), cache, slot_mapping)
         return
-    scale = key.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / FP8_MAX
-    q = (key.float() / scale).nan_to_num(nan=0.0).clamp(-FP8_MAX, FP8_MAX).to(cache.dtype)
     row = torch.zeros(key.shape[0], 1, cache.shape[-1], dtype=torch.uint8, device=key.device)
-    row[:, 0, :key.shape[1]] = q.view(torch.uint8)
-    row[:, 0, key.shape[1]:key.shape[1] + 4] = scale.view(torch.uint8)
+    row[:, 0, :key.shape[1] + 4] = quantize_rows(key, cache.dtype).view(torch.uint8)
     store_rows(row.view(cache.dtype), cache, slot_mapping)
 
 

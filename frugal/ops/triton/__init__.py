@@ -11,17 +11,15 @@ on the GPU takes the Triton argmax (ops.triton.sampling), and `configure` sets t
 launch mode for the weights loaded (ops.triton.launch).
 """
 
-# PyTorch ops on the GPU's tensors: routing (fixed shapes, so CUDA graphs capture it); MLA's
-# rotary, latent and index-key stores and prompt attention (host-side shapes: MLA models run
-# without graphs)
-from frugal.ops.torch_ref.dsa import store_index_key
-from frugal.ops.torch_ref.mla import store_latent
+# PyTorch ops on the GPU's tensors: MLA's rotary (fixed shapes) and its prompt attention where
+# the Triton kernels do not fit
 from frugal.ops.torch_ref.rotary import apply_rotary, apply_rotary_pairs
 from frugal.ops.triton.attention import paged_attention
 from frugal.ops.triton.dsa import index_topk, sparse_mla_attention
 from frugal.ops.triton.elementwise import rms_norm, silu_and_mul
 from frugal.ops.triton.integrity import check_kv_pages
 from frugal.ops.triton.kv_store import rotary_store_kv
+from frugal.ops.triton.latent_store import store_index_key, store_latent
 from frugal.ops.triton.launch import set_default
 from frugal.ops.triton.linear import linear, pack_weight
 from frugal.ops.triton.mla_decode import mla_attention
