@@ -133,8 +133,10 @@ class MlaAttention(nn.Module):
         w = self.kv_b_proj.weight.view(heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
         w_uk, w_uv = w.split([m.qk_nope_head_dim, m.v_head_dim], dim=1)
         sparse = self.dsa is not None and meta.max_seq_len > self.dsa.topk
-        if not sparse and mla_prefill.fits(meta, heads, q_nope.shape[-1] + q_rope.shape[-1],
-                                           q.dtype):
+        key_dim = m.qk_nope_head_dim + m.qk_rope_head_dim  # (values padded to it)
+        if (not sparse and m.v_head_dim <= key_dim
+                and mla_prefill.fits(meta, heads, key_dim, m.qk_nope_head_dim + m.v_head_dim,
+                                     width, q.dtype)):
             o = self.decodes_and_prompts(q_nope, q_rope, cache, w, meta)
             return self.o_proj(o.reshape(-1, heads * m.v_head_dim), residual=h), None
         q_latent = torch.cat([torch.einsum("thn,hnc->thc", q_nope, w_uk), q_rope], dim=-1)

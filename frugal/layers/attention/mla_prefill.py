@@ -21,13 +21,18 @@ PAGE = 16  # tokens a page of the expanded keys and values
 BUDGET_BYTES = 1 << 30  # expanded keys and values of one step at most (else: absorbed)
 
 
-def fits(meta: AttentionMetadata, num_heads: int, key_dim: int, dtype: torch.dtype) -> bool:
-    """Whether the step's prompt requests (after its num_decodes decodes) have room to expand:
-    their contexts' keys and values (both key_dim wide) within BUDGET_BYTES, bounded above by
-    max_seq_len for each of them (host values only)."""
+def fits(meta: AttentionMetadata, num_heads: int, key_dim: int, kv_dim: int, latent_width: int,
+         dtype: torch.dtype) -> bool:
+    """Whether the step's prompt requests (after its num_decodes decodes) have room to expand
+    (host values only): what attend allocates for their contexts, each bounded by max_seq_len
+    rounded up to a page, within BUDGET_BYTES. A context row takes keys and values (key_dim
+    wide each) and the up-projection (kv_dim = nope + v) a head, and its latent row in fp32 and
+    in dtype."""
     prompts = meta.seq_lens.shape[0] - meta.num_decodes
-    bound = prompts * (meta.max_seq_len + PAGE) * num_heads * key_dim * 2 * dtype.itemsize
-    return prompts > 0 and meta.max_query_len > 1 and bound <= BUDGET_BYTES
+    rows = prompts * (-(-meta.max_seq_len // PAGE) * PAGE)
+    row_bytes = (num_heads * (2 * key_dim + kv_dim) * dtype.itemsize
+                 + latent_width * (4 + dtype.itemsize) + 32)
+    return prompts > 0 and meta.max_query_len > 1 and rows * row_bytes <= BUDGET_BYTES
 
 
 def latent_rows(cache: torch.Tensor, slots: torch.Tensor,
@@ -61,8 +66,8 @@ def attend(q: torch.Tensor, cache: torch.Tensor, kv_scales: torch.Tensor | None,
                                       num_pages * PAGE, output_size=total)
     starts = (torch.cumsum(num_pages, 0) - num_pages) * PAGE  # each request's first row
     pos = torch.arange(total, device=q.device) - starts[request]
-    valid = pos < seq_lens[request]
-    pos = torch.where(valid, pos, 0)  # (padding rows read position 0, always written)
+    # padding rows read position 0 (always written, so finite); attention never weighs them
+    pos = torch.where(pos < seq_lens[request], pos, 0)
     table = meta.page_table[first:].long()
     slots = table[request, pos // page_size] * page_size + pos % page_size
     rows = latent_rows(cache, slots, kv_scales).to(q.dtype)  # [total, lora + rope]
@@ -72,14 +77,15 @@ def attend(q: torch.Tensor, cache: torch.Tensor, kv_scales: torch.Tensor | None,
     keys[..., nope:] = rows[:, None, kv_lora_rank:]
     values = torch.zeros(total, heads, key_dim, dtype=q.dtype, device=q.device)
     values[..., :v_head_dim] = kv[..., nope:]
-    keys[~valid], values[~valid] = 0, 0
     width = int(num_pages.max())
     columns = torch.arange(width, device=q.device)
     pages = (starts // PAGE)[:, None] + columns
     pages = torch.where(columns < num_pages[:, None], pages, 0).int()
     cu = meta.cu_seqlens_q[first:] - meta.cu_seqlens_q[first]
+    # (a copy of the lengths: a slice's pointer, 16-byte aligned or not, would compile the
+    # Triton kernel once more for each alignment)
     out = ops.paged_attention(q, keys.view(-1, PAGE, heads, key_dim),
                               values.view(-1, PAGE, heads, key_dim), pages, cu,
-                              meta.seq_lens[first:], scale, meta.max_query_len,
+                              meta.seq_lens[first:].clone(), scale, meta.max_query_len,
                               meta.max_seq_len)
     return out[..., :v_head_dim]

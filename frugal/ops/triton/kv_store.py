@@ -76,7 +76,7 @@ def _rotary_store_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, slot_ptr, q_
             amax = tl.maximum(tl.max(_finite_abs(k_rot1), 1), tl.max(_finite_abs(k_rot2), 1))
             if PASS > 0:
                 amax = tl.maximum(amax, tl.max(_finite_abs(k_pass), 1))
-            k_scale = (amax / K_QMAX)[:, None]
+            k_scale = tl.math.div_rn(amax, K_QMAX)[:, None]  # (IEEE: torch_ref's bits)
             tl.store(k_scale_ptr + row * K_SROW, k_scale, mask=j < NUM_KV_HEADS)
         _store(k_cache_ptr + kv_dst, k_rot1, k_scale, kv_mask, FP8, K_SROW > 0)
         _store(k_cache_ptr + kv_dst + HALF, k_rot2, k_scale, kv_mask, FP8, K_SROW > 0)
@@ -91,7 +91,7 @@ def _rotary_store_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, slot_ptr, q_
                 x = tl.load(v_ptr + t * v_stride + j * DIM + start + d[None, :], mask=v_mask,
                             other=0.0)
                 amax = tl.maximum(amax, tl.max(_finite_abs(x), 1))
-            v_scale = (amax / V_QMAX)[:, None]
+            v_scale = tl.math.div_rn(amax, V_QMAX)[:, None]
             tl.store(v_scale_ptr + row * V_SROW, v_scale, mask=j < NUM_KV_HEADS)
         for start in tl.static_range(0, DIM, 2 * HALF_PAD):
             v_mask = (j < NUM_KV_HEADS) & ((start + d)[None, :] < DIM)
@@ -125,7 +125,7 @@ def _store(ptr, x, scale, mask, FP8: tl.constexpr, ROW_SCALED: tl.constexpr = Fa
         y = x.to(tl.float32)
         y = tl.minimum(tl.maximum(tl.where(y == y, y, 0.0), -3.4028234663852886e38),
                        3.4028234663852886e38)
-        y = tl.where(scale > 0, y / tl.where(scale > 0, scale, 1.0), 0.0)
+        y = tl.where(scale > 0, tl.math.div_rn(y, tl.where(scale > 0, scale, 1.0)), 0.0)
         if ptr.dtype.element_ty == tl.int8:
             y = tl.clamp(y, -127.0, 127.0)
             y = tl.where(y < 0, -tl.floor(0.5 - y), tl.floor(y + 0.5))

@@ -36,9 +36,10 @@ def _store_kernel(x_ptr, slot_ptr, cache_ptr, scale_ptr, row_scale_ptr, x_stride
             if MODE == 1:
                 y = y / tl.load(scale_ptr)
             else:
-                scale = tl.max(tl.abs(y), 0) / QMAX
+                # (div_rn: IEEE division, so scales and values equal torch_ref's bit for bit)
+                scale = tl.math.div_rn(tl.max(tl.abs(y), 0), QMAX)
                 tl.store(row_scale_ptr + slot * scale_row, scale)
-                y = tl.where(scale > 0, y / tl.where(scale > 0, scale, 1.0), 0.0)
+                y = tl.where(scale > 0, tl.math.div_rn(y, tl.where(scale > 0, scale, 1.0)), 0.0)
             y = tl.clamp(y, -QMAX, QMAX)
             if cache_ptr.dtype.element_ty == tl.int8:
                 y = tl.where(y < 0, -tl.floor(0.5 - y), tl.floor(y + 0.5))
