@@ -139,3 +139,44 @@ def test_small_batch_path_equals_the_sorted_path(form, monkeypatch):
     sorted_path = tri.fused_moe(*args)
     for got in (small, sorted_path):
         torch.testing.assert_close(got.cpu(), ref, atol=1e-4 * ref.abs().max().item(), rtol=1e-4)
+
+
+@pytest.mark.parametrize("form", ["float", "fp8", "int4"])
+def test_tuned_configurations_compute_what_the_defaults_do(form, monkeypatch):
+    """Tiles a tuning run may pick (ops.triton.moe_configs: narrow and wide N, K steps of 64 to
+    256 (within one scale's inputs, or several whole INT4 groups of 32 / FP8 blocks of 128),
+    several warps), given to both paths through the table, against torch_ref; an entry whose K
+    tile would straddle a quantized scale's inputs is not taken."""
+    from frugal.ops.triton import moe_configs
+
+    gemv = pytest.importorskip("frugal.ops.triton.moe_gemv")
+    g = torch.Generator().manual_seed(12)
+    experts, top_k, hidden, inter, tokens = 4, 2, 256, 128, 3
+    gate_up, down = make(form, experts, inter, hidden, g)
+    x = torch.randn(tokens, hidden, generator=g)
+    weights, ids = routed(tokens, experts, top_k, g)
+    args = [x.to(DEVICE), gate_up.to(DEVICE), down.to(DEVICE), weights.to(DEVICE),
+            ids.to(DEVICE)]
+    ref = torch_ref.fused_moe(x, gate_up, down, weights, ids)
+    mode = {"float": 0, "fp8": 1, "int4": 2}[form]
+    scale_k = {"float": 1, "fp8": 128, "int4": 32}[form]
+    monkeypatch.setattr(moe_configs, "device_name", lambda device: "a tuned GPU")
+    for gemv_tile, sorted_tile in (((8, 64, 1), (32, 32, 4, 2)), ((64, 256, 8), (64, 64, 8, 3)),
+                                   ((16, 128, 2), (128, 32, 4, 4))):
+        table = {}
+        for n, k in ((inter, hidden), (hidden, inter)):
+            gemv_entry = dict(zip(moe_configs.FIELDS["gemv"], gemv_tile))
+            sorted_entry = dict(zip(moe_configs.FIELDS["sorted"], sorted_tile))
+            table[moe_configs.key("gemv", mode, n, k, tokens * top_k)] = gemv_entry
+            table[moe_configs.key("sorted", mode, n, k, tokens * top_k)] = sorted_entry
+        monkeypatch.setattr(moe_configs, "_table", lambda t=table: {"a tuned GPU": t})
+        assert moe_configs.lookup(torch.device("cpu"), "gemv", mode, inter, hidden,
+                                  tokens * top_k, scale_k) is not None
+        if mode != 0 and gemv_tile[1] == 64:  # (scales over 96 inputs: 64 would straddle)
+            assert moe_configs.lookup(torch.device("cpu"), "gemv", mode, inter, hidden,
+                                      tokens * top_k, 96) is None
+        for limit in (gemv.MAX_SLOTS, 0):  # the small-batch path, then the sorted one
+            monkeypatch.setattr(gemv, "MAX_SLOTS", limit)
+            got = tri.fused_moe(*args)
+            torch.testing.assert_close(got.cpu(), ref, atol=1e-4 * ref.abs().max().item(),
+                                       rtol=1e-4)

@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from frugal.ops.triton.moe_configs import lookup
 from frugal.quant.experts import Experts, Fp8Experts, Int4Experts
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -60,8 +61,10 @@ def _weight_tile(w_ptr, s_ptr, expert, k0, K, offs_n, n_ok, swe, swn, swk, sse, 
                  MODE: tl.constexpr, S_BN: tl.constexpr, S_BK: tl.constexpr,
                  BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
     """The expert's weight as a [BLOCK_K, BLOCK_N] tile (wᵀ) from input k0 on, widened to fp32
-    if quantized. A tile lies within one scale's inputs (S_BK a multiple of BLOCK_K, or ≥ K),
-    so its scales are one per output."""
+    if quantized. A tile lies within one scale's inputs (S_BK a multiple of BLOCK_K, or ≥ K:
+    one scale per output), or holds whole groups of them (BLOCK_K a multiple of S_BK: a
+    [BLOCK_K / S_BK, BLOCK_N] tile of scales, so INT4's groups of 32 do not cut the K step to
+    32)."""
     if MODE == 2:  # a [BLOCK_K / 8, BLOCK_N] tile of words, each unpacked into 8 inputs
         word = k0 // 8 + tl.arange(0, BLOCK_K // 8)
         words = tl.load(w_ptr + expert * swe + offs_n[None, :] * swn + word[:, None] * swk,
@@ -73,7 +76,14 @@ def _weight_tile(w_ptr, s_ptr, expert, k0, K, offs_n, n_ok, swe, swn, swk, sse, 
         offs_k = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(w_ptr + expert * swe + offs_n[None, :] * swn + offs_k[:, None] * swk,
                     mask=(offs_k[:, None] < K) & n_ok[None, :], other=0.0)
-    if MODE != 0:
+    if MODE != 0 and S_BK < BLOCK_K:  # whole groups: one scale per group and output
+        GROUPS: tl.constexpr = BLOCK_K // S_BK
+        group = k0 // S_BK + tl.arange(0, GROUPS)
+        s = tl.load(s_ptr + expert * sse + (offs_n // S_BN)[None, :] * ssn + group[:, None] * ssk,
+                    mask=(group[:, None] * S_BK < K) & n_ok[None, :], other=0.0)
+        w = tl.reshape(tl.reshape(w.to(tl.float32), (GROUPS, S_BK, BLOCK_N)) * s[:, None, :],
+                       (BLOCK_K, BLOCK_N))
+    elif MODE != 0:
         s = tl.load(s_ptr + expert * sse + (offs_n // S_BN) * ssn + (k0 // S_BK) * ssk,
                     mask=n_ok, other=0.0)
         w = w.to(tl.float32) * s[None, :]
@@ -141,23 +151,32 @@ def _operand(w: torch.Tensor | Experts) -> tuple:
 
 def _gemm(a: torch.Tensor, w: torch.Tensor | Experts, out: torch.Tensor, n: int,
           sorted_slots: torch.Tensor, block_expert: torch.Tensor, total: torch.Tensor,
-          route: torch.Tensor | None, a_div: int, block_m: int) -> None:
+          route: torch.Tensor | None, a_div: int, block_m: int, config: dict | None = None
+          ) -> None:
+    """config: BLOCK_N, BLOCK_K, num_warps, num_stages (default: the tuned table's,
+    ops.triton.moe_configs, else the choices below)."""
     data, scales, mode, s_bn, s_bk, k = _operand(w)
     gated = route is None
-    # (decode: narrower output tiles, more blocks for the GPU's SMs)
-    block_n = 32 if _INTERPRET or block_m == 16 else 64
-    block_k = 32 if _INTERPRET else 64
-    if mode != 0 and s_bk < k:  # a tile within one scale's inputs
-        block_k = min(block_k, s_bk)
-        if s_bk % block_k:
-            raise ValueError(f"fused_moe: scales over {s_bk} inputs need a multiple of 16")
+    config = config or lookup(a.device, "sorted", mode, n, k, out.shape[0], s_bk)
+    launch = {"num_warps": 4}
+    if config is not None:
+        block_n, block_k = config["BLOCK_N"], config["BLOCK_K"]
+        launch = {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
+    else:
+        # (decode: narrower output tiles, more blocks for the GPU's SMs)
+        block_n = 32 if _INTERPRET or block_m == 16 else 64
+        block_k = 32 if _INTERPRET else 64
+        if mode != 0 and s_bk < k:  # a tile within one scale's inputs
+            block_k = min(block_k, s_bk)
+            if s_bk % block_k:
+                raise ValueError(f"fused_moe: scales over {s_bk} inputs need a multiple of 16")
     grid = (block_expert.numel() * triton.cdiv(n, block_n),)
     _kernel[grid](a, data, scales, out, sorted_slots, block_expert, total,
                   route if route is not None else out, n, k, out.shape[0], a.stride(0),
                   *data.stride(), *scales.stride(), out.stride(0), A_DIV=a_div, MODE=mode,
                   S_BN=s_bn, S_BK=s_bk, GATED=gated, ROUTED=not gated,
                   F32_DOT=_INTERPRET or a.dtype == torch.float32, BLOCK_M=block_m,
-                  BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+                  BLOCK_N=block_n, BLOCK_K=block_k, **launch)
 
 
 def fused_moe(x: torch.Tensor, gate_up: torch.Tensor | Experts, down: torch.Tensor | Experts,

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from frugal.ops.triton.moe import _operand, _weight_tile
+from frugal.ops.triton.moe_configs import lookup
 from frugal.quant.experts import Experts
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -61,28 +62,35 @@ def _gemv(a_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, route_ptr, N, K, sam, swe, swn,
 
 def _blocks(mode: int, s_bk: int, k: int) -> tuple[int, int]:
     """(BLOCK_N, BLOCK_K): a [BLOCK_K, BLOCK_N] tile of ~16 KB of weights a loop step; a
-    quantized tile stays within one scale's inputs."""
+    quantized tile stays within one scale's inputs or holds whole groups of them (see
+    moe._weight_tile)."""
     if _INTERPRET:
         block_n, block_k = 16, 32
     else:
         block_n, block_k = 32, 256 if mode != 0 else 128
-    if mode != 0 and s_bk < k:
-        block_k = min(block_k, s_bk)
-        if s_bk % block_k:
-            raise ValueError(f"fused_moe: scales over {s_bk} inputs need a multiple of 16")
+    if mode != 0 and s_bk < k and s_bk % block_k and block_k % s_bk:
+        raise ValueError(f"fused_moe: scales over {s_bk} inputs need a power of two")
     return block_n, block_k
 
 
 def _launch(a: torch.Tensor, w: torch.Tensor | Experts, out: torch.Tensor, n: int,
-            ids: torch.Tensor, route: torch.Tensor | None, a_div: int) -> None:
-    """out[slot] = a[slot // a_div] @ w[ids[slot]]ᵀ, gated (route None) or times route[slot]."""
+            ids: torch.Tensor, route: torch.Tensor | None, a_div: int,
+            config: dict | None = None) -> None:
+    """out[slot] = a[slot // a_div] @ w[ids[slot]]ᵀ, gated (route None) or times route[slot].
+    config: BLOCK_N, BLOCK_K, num_warps (default: the tuned table's, ops.triton.moe_configs,
+    else _blocks')."""
     data, scales, mode, s_bn, s_bk, k = _operand(w)
-    block_n, block_k = _blocks(mode, s_bk, k)
+    config = config or lookup(a.device, "gemv", mode, n, k, ids.numel(), s_bk)
+    if config is None:
+        block_n, block_k = _blocks(mode, s_bk, k)
+        num_warps = 4
+    else:
+        block_n, block_k, num_warps = config["BLOCK_N"], config["BLOCK_K"], config["num_warps"]
     grid = (ids.numel(), triton.cdiv(n, block_n))
     _gemv[grid](a, data, scales, out, ids, route if route is not None else out, n, k,
                 a.stride(0), *data.stride(), *scales.stride(), out.stride(0), A_DIV=a_div,
                 MODE=mode, S_BN=s_bn, S_BK=s_bk, GATED=route is None, BLOCK_N=block_n,
-                BLOCK_K=block_k, num_warps=4)
+                BLOCK_K=block_k, num_warps=num_warps)
 
 
 def fused_moe_gemv(x: torch.Tensor, gate_up: torch.Tensor | Experts,

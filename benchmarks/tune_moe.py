@@ -1,0 +1,141 @@
+"""Tune the fused MoE kernels' tiles on this GPU and write them into the table the kernels read
+(frugal/ops/triton/moe_configs.json, under the GPU's name).
+
+For each expert matrix of a model (gate_up, gated; down, routed), each weight form (bf16, FP8
+128x128 blocks, INT4 group 32) and each number of slots (tokens x top_k, powers of two): every
+candidate configuration of the path fused_moe takes at that many slots (the small-batch GEMV up
+to moe_gemv.MAX_SLOTS, the sorted grouped GEMM past it) is timed from a CUDA graph, checked
+against the default configuration's output, and the fastest kept. Prints a table of the default
+and tuned microseconds.
+
+    python benchmarks/tune_moe.py --model qwen3-30b-a3b [--tokens 1,2,4,8,16,32,64,128,256]
+        [--forms bf16,fp8,int4] [--output frugal/ops/triton/moe_configs.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+
+import torch
+
+from frugal.loader.dummy import PRESETS
+from frugal.model_config import ModelConfig
+from frugal.ops.triton import moe, moe_configs, moe_gemv
+from frugal.quant.experts import quantize_experts
+
+GEMV = [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w}
+        for n, k, w in itertools.product((8, 16, 32, 64), (64, 128, 256, 512), (1, 2, 4, 8))]
+SORTED = [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "num_stages": s}
+          for n, k, w, s in itertools.product((32, 64, 128), (32, 64, 128), (4, 8), (2, 3, 4))]
+
+
+def timed(fn, reps: int = 50) -> float:
+    """Microseconds per call of fn replayed from a CUDA graph."""
+    fn()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        fn()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / reps
+
+
+def runner(w, n: int, x: torch.Tensor, ids: torch.Tensor, route: torch.Tensor | None,
+           a_div: int):
+    """A function (config or None) -> output of one matrix's launch on the path these slots
+    take."""
+    slots = ids.numel()
+    out = torch.empty(slots, n, dtype=torch.float32 if route is not None else x.dtype,
+                      device=x.device)
+    if slots <= moe_gemv.MAX_SLOTS:
+        flat = ids.reshape(-1).contiguous()
+        return "gemv", lambda c: moe_gemv._launch(x, w, out, n, flat, route, a_div, c) or out
+    block_m = 16 if slots <= 16 * w.shape[0] else 64  # (as fused_moe picks it)
+    sorted_slots, block_expert, total = moe.align(ids, w.shape[0], block_m)
+    out = out.to(x.dtype)
+    return "sorted", lambda c: moe._gemm(x, w, out, n, sorted_slots, block_expert, total,
+                                         route, a_div, block_m, c) or out
+
+
+def tune(path: str, run, mode: int, scale_k: int, k: int) -> tuple[dict, float, float]:
+    """(best config, its us, the default's us) among the valid candidates."""
+    want = run(None).clone()
+    default = timed(lambda: run(None))
+    best, best_us = None, float("inf")
+    for config in GEMV if path == "gemv" else SORTED:
+        block_k = config["BLOCK_K"]
+        if mode != 0 and scale_k < k and scale_k % block_k and block_k % scale_k:
+            continue
+        try:
+            got = run(config)
+            if not torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2):
+                continue
+            us = timed(lambda c=config: run(c))
+        except Exception:  # (out of shared memory or registers at this shape)
+            continue
+        if us < best_us:
+            best, best_us = config, us
+    return best, best_us, default
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="qwen3-30b-a3b",
+                   choices=sorted(k for k, hf in PRESETS.items()
+                                  if ModelConfig.from_hf(hf).moe is not None))
+    p.add_argument("--tokens", default="1,2,4,8,16,32,64,128,256")
+    p.add_argument("--forms", default="bf16,fp8,int4")
+    p.add_argument("--output", default=str(moe_configs.TABLE))
+    args = p.parse_args()
+    c = ModelConfig.from_hf(PRESETS[args.model])
+    m, h = c.moe, c.hidden_size
+    e, i = m.num_experts, m.intermediate_size
+    g = torch.Generator(device="cuda").manual_seed(0)
+    gate_up = torch.randn(e, 2 * i, h, device="cuda", generator=g).mul_(0.02).bfloat16()
+    down = torch.randn(e, h, i, device="cuda", generator=g).mul_(0.02).bfloat16()
+    device = torch.cuda.get_device_name()
+    try:
+        with open(args.output) as f:
+            table = json.load(f)
+    except FileNotFoundError:
+        table = {}
+    entries = table.setdefault(device, {})
+    print(f"{args.model} on {device}: {e} experts, top {m.top_k}, hidden {h}, inter {i}")
+    print("| form | matrix | tokens | path | default us | tuned us | config |")
+    print("|---|---|---|---|---|---|---|")
+    for form in args.forms.split(","):
+        mats = ((gate_up, down) if form == "bf16" else
+                (quantize_experts(gate_up, form), quantize_experts(down, form)))
+        for t in [int(s) for s in args.tokens.split(",")]:
+            x = torch.randn(t, h, device="cuda", generator=g).bfloat16()
+            weights, ids = torch.randn(t, e, device="cuda", generator=g).softmax(-1).topk(m.top_k)
+            act = torch.randn(t * m.top_k, i, device="cuda", generator=g).bfloat16()
+            route = weights.reshape(-1).float().contiguous()
+            for name, w, n, a, rt, div in (("gate_up", mats[0], i, x, None, m.top_k),
+                                            ("down", mats[1], h, act, route, 1)):
+                _, _, mode, _, scale_k, k = moe._operand(w)
+                path, run = runner(w, n, a, ids, rt, div)
+                best, us, default = tune(path, run, mode, scale_k, k)
+                if best is not None and us < default:
+                    entries[moe_configs.key(path, mode, n, k, t * m.top_k)] = best
+                print(f"| {form} | {name} | {t} | {path} | {default:.1f} | {us:.1f} | "
+                      f"{best} |", flush=True)
+    with open(args.output, "w") as f:
+        json.dump(table, f, indent=1, sort_keys=True)
+    print(f"command: python benchmarks/tune_moe.py --model {args.model} --tokens {args.tokens} "
+          f"--forms {args.forms}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""Tile configurations of the fused MoE kernels by shape, as measured fastest on a GPU.
+
+benchmarks/tune_moe.py times candidate configurations of both paths (moe_gemv's small-batch
+GEMV and moe's sorted grouped GEMM) for each expert matrix of a model and each number of slots
+(tokens x top_k, in powers of two), and writes the fastest into moe_configs.json beside this
+file under the GPU's name ("NVIDIA H200"): as vLLM's fused_moe tables
+(configs/E=..,N=..,device_name=...json) do. A shape or device without an entry takes the
+kernel's defaults. Entries are checked before use: one that breaks a kernel's constraint (a
+quantized tile within one scale's inputs, or holding whole groups of them) is ignored.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import pathlib
+
+import torch
+
+TABLE = pathlib.Path(__file__).with_name("moe_configs.json")
+FIELDS = {"gemv": ("BLOCK_N", "BLOCK_K", "num_warps"),
+          "sorted": ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages")}
+
+
+def bucket(slots: int) -> int:
+    """The power of two at or above slots (the table's rows)."""
+    return 1 << max(slots - 1, 0).bit_length()
+
+
+def key(path: str, mode: int, n: int, k: int, slots: int) -> str:
+    """path 'gemv' or 'sorted'; mode: the weights' form (ops.triton.moe's MODE); n, k: the
+    matrix's outputs and inputs (gate_up: n the expert's intermediate size, gated)."""
+    return f"{path} mode={mode} N={n} K={k} slots={bucket(slots)}"
+
+
+@functools.cache
+def _table() -> dict:
+    try:
+        return json.loads(TABLE.read_text())
+    except FileNotFoundError:
+        return {}
+
+
+@functools.cache
+def device_name(device: torch.device) -> str | None:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else None
+
+
+def lookup(device: torch.device, path: str, mode: int, n: int, k: int, slots: int,
+           scale_k: int) -> dict | None:
+    """The tuned configuration for this shape on this device, or None. scale_k: inputs a
+    scale covers (a quantized tile must stay within them)."""
+    name = device_name(device)
+    entry = _table().get(name, {}).get(key(path, mode, n, k, slots)) if name else None
+    if entry is None or set(entry) != set(FIELDS[path]):
+        return None
+    block_k = entry["BLOCK_K"]
+    if mode != 0 and scale_k < k and scale_k % block_k and block_k % scale_k:
+        return None
+    return entry
