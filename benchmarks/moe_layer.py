@@ -15,6 +15,7 @@ import argparse
 import json
 
 import torch
+from timing import graph_time
 
 from frugal.loader.dummy import PRESETS
 from frugal.model_config import ModelConfig
@@ -25,23 +26,9 @@ from frugal.ops.triton.moe_route import route_experts
 from frugal.quant.experts import quantize_experts
 
 
-def timed(fn, reps: int = 20) -> float:
-    """Microseconds per call of fn replayed from a CUDA graph."""
-    fn()
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        fn()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / reps
+def timed(fn) -> float:
+    """Microseconds per call of fn replayed from a CUDA graph (timing.graph_time's median)."""
+    return graph_time([fn]) * 1000
 
 
 def main() -> None:

@@ -19,6 +19,7 @@ import itertools
 import json
 
 import torch
+from moe_layer import timed
 
 from frugal.loader.dummy import PRESETS
 from frugal.model_config import ModelConfig
@@ -31,25 +32,6 @@ SORTED = [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "num_stages": s}
           for n, k, w, s in itertools.product((32, 64, 128), (32, 64, 128), (4, 8), (2, 3, 4))]
 
 
-def timed(fn, reps: int = 50) -> float:
-    """Microseconds per call of fn replayed from a CUDA graph."""
-    fn()
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        fn()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / reps
-
-
 def runner(w, n: int, x: torch.Tensor, ids: torch.Tensor, route: torch.Tensor | None,
            a_div: int):
     """A function (config or None) -> output of one matrix's launch on the path these slots
@@ -60,7 +42,7 @@ def runner(w, n: int, x: torch.Tensor, ids: torch.Tensor, route: torch.Tensor | 
     if slots <= moe_gemv.MAX_SLOTS:
         flat = ids.reshape(-1).contiguous()
         return "gemv", lambda c: moe_gemv._launch(x, w, out, n, flat, route, a_div, c) or out
-    block_m = 16 if slots <= 16 * w.shape[0] else 64  # (as fused_moe picks it)
+    block_m = moe.rows_per_block(slots, w.shape[0])
     sorted_slots, block_expert, total = moe.align(ids, w.shape[0], block_m)
     out = out.to(x.dtype)
     return "sorted", lambda c: moe._gemm(x, w, out, n, sorted_slots, block_expert, total,
@@ -73,8 +55,7 @@ def tune(path: str, run, mode: int, scale_k: int, k: int) -> tuple[dict, float, 
     default = timed(lambda: run(None))
     best, best_us = None, float("inf")
     for config in GEMV if path == "gemv" else SORTED:
-        block_k = config["BLOCK_K"]
-        if mode != 0 and scale_k < k and scale_k % block_k and block_k % scale_k:
+        if not moe_configs.tiles_scales(mode, config["BLOCK_K"], scale_k, k):
             continue
         try:
             got = run(config)

@@ -77,6 +77,21 @@ def texts(runner: ModelRunner, tokenizer, which: list[str] = TEXTS) -> list[list
             for _ in which]
 
 
+def scratch_requests(name: str, prompts: list[list[int]], page_size: int, generate: int = 0
+                     ) -> tuple[list[Request], int]:
+    """A request a prompt, with room for `generate` greedy tokens after it, on consecutive
+    pages of a scratch pool from page 0: (the requests, the pages they take)."""
+    params = SamplingParams(max_tokens=max(generate, 1), temperature=0.0, ignore_eos=True)
+    requests, first = [], 0
+    for i, ids in enumerate(prompts):
+        n = -(-(len(ids) + generate) // page_size)
+        request = Request(f"{name}-{i}", None, list(ids), params, len(ids) + generate)
+        request.page_table = PageTable(PageRef(p, 0) for p in range(first, first + n))
+        requests.append(request)
+        first += n
+    return requests, first
+
+
 @torch.inference_mode()
 def log_probs(runner: ModelRunner, spec: KVSpec, prompts: list[list[int]],
               scales: torch.Tensor | None = None) -> list[torch.Tensor]:
@@ -85,17 +100,10 @@ def log_probs(runner: ModelRunner, spec: KVSpec, prompts: list[list[int]],
     tokens 1.. on the runner's device. The runner must have no pool bound, and has none after."""
     if runner.pool is not None or runner.graphs is not None:
         raise RuntimeError("kv_check: the runner is already bound to a pool")
-    pages = [-(-len(p) // spec.page_size) for p in prompts]
-    pool = spec.pool(sum(pages), runner.device)
+    requests, num_pages = scratch_requests("kv-check", prompts, spec.page_size)
+    pool = spec.pool(num_pages, runner.device)
     if scales is not None:
         pool.scales = scales.to(runner.device)
-    requests, first = [], 0
-    for i, (ids, n) in enumerate(zip(prompts, pages)):
-        params = SamplingParams(max_tokens=1, temperature=0.0)
-        request = Request(f"kv-check-{i}", None, list(ids), params, len(ids))
-        request.page_table = PageTable(PageRef(p, 0) for p in range(first, first + n))
-        requests.append(request)
-        first += n
     out, start = [], 0
     runner.bind(pool)
     try:

@@ -22,12 +22,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from frugal.config import ModelConfig
-from frugal.core.page_allocator import PageRef
-from frugal.core.page_table import PageTable
 from frugal.core.scheduler import SchedulerOutput
 from frugal.ops.torch_ref.attention import FP8_MAX
-from frugal.request import Request, SamplingParams
-from frugal.worker.kv_check import texts
+from frugal.request import Request
+from frugal.worker.kv_check import scratch_requests, texts
 from frugal.worker.kv_spec import KVSpec
 
 if TYPE_CHECKING:
@@ -164,18 +162,10 @@ def calibrate(runner: ModelRunner, spec: KVSpec, prompts: list[list[int]], gener
     mc, page_size = runner.model_config, spec.page_size
     if runner.pool is not None or runner.graphs is not None:
         raise RuntimeError("kv_scales.calibrate: the runner is already bound to a pool")
-    lengths = [len(p) + generate for p in prompts]
-    pages = [-(-n // page_size) for n in lengths]
-    pool = spec.unquantized(mc, runner.dtype).pool(sum(pages), runner.device)
+    requests, num_pages = scratch_requests("calibrate", prompts, page_size, generate)
+    pool = spec.unquantized(mc, runner.dtype).pool(num_pages, runner.device)
     runner.bind(pool)
     try:
-        requests, first = [], 0
-        params = SamplingParams(max_tokens=generate, temperature=0.0, ignore_eos=True)
-        for i, (ids, n) in enumerate(zip(prompts, pages)):
-            request = Request(f"calibrate-{i}", None, list(ids), params, len(ids) + generate)
-            request.page_table = PageTable(PageRef(p, 0) for p in range(first, first + n))
-            requests.append(request)
-            first += n
         todo = [len(ids) for ids in prompts]
         for _ in range(generate):  # (the first step reads the prompts)
             _step(runner, requests, todo)

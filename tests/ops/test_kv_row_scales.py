@@ -8,6 +8,7 @@ import torch
 
 from frugal.ops import torch_ref
 from frugal.ops.torch_ref.kv_quant import SCALE_BYTES, dequantize_rows, quantize_rows
+from tests.ops.test_triton_attention import make_case as attention_case
 
 triton_attention = pytest.importorskip("frugal.ops.triton.attention")
 kv_store = pytest.importorskip("frugal.ops.triton.kv_store")
@@ -81,27 +82,11 @@ def test_torch_ref_attention_over_row_scaled_cache_is_close_to_unquantized(fmt):
 
 
 def make_case(fmt, seq_lens, num_new, heads, kv_heads, dim, page_size, dtype, seed):
-    """Each request's K/V stored by torch_ref in shuffled pages of a poisoned pool, and q."""
-    g = torch.Generator().manual_seed(seed)
-    pages_per = [-(-n // page_size) for n in seq_lens]
-    num_pages = sum(pages_per) + 2
-    k_cache, v_cache = caches(fmt, num_pages, page_size, kv_heads, dim, dtype, device="cpu")
-    order = torch.randperm(num_pages, generator=g).tolist()
-    tables = []
-    for n, p in zip(seq_lens, pages_per):
-        table = [order.pop() for _ in range(p)]
-        slots = torch.tensor([table[i // page_size] * page_size + i % page_size
-                              for i in range(n)])
-        k = (torch.randn(n, kv_heads, dim, generator=g) * 3).to(dtype)
-        v = (torch.randn(n, kv_heads, dim, generator=g) * 3).to(dtype)
-        torch_ref.store_kv(k, v, k_cache, v_cache, slots)
-        tables.append(table)
-    width = max(pages_per) + 1
-    page_table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-    q = torch.randn(sum(num_new), heads, dim, generator=g).to(dtype)
-    cu = torch.tensor([0] + torch.tensor(num_new).cumsum(0).tolist(), dtype=torch.int32)
-    lens = torch.tensor(seq_lens, dtype=torch.int32)
-    return [t.to(DEVICE) for t in (q, k_cache, v_cache, page_table, cu, lens)]
+    """Each request's K/V stored by torch_ref in shuffled pages of a poisoned pool of the
+    format, and q (test_triton_attention.make_case)."""
+    return attention_case(seq_lens, num_new, heads, kv_heads, dim, page_size, dtype, seed,
+                          caches=lambda n: caches(fmt, n, page_size, kv_heads, dim, dtype,
+                                                  device="cpu"))
 
 
 CASES = [  # (seq_lens, num_new, heads, kv_heads, head_dim, page_size)

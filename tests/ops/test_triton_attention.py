@@ -17,16 +17,19 @@ FP8 = torch.float8_e4m3fn
 
 
 def make_case(seq_lens, num_new, num_heads, num_kv_heads, head_dim, page_size, dtype, seed,
-              scales=None):
+              scales=None, caches=None):
     """A poisoned pool with each request's K/V in shuffled pages, and the step's q.
     scales ([2, num_kv_heads]): the pool is FP8 (V key-minor), K/V quantized with them; its
     poison is the largest finite value (an FP8 pool never holds NaN, so kernels may read the
-    unused rows of a request's last page), a bf16/fp32 pool's NaN."""
+    unused rows of a request's last page), a bf16/fp32 pool's NaN. caches: a function
+    (num_pages) -> (k_cache, v_cache) on the CPU, poisoned as it likes, instead."""
     g = torch.Generator().manual_seed(seed)
     pages_per = [-(-n // page_size) for n in seq_lens]
     num_pages = sum(pages_per) + 2
     shape = (num_pages, page_size, num_kv_heads, head_dim)
-    if scales is None:
+    if caches is not None:
+        k_cache, v_cache = caches(num_pages)
+    elif scales is None:
         k_cache = torch.full(shape, float("nan"), dtype=dtype)
         v_cache = k_cache.clone()
     else:

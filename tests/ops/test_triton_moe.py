@@ -120,20 +120,29 @@ def test_fused_moe_expert_offsets_past_2_31_gpu():
                                rtol=2e-2)
 
 
+TOP_K, HIDDEN, INTER, TOKENS = 2, 256, 128, 3  # a few tokens, several K steps, FP8 blocks
+
+
+def few_tokens(form, experts, seed, same_experts=False):
+    """(fused_moe's arguments on the device, torch_ref's result) for TOKENS tokens;
+    same_experts: the first two tokens routed to the same experts."""
+    g = torch.Generator().manual_seed(seed)
+    gate_up, down = make(form, experts, INTER, HIDDEN, g)
+    x = torch.randn(TOKENS, HIDDEN, generator=g)
+    weights, ids = routed(TOKENS, experts, TOP_K, g)
+    if same_experts:
+        ids[1] = ids[0]
+    ref = torch_ref.fused_moe(x, gate_up, down, weights, ids)
+    return [t.to(DEVICE) for t in (x, gate_up, down, weights, ids)], ref
+
+
 @pytest.mark.parametrize("form", ["float", "fp8", "fp8_channel", "int4"])
 def test_small_batch_path_equals_the_sorted_path(form, monkeypatch):
     """A few tokens take moe_gemv (each slot reads its expert, no sort): the same result as the
     sorted grouped GEMMs and torch_ref, over several K steps and 128 × 128 FP8 scale blocks."""
     gemv = pytest.importorskip("frugal.ops.triton.moe_gemv")
-    g = torch.Generator().manual_seed(11)
-    experts, top_k, hidden, inter, tokens = 6, 2, 256, 128, 3
-    gate_up, down = make(form, experts, inter, hidden, g)
-    x = torch.randn(tokens, hidden, generator=g)
-    weights, ids = routed(tokens, experts, top_k, g)
-    ids[1] = ids[0]  # two tokens on the same experts: each slot reads its own copy
-    args = [t.to(DEVICE) for t in (x,)] + [w.to(DEVICE) for w in (gate_up, down)] + [
-        weights.to(DEVICE), ids.to(DEVICE)]
-    ref = torch_ref.fused_moe(x, gate_up, down, weights, ids)
+    # two tokens on the same experts: each slot reads its own copy
+    args, ref = few_tokens(form, 6, 11, same_experts=True)
     small = gemv.fused_moe_gemv(*args)
     monkeypatch.setattr(gemv, "MAX_SLOTS", 0)  # fused_moe takes the sorted path
     sorted_path = tri.fused_moe(*args)
@@ -150,14 +159,8 @@ def test_tuned_configurations_compute_what_the_defaults_do(form, monkeypatch):
     from frugal.ops.triton import moe_configs
 
     gemv = pytest.importorskip("frugal.ops.triton.moe_gemv")
-    g = torch.Generator().manual_seed(12)
-    experts, top_k, hidden, inter, tokens = 4, 2, 256, 128, 3
-    gate_up, down = make(form, experts, inter, hidden, g)
-    x = torch.randn(tokens, hidden, generator=g)
-    weights, ids = routed(tokens, experts, top_k, g)
-    args = [x.to(DEVICE), gate_up.to(DEVICE), down.to(DEVICE), weights.to(DEVICE),
-            ids.to(DEVICE)]
-    ref = torch_ref.fused_moe(x, gate_up, down, weights, ids)
+    args, ref = few_tokens(form, 4, 12)
+    inter, hidden, slots = INTER, HIDDEN, TOKENS * TOP_K
     mode = {"float": 0, "fp8": 1, "int4": 2}[form]
     scale_k = {"float": 1, "fp8": 128, "int4": 32}[form]
     monkeypatch.setattr(moe_configs, "device_name", lambda device: "a tuned GPU")
@@ -167,14 +170,14 @@ def test_tuned_configurations_compute_what_the_defaults_do(form, monkeypatch):
         for n, k in ((inter, hidden), (hidden, inter)):
             gemv_entry = dict(zip(moe_configs.FIELDS["gemv"], gemv_tile))
             sorted_entry = dict(zip(moe_configs.FIELDS["sorted"], sorted_tile))
-            table[moe_configs.key("gemv", mode, n, k, tokens * top_k)] = gemv_entry
-            table[moe_configs.key("sorted", mode, n, k, tokens * top_k)] = sorted_entry
+            table[moe_configs.key("gemv", mode, n, k, slots)] = gemv_entry
+            table[moe_configs.key("sorted", mode, n, k, slots)] = sorted_entry
         monkeypatch.setattr(moe_configs, "_table", lambda t=table: {"a tuned GPU": t})
         assert moe_configs.lookup(torch.device("cpu"), "gemv", mode, inter, hidden,
-                                  tokens * top_k, scale_k) is not None
+                                  slots, scale_k) is not None
         if mode != 0 and gemv_tile[1] == 64:  # (scales over 96 inputs: 64 would straddle)
             assert moe_configs.lookup(torch.device("cpu"), "gemv", mode, inter, hidden,
-                                      tokens * top_k, 96) is None
+                                      slots, 96) is None
         for limit in (gemv.MAX_SLOTS, 0):  # the small-batch path, then the sorted one
             monkeypatch.setattr(gemv, "MAX_SLOTS", limit)
             got = tri.fused_moe(*args)

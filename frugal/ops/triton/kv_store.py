@@ -73,16 +73,16 @@ def _rotary_store_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, slot_ptr, q_
             k_scale = tl.load(scales_ptr + j, mask=j < NUM_KV_HEADS, other=1.0)
             v_scale = tl.load(scales_ptr + NUM_KV_HEADS + j, mask=j < NUM_KV_HEADS, other=1.0)
         if K_SROW > 0:  # the row's amax over all its dims sets its scale
-            amax = tl.maximum(tl.max(_finite_abs(k_rot1), 1), tl.max(_finite_abs(k_rot2), 1))
+            amax = tl.maximum(tl.max(finite_abs(k_rot1), 1), tl.max(finite_abs(k_rot2), 1))
             if PASS > 0:
-                amax = tl.maximum(amax, tl.max(_finite_abs(k_pass), 1))
+                amax = tl.maximum(amax, tl.max(finite_abs(k_pass), 1))
             k_scale = tl.math.div_rn(amax, K_QMAX)[:, None]  # (IEEE: torch_ref's bits)
             tl.store(k_scale_ptr + row * K_SROW, k_scale, mask=j < NUM_KV_HEADS)
-        _store(k_cache_ptr + kv_dst, k_rot1, k_scale, kv_mask, FP8, K_SROW > 0)
-        _store(k_cache_ptr + kv_dst + HALF, k_rot2, k_scale, kv_mask, FP8, K_SROW > 0)
+        store_quantized(k_cache_ptr + kv_dst, k_rot1, k_scale, kv_mask, FP8, K_SROW > 0)
+        store_quantized(k_cache_ptr + kv_dst + HALF, k_rot2, k_scale, kv_mask, FP8, K_SROW > 0)
         if PASS > 0:
-            _store(k_cache_ptr + row * K_ROW + p[None, :], k_pass, k_scale, kv_pass, FP8,
-                   K_SROW > 0)
+            store_quantized(k_cache_ptr + row * K_ROW + p[None, :], k_pass, k_scale, kv_pass,
+                            FP8, K_SROW > 0)
         d = tl.arange(0, 2 * HALF_PAD)  # V's dims, all DIM of them (in two halves' worth)
         if V_SROW > 0:  # a first pass for the row's amax
             amax = tl.zeros([KV_PAD], tl.float32)
@@ -90,7 +90,7 @@ def _rotary_store_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, slot_ptr, q_
                 v_mask = (j < NUM_KV_HEADS) & ((start + d)[None, :] < DIM)
                 x = tl.load(v_ptr + t * v_stride + j * DIM + start + d[None, :], mask=v_mask,
                             other=0.0)
-                amax = tl.maximum(amax, tl.max(_finite_abs(x), 1))
+                amax = tl.maximum(amax, tl.max(finite_abs(x), 1))
             v_scale = tl.math.div_rn(amax, V_QMAX)[:, None]
             tl.store(v_scale_ptr + row * V_SROW, v_scale, mask=j < NUM_KV_HEADS)
         for start in tl.static_range(0, DIM, 2 * HALF_PAD):
@@ -102,18 +102,18 @@ def _rotary_store_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, slot_ptr, q_
                     * PAGE_SIZE + slot % PAGE_SIZE
             else:
                 v_dst = row * V_ROW + start + d[None, :]
-            _store(v_cache_ptr + v_dst, x, v_scale, v_mask, FP8, V_SROW > 0)
+            store_quantized(v_cache_ptr + v_dst, x, v_scale, v_mask, FP8, V_SROW > 0)
 
 
 @triton.jit
-def _finite_abs(x):
+def finite_abs(x):
     """|x| in fp32 with NaN as 0 and inf as the largest float32 (as the row's values are)."""
     y = x.to(tl.float32)
     return tl.minimum(tl.abs(tl.where(y == y, y, 0.0)), 3.4028234663852886e38)
 
 
 @triton.jit
-def _store(ptr, x, scale, mask, FP8: tl.constexpr, ROW_SCALED: tl.constexpr = False):
+def store_quantized(ptr, x, scale, mask, FP8: tl.constexpr, ROW_SCALED: tl.constexpr = False):
     """Store x in the cache's dtype; FP8 (static): x / scale, saturated to ±448, NaN stored as
     0 (an FP8 pool never holds NaN: the attention kernels read whole last pages). ROW_SCALED:
     x / its row's scale (0 for a row of zeros) rounded to e4m3 or int8 (half away from zero)."""

@@ -10,16 +10,17 @@ import triton
 import triton.language as tl
 
 from frugal.ops.torch_ref.kv_quant import QMAX, row_scaled, scale_view
+from frugal.ops.triton.kv_store import finite_abs, store_quantized
 
 
 @triton.jit
 def _store_kernel(x_ptr, slot_ptr, cache_ptr, scale_ptr, row_scale_ptr, x_stride, cache_row,
                   scale_row, WIDTH: tl.constexpr, BLOCK: tl.constexpr, MODE: tl.constexpr,
                   QMAX: tl.constexpr):
-    """Token t's row x[t, :WIDTH] to cache row slot[t] (cache_row elements apart).
-    MODE 0: cast to the cache's dtype; 1: static FP8, x / scale_ptr[0] saturated to ±448, NaN
-    as 0; 2: the row's own scale (amax / QMAX, stored at row_scale_ptr + slot * scale_row),
-    int8 rounding half away from zero (ops.torch_ref.kv_quant)."""
+    """Token t's row x[t, :WIDTH] to cache row slot[t] (cache_row elements apart), as
+    kv_store.store_quantized writes it: MODE 0 cast to the cache's dtype; 1 static FP8 over
+    scale_ptr[0]; 2 over the row's own scale (amax / QMAX, stored at row_scale_ptr + slot *
+    scale_row)."""
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:
@@ -27,23 +28,13 @@ def _store_kernel(x_ptr, slot_ptr, cache_ptr, scale_ptr, row_scale_ptr, x_stride
         ok = d < WIDTH
         x = tl.load(x_ptr + t * x_stride + d, mask=ok, other=0.0)
         dst = cache_ptr + slot * cache_row + d
-        if MODE == 0:
-            tl.store(dst, x.to(cache_ptr.dtype.element_ty), mask=ok)
-        else:
-            y = x.to(tl.float32)
-            y = tl.where(y == y, y, 0.0)
-            y = tl.minimum(tl.maximum(y, -3.4028234663852886e38), 3.4028234663852886e38)
-            if MODE == 1:
-                y = y / tl.load(scale_ptr)
-            else:
-                # (div_rn: IEEE division, so scales and values equal torch_ref's bit for bit)
-                scale = tl.math.div_rn(tl.max(tl.abs(y), 0), QMAX)
-                tl.store(row_scale_ptr + slot * scale_row, scale)
-                y = tl.where(scale > 0, tl.math.div_rn(y, tl.where(scale > 0, scale, 1.0)), 0.0)
-            y = tl.clamp(y, -QMAX, QMAX)
-            if cache_ptr.dtype.element_ty == tl.int8:
-                y = tl.where(y < 0, -tl.floor(0.5 - y), tl.floor(y + 0.5))
-            tl.store(dst, y.to(cache_ptr.dtype.element_ty), mask=ok)
+        scale = 1.0
+        if MODE == 1:
+            scale = tl.load(scale_ptr)
+        elif MODE == 2:  # (div_rn: IEEE division, torch_ref's bits)
+            scale = tl.math.div_rn(tl.max(finite_abs(x), 0), QMAX)
+            tl.store(row_scale_ptr + slot * scale_row, scale)
+        store_quantized(dst, x, scale, ok, MODE == 1, MODE == 2)
 
 
 def _launch(x: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor, mode: int,

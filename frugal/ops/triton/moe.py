@@ -179,6 +179,11 @@ def _gemm(a: torch.Tensor, w: torch.Tensor | Experts, out: torch.Tensor, n: int,
                   BLOCK_N=block_n, BLOCK_K=block_k, **launch)
 
 
+def rows_per_block(slots: int, num_experts: int) -> int:
+    """BLOCK_M of the sorted path: 16 while experts average at most 16 slots, else 64."""
+    return 16 if slots <= 16 * num_experts else 64
+
+
 def fused_moe(x: torch.Tensor, gate_up: torch.Tensor | Experts, down: torch.Tensor | Experts,
               weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Σ over each token's experts of weight · down(silu(gate) · up), in x's dtype: the twin
@@ -190,7 +195,7 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor | Experts, down: torch.Tens
     if tokens * top_k <= MAX_SLOTS:  # a few tokens: no sorting, each slot reads its expert
         return fused_moe_gemv(x, gate_up, down, weights, ids)
     num_experts, inter = gate_up.shape[0], down.shape[2]
-    block_m = 16 if tokens * top_k <= 16 * num_experts else 64
+    block_m = rows_per_block(tokens * top_k, num_experts)
     sorted_slots, block_expert, total = align(ids, num_experts, block_m)
     slots = tokens * top_k
     act = torch.empty(slots, inter, dtype=x.dtype, device=x.device)

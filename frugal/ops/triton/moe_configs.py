@@ -46,6 +46,12 @@ def device_name(device: torch.device) -> str | None:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else None
 
 
+def tiles_scales(mode: int, block_k: int, scale_k: int, k: int) -> bool:
+    """Whether a K tile of block_k inputs suits the weights' scales over scale_k inputs: within
+    one scale's inputs, or holding whole groups of them (float weights: any tile)."""
+    return mode == 0 or scale_k >= k or scale_k % block_k == 0 or block_k % scale_k == 0
+
+
 def lookup(device: torch.device, path: str, mode: int, n: int, k: int, slots: int,
            scale_k: int) -> dict | None:
     """The tuned configuration for this shape on this device, or None. scale_k: inputs a
@@ -54,7 +60,4 @@ def lookup(device: torch.device, path: str, mode: int, n: int, k: int, slots: in
     entry = _table().get(name, {}).get(key(path, mode, n, k, slots)) if name else None
     if entry is None or set(entry) != set(FIELDS[path]):
         return None
-    block_k = entry["BLOCK_K"]
-    if mode != 0 and scale_k < k and scale_k % block_k and block_k % scale_k:
-        return None
-    return entry
+    return entry if tiles_scales(mode, entry["BLOCK_K"], scale_k, k) else None

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from frugal.ops.triton.moe import _operand, _weight_tile
-from frugal.ops.triton.moe_configs import lookup
+from frugal.ops.triton.moe_configs import lookup, tiles_scales
 from frugal.quant.experts import Experts
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -68,7 +68,7 @@ def _blocks(mode: int, s_bk: int, k: int) -> tuple[int, int]:
         block_n, block_k = 16, 32
     else:
         block_n, block_k = 32, 256 if mode != 0 else 128
-    if mode != 0 and s_bk < k and s_bk % block_k and block_k % s_bk:
+    if not tiles_scales(mode, block_k, s_bk, k):
         raise ValueError(f"fused_moe: scales over {s_bk} inputs need a power of two")
     return block_n, block_k
 
