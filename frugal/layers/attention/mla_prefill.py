@@ -15,7 +15,7 @@ import torch
 
 from frugal import ops
 from frugal.layers.attention import AttentionMetadata
-from frugal.ops.torch_ref.kv_quant import dequantize_rows
+from frugal.ops.torch_ref.mla import latent_rows
 
 PAGE = 16  # tokens a page of the expanded keys and values
 BUDGET_BYTES = 1 << 30  # expanded keys and values of one step at most (else: absorbed)
@@ -33,17 +33,6 @@ def fits(meta: AttentionMetadata, num_heads: int, key_dim: int, kv_dim: int, lat
     row_bytes = (num_heads * (2 * key_dim + kv_dim) * dtype.itemsize
                  + latent_width * (4 + dtype.itemsize) + 32)
     return prompts > 0 and meta.max_query_len > 1 and rows * row_bytes <= BUDGET_BYTES
-
-
-def latent_rows(cache: torch.Tensor, slots: torch.Tensor,
-                kv_scales: torch.Tensor | None) -> torch.Tensor:
-    """The latent rows at slots: [len(slots), kv_lora_rank + rope] fp32; an 8-bit cache's
-    dequantized (static: times kv_scales[0]; given none, each row times its own scale)."""
-    rows = cache.view(-1, cache.shape[-1])
-    if cache.element_size() != 1:
-        return rows.index_select(0, slots).float()
-    picked = rows.view(torch.uint8).index_select(0, slots).view(cache.dtype)
-    return dequantize_rows(picked) if kv_scales is None else picked.float() * kv_scales[0]
 
 
 def attend(q: torch.Tensor, cache: torch.Tensor, kv_scales: torch.Tensor | None,

@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 
 from frugal.model_config import INDEX_SCALE_BYTES as SCALE_BYTES
-from frugal.ops.torch_ref.kv_quant import dequantize_rows, quantize_rows, row_scaled
-from frugal.ops.torch_ref.mla import store_rows
+from frugal.ops.torch_ref.kv_quant import quantize_rows
+from frugal.ops.torch_ref.mla import latent_rows, store_rows
 
 
 def store_index_key(key: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -88,14 +88,7 @@ def sparse_mla_attention(q: torch.Tensor, cache: torch.Tensor, page_table: torch
     ok = selection >= 0
     pos = selection.long().clamp(min=0)  # (-1 reads position 0, always written, masked below)
     slots = page_table.long()[request[:, None], pos // page_size] * page_size + pos % page_size
-    rows = cache.view(-1, cache.shape[-1])
-    if cache.element_size() == 1:
-        rows = rows.view(torch.uint8).index_select(0, slots.flatten()).view(cache.dtype)
-        own = row_scaled(cache, q.shape[-1], kv_scales)  # (rows with their own scale)
-        rows = dequantize_rows(rows) if own else rows.float() * kv_scales[0]
-    else:
-        rows = rows.index_select(0, slots.flatten()).float()
-    rows = rows.view(num_tokens, k, -1)  # [T, k, width]
+    rows = latent_rows(cache, slots.flatten(), kv_scales).view(num_tokens, k, -1)
     scores = torch.einsum("thw,tkw->thk", q.float(), rows) * scale
     probs = torch.softmax(scores.masked_fill(~ok[:, None, :], float("-inf")), dim=-1)
     out = torch.einsum("thk,tkc->thc", probs.nan_to_num(0.0), rows[..., :kv_lora_rank])

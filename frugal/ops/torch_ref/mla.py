@@ -39,6 +39,18 @@ def store_latent(latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.
     store_rows(quantize(latent, scale, cache.dtype), cache, slot_mapping)
 
 
+def latent_rows(cache: torch.Tensor, slots: torch.Tensor,
+                kv_scales: torch.Tensor | None) -> torch.Tensor:
+    """The latent rows at slots of cache [num_pages, page_size, 1, width] (a column view is
+    fine): [len(slots), width] fp32; an 8-bit cache's dequantized (static: times kv_scales[0];
+    given none, each row times its own scale, width then counting the scale's 4 bytes out)."""
+    rows = cache.view(-1, cache.shape[-1])
+    if cache.element_size() != 1:
+        return rows.index_select(0, slots).float()
+    picked = rows.view(torch.uint8).index_select(0, slots).view(cache.dtype)
+    return dequantize_rows(picked) if kv_scales is None else picked.float() * kv_scales[0]
+
+
 def dequantized_pages(cache: torch.Tensor, page_table: torch.Tensor, num_pages: int,
                       scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """An 8-bit cache's pages that page_table[:, :num_pages] names, in fp32 (times scale, or
