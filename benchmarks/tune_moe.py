@@ -112,8 +112,8 @@ def main() -> None:
                     entries[moe_configs.key(path, mode, n, k, t * m.top_k)] = best
                 print(f"| {form} | {name} | {t} | {path} | {default:.1f} | {us:.1f} | "
                       f"{best} |", flush=True)
-    with open(args.output, "w") as f:
-        json.dump(table, f, indent=1, sort_keys=True)
+        with open(args.output, "w") as f:  # after each form: a cut-off run keeps what it found
+            json.dump(table, f, indent=1, sort_keys=True)
     print(f"command: python benchmarks/tune_moe.py --model {args.model} --tokens {args.tokens} "
           f"--forms {args.forms}")
 

@@ -183,3 +183,23 @@ def test_tuned_configurations_compute_what_the_defaults_do(form, monkeypatch):
             got = tri.fused_moe(*args)
             torch.testing.assert_close(got.cpu(), ref, atol=1e-4 * ref.abs().max().item(),
                                        rtol=1e-4)
+
+
+def test_committed_table_holds_valid_tiles():
+    """Every entry of moe_configs.json (written on a GPU by benchmarks/tune_moe.py) names its
+    path's fields, in powers of two the kernels take, and suits its form's scales."""
+    import json
+
+    from frugal.ops.triton import moe_configs
+
+    table = json.loads(moe_configs.TABLE.read_text())
+    assert table, "no tuned tiles committed"
+    scale_k = {0: 1, 1: 128, 2: 32}
+    for entries in table.values():
+        for key, entry in entries.items():
+            path, mode, n, k, slots = key.split()
+            assert set(entry) == set(moe_configs.FIELDS[path]), key
+            assert all(v > 0 and v & (v - 1) == 0 for f, v in entry.items()
+                       if f != "num_stages"), key
+            mode, k = int(mode.split("=")[1]), int(k.split("=")[1])
+            assert moe_configs.tiles_scales(mode, entry["BLOCK_K"], scale_k[mode], k), key
