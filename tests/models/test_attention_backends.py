@@ -37,11 +37,11 @@ def test_config_names_its_backend_and_its_cache_row(hf, name):
             == mc.head_dim + (16 if name == "dsa" else 0))
 
 
-def test_only_multi_head_attention_is_captured():
-    assert graph_capture_blocker(ModelConfig.from_hf(LLAMA)) is None
-    mla = graph_capture_blocker(ModelConfig.from_hf(MLA))
-    dsa = graph_capture_blocker(ModelConfig.from_hf(DSA))
-    assert "MLA" in mla and dsa.startswith("DSA") and dsa.endswith(mla)
+def test_every_backend_is_captured():
+    """(tests/ops/test_triton_model.py checks MLA's and DSA's graphs against eager steps on
+    the GPU.)"""
+    for hf in (LLAMA, MLA, DSA):
+        assert graph_capture_blocker(ModelConfig.from_hf(hf)) is None
 
 
 def test_unknown_backend_is_refused():

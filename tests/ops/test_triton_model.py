@@ -53,8 +53,9 @@ def test_triton_backend_runs_a_moe_model_with_partial_rotary(quantization, tmp_p
 def test_triton_backend_runs_an_mla_model(kv, tmp_path):
     """DeepSeek-V3-shaped (latent attention, q_lora, grouped sigmoid routing): the Triton
     backend (its matmuls, fused MoE, latent store, MLA decode kernel, and prompts expanded
-    through its paged attention; no graphs) equals torch_ref, with an fp32 cache or with
-    int8 rows that carry their own scale (the interpreter converts some values to FP8 wrongly)."""
+    through its paged attention; decode graphs on a GPU) equals torch_ref, with an fp32 cache
+    or with int8 rows that carry their own scale (the interpreter converts some values to FP8
+    wrongly)."""
     from tests.models.test_mla_vs_hf import write_model as write_mla
 
     path = str(tmp_path)
@@ -63,7 +64,7 @@ def test_triton_backend_runs_an_mla_model(kv, tmp_path):
                   kv_cache_dtype=kv)
     ref = LLM(path, ops_backend="torch_ref", **kwargs)
     tri = LLM(path, ops_backend="triton", **kwargs)
-    assert tri.engine.runner.graphs is None
+    assert (tri.engine.runner.graphs is not None) == (DEVICE == "cuda")
     ids = torch.randint(0, 320, (21,), generator=torch.Generator().manual_seed(5)).tolist()
     torch.testing.assert_close(frugal_logits(tri, ids), frugal_logits(ref, ids), atol=1e-3,
                                rtol=1e-3)
@@ -75,16 +76,12 @@ def test_triton_backend_runs_an_mla_model(kv, tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["deepseek-v3-rope16", "glm-5"])
-def test_mla_decode_graphs_replay_as_eager(case, tmp_path, monkeypatch):
-    """What MlaBackend.graph_capture waits for: with its gate lifted here, decode steps of an
-    MLA model (and of GLM-5's sparse path: contexts past its top-k) replayed from CUDA graphs
-    give the eager steps' tokens and log-probabilities."""
-    from frugal.layers.attention import dsa, mla
+def test_mla_decode_graphs_replay_as_eager(case, tmp_path):
+    """Decode steps of an MLA model (and of GLM-5's sparse path: contexts past its top-k and
+    short of it) replayed from CUDA graphs give the eager steps' tokens and log-probabilities."""
     from tests.loader.test_hf_dir import save_random
     from tests.models.test_mla_vs_hf import write_model as write_mla
 
-    for backend in (mla.MlaBackend, dsa.DsaBackend):
-        monkeypatch.setattr(backend, "graph_capture", lambda self, c: None)
     if case == "glm-5":
         from tests.models.test_dsa_vs_hf import config
         save_random(config(qk_rope_head_dim=16), tmp_path)

@@ -83,9 +83,10 @@ class DsaBackend(MlaBackend):
         return MlaAttention(c, rotary, parallel, indexer)
 
     def graph_capture(self, c: ModelConfig) -> str | None:
-        return ("DSA picks sparse or dense attention on the host (max_seq_len against "
-                "index_topk) and sizes its selection by max_seq_len; and "
-                + super().graph_capture(c))
+        """In a graph max_seq_len is the longest context served: the sparse path always runs,
+        and a short context's selection is padded with -1 (index_topk), which attends to what
+        the dense path would."""
+        return None
 
 
 BACKEND = DsaBackend()
