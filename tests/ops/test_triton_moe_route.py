@@ -40,3 +40,17 @@ def test_route_experts(case, tokens):
     assert torch.equal(got_ids.cpu().gather(1, order_got), want_ids.gather(1, order_want))
     torch.testing.assert_close(got_w.cpu().gather(1, order_got), want_w.gather(1, order_want),
                                rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,experts,hidden", [(1, 128, 300), (16, 160, 64), (17, 24, 80),
+                                                   (70, 384, 144)])
+def test_router_logits(dtype, tokens, experts, hidden):
+    """The router logits in fp32 from x and the router in their own dtype: tokens on both sides
+    of the decode tiles (16), experts and hidden sizes that are no multiple of the tiles."""
+    g = torch.Generator().manual_seed(tokens + experts)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    router = torch.randn(experts, hidden, generator=g).to(dtype)
+    got = tri.router_logits(x.to(DEVICE), router.to(DEVICE))
+    assert got.dtype == torch.float32 and got.shape == (tokens, experts)
+    torch.testing.assert_close(got.cpu(), x.float() @ router.float().t(), rtol=1e-5, atol=1e-4)

@@ -2,8 +2,9 @@
 
 torch_ref.route_experts spells routing as ~10 small ops (softmax or sigmoid, the group scores,
 their top-k, a mask, the top-k, a gather, the renormalization, the scaling): at decode batch
-sizes each costs a launch and more than its work. Here the router logits (x @ routerᵀ in fp32,
-one matmul) go to `_route`, one program a token over all its experts (up to BLOCK_E = the next
+sizes each costs a launch and more than its work. Here `_logits` computes the router logits
+(x @ routerᵀ, read in their own dtype, fp32 products and sums: no fp32 copy of the router is
+made) and `_route` takes one program a token over all its experts (up to BLOCK_E = the next
 power of two):
   softmax: the top_k probabilities, renormalized to sum 1 if asked (Qwen3-MoE);
   sigmoid: experts chosen by sigmoid + correction bias, among the topk_group best of n_group
@@ -16,11 +17,52 @@ two: DeepSeek-V3's 256 in 8 groups); otherwise the torch ops route (route_expert
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from frugal.ops.torch_ref.moe import route_experts as route_experts_torch
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _logits(x_ptr, w_ptr, out_ptr, T, E, K, sxt, swe, F32_DOT: tl.constexpr,
+            BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[t, e] = Σ_k x[t, k] · w[e, k] in fp32: BLOCK_T tokens × BLOCK_E experts a program."""
+    rows = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
+    acc = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * sxt + ks[None, :],
+                    mask=(rows[:, None] < T) & (ks[None, :] < K), other=0.0)
+        w = tl.load(w_ptr + cols[:, None].to(tl.int64) * swe + ks[None, :],
+                    mask=(cols[:, None] < E) & (ks[None, :] < K), other=0.0)
+        if F32_DOT:
+            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        else:  # (bf16 / fp16 products are exact in fp32; the sums are fp32)
+            acc += tl.dot(x, tl.trans(w))
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * E + cols[None, :], acc,
+             mask=(rows[:, None] < T) & (cols[None, :] < E))
+
+
+def router_logits(x: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
+    """x [T, hidden] @ router [E, hidden]ᵀ as [T, E] fp32 (torch_ref: x.float() @
+    router.float().t()), one launch. Decode-sized steps take 16 tokens × 16 experts a program
+    (Qwen3's 128 experts: 8 programs each reading 64 KiB of the router), larger ones 64 × 64."""
+    t, k = x.shape
+    e = router.shape[0]
+    out = torch.empty(t, e, dtype=torch.float32, device=x.device)
+    small = t <= 16
+    block_t, block_e, block_k = (16, 16, 256) if small else (64, 64, 64)
+    f32 = _INTERPRET or x.dtype != router.dtype or x.dtype == torch.float32
+    grid = (triton.cdiv(e, block_e), triton.cdiv(t, block_t))
+    _logits[grid](x, router, out, t, e, k, x.stride(0), router.stride(0), F32_DOT=f32,
+                  BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k, num_warps=4)
+    return out
 
 
 @triton.jit
@@ -83,7 +125,7 @@ def route_experts(x: torch.Tensor, router: torch.Tensor, correction_bias: torch.
     if (grouped and block_e != num_experts) or top_k & (top_k - 1) or num_tokens == 0:
         return route_experts_torch(x, router, correction_bias, top_k, scoring, renormalize,
                                    n_group, topk_group, scaling)
-    logits = (x.float() @ router.float().t()).contiguous()
+    logits = router_logits(x.contiguous(), router.contiguous())
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=x.device)
     bias = correction_bias if correction_bias is not None else logits
