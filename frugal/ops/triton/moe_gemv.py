@@ -30,6 +30,24 @@ MAX_SLOTS = 64  # tokens · top_k up to which fused_moe takes this path
 
 
 @triton.jit
+def _int4_words(w_base, s_base, a_row, word, w_ok, group, offs_n, n_ok, swn, swk, ssn, ssk,
+                WORDS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[WORDS, BLOCK_N] fp32: for each word of 8 INT4 inputs (k = 8 · word + j) and output,
+    Σ_j (u_j - 8) · a[k], times the word's group scale. A nibble u widens as the fp32 whose bits
+    are 0x4B000000 | u (2**23 + u) minus 2**23 + 8: exact, an AND/OR and an add instead of an
+    integer-to-float conversion (a quarter of the CUDA cores' rate on Hopper)."""
+    ok = w_ok[:, None] & n_ok[None, :]
+    words = tl.load(w_base + offs_n[None, :] * swn + word[:, None] * swk, mask=ok, other=0)
+    part = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32)
+    for j in tl.static_range(8):
+        a = tl.load(a_row + word * 8 + j, mask=w_ok, other=0.0).to(tl.float32)
+        u = ((words >> (4 * j)) & 0xF) | 0x4B000000
+        part += (u.to(tl.float32, bitcast=True) - 8388616.0) * a[:, None]
+    s = tl.load(s_base + offs_n[None, :] * ssn + group[:, None] * ssk, mask=ok, other=0.0)
+    return part * s.to(tl.float32)
+
+
+@triton.jit
 def _gemv(a_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, route_ptr, N, K, sam, swe, swn, swk, sse, ssn,
           ssk, som, A_DIV: tl.constexpr, MODE: tl.constexpr, S_BN: tl.constexpr,
           S_BK: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -40,18 +58,35 @@ def _gemv(a_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, route_ptr, N, K, sam, swe, swn,
     # (int64: an expert's offset passes 2**31 elements in Kimi K2's and GLM-5's stacks)
     expert = tl.load(ids_ptr + slot).to(tl.int64)
     a_row = a_ptr + (slot // A_DIV).to(tl.int64) * sam
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(a_row + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-        w = _weight_tile(w_ptr, s_ptr, expert, k0, K, offs_n, n_ok, swe, swn, swk, sse, ssn,
-                         ssk, MODE, S_BN, S_BK, BLOCK_K, BLOCK_N)
-        acc += tl.sum(w.to(tl.float32) * a[:, None], axis=0)
-        if GATED:
-            w = _weight_tile(w_ptr, s_ptr, expert, k0, K, offs_n + N, n_ok, swe, swn, swk, sse,
+    if MODE == 2:  # INT4: per-word partial sums, summed over words once after the loop
+        WORDS: tl.constexpr = BLOCK_K // 8
+        acc2 = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32)
+        up2 = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32)
+        w_base, s_base = w_ptr + expert * swe, s_ptr + expert * sse
+        for k0 in range(0, K, BLOCK_K):
+            word = k0 // 8 + tl.arange(0, WORDS)
+            w_ok = word < K // 8
+            group = word * 8 // S_BK
+            acc2 += _int4_words(w_base, s_base, a_row, word, w_ok, group, offs_n, n_ok, swn,
+                                swk, ssn, ssk, WORDS, BLOCK_N)
+            if GATED:
+                up2 += _int4_words(w_base, s_base, a_row, word, w_ok, group, offs_n + N, n_ok,
+                                   swn, swk, ssn, ssk, WORDS, BLOCK_N)
+        acc = tl.sum(acc2, axis=0)
+        acc_up = tl.sum(up2, axis=0)
+    else:
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            a = tl.load(a_row + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+            w = _weight_tile(w_ptr, s_ptr, expert, k0, K, offs_n, n_ok, swe, swn, swk, sse,
                              ssn, ssk, MODE, S_BN, S_BK, BLOCK_K, BLOCK_N)
-            acc_up += tl.sum(w.to(tl.float32) * a[:, None], axis=0)
+            acc += tl.sum(w.to(tl.float32) * a[:, None], axis=0)
+            if GATED:
+                w = _weight_tile(w_ptr, s_ptr, expert, k0, K, offs_n + N, n_ok, swe, swn, swk,
+                                 sse, ssn, ssk, MODE, S_BN, S_BK, BLOCK_K, BLOCK_N)
+                acc_up += tl.sum(w.to(tl.float32) * a[:, None], axis=0)
     if GATED:
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up
     else:  # routed: times the slot's routing weight
