@@ -37,6 +37,22 @@ def test_mla_decode_matches_torch_ref(lens, heads):
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("splits", [1, 3, 16, 40])
+def test_merge_of_splits(splits):
+    """The one-launch merge against softmax over the splits' log-sum-exps: splits that saw no
+    key (-inf) weigh nothing, a row where none did is 0, more splits than one step takes."""
+    g = torch.Generator().manual_seed(splits)
+    part = torch.randn(3, splits, 5, 256, generator=g)
+    lse = torch.randn(3, splits, 5, generator=g) * 4
+    lse[0, -1] = float("-inf")  # (the last split of request 0 past its end)
+    lse[2, :, 1] = float("-inf")  # (request 2, head 1: nothing)
+    part[lse == float("-inf")] = 0.0
+    want = (part * torch.softmax(lse, 1).nan_to_num(0.0)[..., None]).sum(1)
+    got = tri.merge(part.to(DEVICE), lse.to(DEVICE), torch.float32).cpu()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert not got[2, 1].any()
+
+
 def test_mla_decode_support():
     assert tri.supported(512, 64) and tri.supported(32, 16)
     assert not tri.supported(32, 8) and not tri.supported(96, 16)

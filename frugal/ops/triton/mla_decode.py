@@ -117,6 +117,48 @@ def _kernel(q_ptr, cache_ptr, page_table_ptr, seq_lens_ptr, out_ptr, lse_ptr, sc
     tl.store(lse_ptr + b * slb + split * sls + heads, lse, mask=h_ok)
 
 
+@triton.jit
+def _merge(part_ptr, lse_ptr, out_ptr, splits, spb, sps, sph, slb, sls, sob, soh,
+           SPLITS_PAD: tl.constexpr, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr):
+    """out[b, head, d-block] = Σ_split partial · exp(lse - top) / Σ_split exp(lse - top), in
+    out's dtype (0 where no split saw a key): program (b, head, d-block), CHUNK splits a step."""
+    b = tl.program_id(0)
+    head = tl.program_id(1)
+    d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
+    every = tl.arange(0, SPLITS_PAD)
+    lse_row = lse_ptr + b * slb + head
+    lse = tl.load(lse_row + every * sls, mask=every < splits, other=float("-inf"))
+    top = tl.max(lse, axis=0)
+    top = tl.where(top > float("-inf"), top, 0.0)
+    total = tl.sum(tl.exp(lse - top), axis=0)
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for c0 in range(0, splits, CHUNK):
+        s = c0 + tl.arange(0, CHUNK)
+        ok = s < splits
+        w = tl.exp(tl.load(lse_row + s * sls, mask=ok, other=float("-inf")) - top)
+        part = tl.load(part_ptr + b * spb + s[:, None] * sps + head * sph + d[None, :],
+                       mask=ok[:, None], other=0.0)
+        acc += tl.sum(tl.where(w[:, None] > 0, part * w[:, None], 0.0), axis=0)
+    out = tl.where(total > 0, acc / tl.where(total > 0, total, 1.0), 0.0)
+    tl.store(out_ptr + b * sob + head * soh + d, out.to(out_ptr.dtype.element_ty))
+
+
+def merge(part: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The splits' partial outputs part [B, splits, heads, LAT] fp32 and their log-sum-exps lse
+    [B, splits, heads] (-inf: the split saw no key) into [B, heads, LAT] in dtype, one launch
+    (torch: softmax of lse over the splits, weighted sum of part, 0 where every lse is -inf)."""
+    batch, splits, heads, lat = part.shape
+    out = torch.empty(batch, heads, lat, dtype=dtype, device=part.device)
+    block_d = min(128, lat)
+    splits_pad = max(16, triton.next_power_of_2(splits))
+    _merge[(batch, heads, lat // block_d)](part, lse, out, splits, part.stride(0),
+                                           part.stride(1), part.stride(2), lse.stride(0),
+                                           lse.stride(1), out.stride(0), out.stride(1),
+                                           SPLITS_PAD=splits_pad, CHUNK=min(16, splits_pad),
+                                           BLOCK_D=block_d, num_warps=4)
+    return out
+
+
 def supported(kv_lora_rank: int, rope_dim: int) -> bool:
     """The kernel's latent and rotary widths: powers of two of at least 16 (tl.dot's)."""
     return all(d >= 16 and d & (d - 1) == 0 for d in (kv_lora_rank, rope_dim))
@@ -165,8 +207,7 @@ def mla_decode(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor,
                   F32_DOT=_INTERPRET or q.dtype == torch.float32, BLOCK_H=block_h,
                   BLOCK_N=BLOCK_N, num_warps=NUM_WARPS or (8 if kv_lora_rank >= 256 else 4),
                   **({} if NUM_STAGES is None else {"num_stages": NUM_STAGES}))
-    weight = torch.softmax(lse, dim=1).nan_to_num(0.0)  # (a split past the end: lse -inf)
-    return (out * weight[..., None]).sum(dim=1).to(q.dtype)
+    return merge(out, lse, q.dtype)
 
 
 def mla_attention(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor,
