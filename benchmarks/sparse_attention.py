@@ -26,6 +26,7 @@ from frugal.ops.triton import dsa
 from frugal.ops.triton import mla_decode as mla
 from frugal.ops.triton.dsa import index_scores, index_topk, sparse_mla_attention
 from frugal.ops.triton.mla_decode import mla_decode
+from frugal.ops.triton.topk import top_positions
 
 LAT, ROPE, INDEX, HEADS, INDEX_HEADS, TOPK, PAGE = 512, 64, 128, 64, 32, 2048, 16
 FP8_ROW = LAT + ROPE + INDEX + 16  # bytes: an FP8 index key's scale and padding after it
@@ -70,13 +71,14 @@ def bench(batch: int, context: int, cache: torch.Tensor,
     score = graph_time(calls(lambda c: index_scores(q_index, w, keys, tables[c], cu, lens,
                                                     context)))
     topk = graph_time(calls(lambda c: scores.topk(min(TOPK, context), dim=-1, sorted=False)))
+    radix = graph_time(calls(lambda c: top_positions(scores, min(TOPK, context))))
     select = graph_time(calls(lambda c: index_topk(q_index, w, keys, tables[c], cu, lens, TOPK,
                                                    context)))
     attend = graph_time(calls(lambda c: sparse_mla_attention(q, latent, tables[c], cu,
                                                              selections[c], scale, LAT,
                                                              kv_scales)))
     return {k: v * 1e3 for k, v in (("dense", dense), ("score", score), ("topk", topk),
-                                     ("select", select), ("attend", attend))}
+                                     ("radix", radix), ("select", select), ("attend", attend))}
 
 
 # MLA kernel variants: (heads a program takes, keys an iteration, num_warps, num_stages)
@@ -152,7 +154,8 @@ def main() -> None:
     print(f"KV bytes a token and layer: bf16 {(LAT + ROPE) * 2} latent + {INDEX * 2} index key "
           f"= {(LAT + ROPE + INDEX) * 2}; FP8 {LAT + ROPE} latent + {INDEX} index key + 16 "
           f"(its scale, padding) = {FP8_ROW}\n")
-    print("| batch | context | bf16: dense MLA | index scores | top-k | indexer | sparse MLA "
+    print("| batch | context | bf16: dense MLA | index scores | top-k: torch / radix | indexer "
+          "| sparse MLA "
           "(2,048) | sparse total | dense / sparse | FP8: dense MLA | indexer | sparse MLA | "
           "sparse total | dense / sparse |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -162,7 +165,8 @@ def main() -> None:
             f = bench(batch, context, fp8, scales)
             total, total8 = r["select"] + r["attend"], f["select"] + f["attend"]
             print(f"| {batch} | {context} | {r['dense']:.1f} | {r['score']:.1f} | "
-                  f"{r['topk']:.1f} | {r['select']:.1f} | {r['attend']:.1f} | {total:.1f} | "
+                  f"{r['topk']:.1f} / {r['radix']:.1f} | {r['select']:.1f} | "
+                  f"{r['attend']:.1f} | {total:.1f} | "
                   f"{r['dense'] / total:.2f}x | {f['dense']:.1f} | {f['select']:.1f} | "
                   f"{f['attend']:.1f} | {total8:.1f} | {f['dense'] / total8:.2f}x |",
                   flush=True)

@@ -29,9 +29,13 @@ def to(device, *tensors):
     return [t.to(device) for t in tensors]
 
 
+@pytest.mark.parametrize("radix", [False, True])
 @pytest.mark.parametrize("lens,new,topk", [([40, 7, 100], [1, 1, 1], 16),
                                            ([50, 90], [1, 30], 24), ([20], [20], 32)])
-def test_index_topk_matches_torch_ref(lens, new, topk):
+def test_index_topk_matches_torch_ref(lens, new, topk, radix, monkeypatch):
+    """(radix: the top-k by ops.triton.topk, which long contexts take)"""
+    if radix:
+        monkeypatch.setattr(tri, "RADIX_MIN", 0)
     heads, dim, lat = 16, 16, 24
     g, cache, table, cu, seq_lens = batch(lens, new, lat + dim)
     keys = cache[..., lat:]

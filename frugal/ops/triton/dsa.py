@@ -1,5 +1,6 @@
-"""DeepSeek Sparse Attention on the GPU: the indexer's scores as one Triton kernel, torch.topk
-over them, and MLA over the selected positions (mla_decode's kernel, SPARSE).
+"""DeepSeek Sparse Attention on the GPU: the indexer's scores as one Triton kernel, their top-k
+(ops.triton.topk's radix select from RADIX_MIN positions on, torch.topk below), and MLA over
+the selected positions (mla_decode's kernel, SPARSE).
 
 The score kernel takes one new token and BLOCK_N of its request's positions a program: the
 token's index queries [heads, dim] against the keys gathered from the cache rows ([BLOCK_N,
@@ -18,10 +19,12 @@ import triton.language as tl
 from frugal.ops import torch_ref
 from frugal.ops.triton.mla_decode import mla_decode
 from frugal.ops.triton.mla_decode import supported as mla_supported
+from frugal.ops.triton.topk import top_positions
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 BLOCK_N = 128  # positions a score program takes (64-256 measured: 128 by up to 8 %)
 NUM_WARPS = 4
+RADIX_MIN = 16384  # positions from which the radix select replaces torch.topk (not yet timed)
 
 
 @triton.jit
@@ -104,6 +107,8 @@ def index_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
         return torch_ref.index_topk(q, weights, keys, page_table, cu_seqlens_q, seq_lens, topk,
                                     max_seq_len)
     scores = index_scores(q, weights, keys, page_table, cu_seqlens_q, seq_lens, max_seq_len)
+    if max_seq_len >= RADIX_MIN:
+        return top_positions(scores, min(topk, max_seq_len))
     # (unsorted: the selection's order does not matter, 20 us less at one request of 128k)
     values, picked = scores.topk(min(topk, max_seq_len), dim=-1, sorted=False)
     return torch.where(values == float("-inf"), -1, picked).to(torch.int32)

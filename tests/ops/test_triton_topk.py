@@ -1,0 +1,36 @@
+"""The radix top-k (ops.triton.topk) against torch.topk on fresh random rows: several programs a
+row, rows with fewer finite scores than k (and none), ties at the threshold, negative scores."""
+
+import pytest
+import torch
+
+tri = pytest.importorskip("frugal.ops.triton.topk")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def chosen_values(scores, positions):
+    """Each row's chosen scores, sorted, -inf for a -1."""
+    taken = scores.gather(1, positions.clamp(min=0).long())
+    return torch.where(positions >= 0, taken, float("-inf")).sort(-1).values
+
+
+@pytest.mark.parametrize("rows,n,k,masked,ties", [
+    (1, 50, 16, 0.0, False), (3, 5000, 100, 0.0, False), (2, 4100, 33, 0.5, False),
+    (3, 3000, 64, 0.99, False), (2, 3000, 500, 0.0, True), (1, 2048, 2048, 0.0, False),
+    (2, 70, 70, 1.0, False)])
+def test_top_positions(rows, n, k, masked, ties):
+    g = torch.Generator().manual_seed(n + k)
+    scores = torch.randn(rows, n, generator=g) * 5
+    if ties:
+        scores = scores.round()
+    scores[torch.rand(rows, n, generator=g) < masked] = float("-inf")
+    got = tri.top_positions(scores.to(DEVICE), k).cpu()
+    assert got.shape == (rows, k) and got.dtype == torch.int32
+    values, picked = scores.topk(k, dim=-1, sorted=False)
+    want = torch.where(values == float("-inf"), -1, picked).int()
+    for row in got:  # no position twice, -1 only after the finite ones
+        taken = row[row >= 0].tolist()
+        assert len(set(taken)) == len(taken) and bool((row[len(taken):] == -1).all())
+    assert torch.equal(chosen_values(scores, got), chosen_values(scores, want))
+    if not ties:
+        assert torch.equal(got.sort(-1).values, want.sort(-1).values)
