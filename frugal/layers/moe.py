@@ -153,14 +153,13 @@ class MoE(nn.Module):
         weights, ids = ops.route_experts(x, self.gate.weight, self.gate.e_score_correction_bias,
                                          m.top_k, m.scoring, m.norm_topk_prob, m.n_group,
                                          m.topk_group, m.routed_scaling_factor)
-        y = ops.fused_moe(x, *self.experts.weights(), weights, ids)
         if self.parallel.size > 1:  # (partial sums over the ranks' intermediate features)
+            y = ops.fused_moe(x, *self.experts.weights(), weights, ids)
             if self.shared_experts is not None:
                 y = y + self.shared_experts(x)
             return h + self.parallel.all_reduce(y)
-        if self.shared_experts is None:
-            return h + y
-        return self.shared_experts(x, residual=h + y)
+        y = ops.fused_moe(x, *self.experts.weights(), weights, ids, residual=h)  # h + routed
+        return y if self.shared_experts is None else self.shared_experts(x, residual=y)
 
 
 def quantize_moe(model: nn.Module, scheme: str) -> int:

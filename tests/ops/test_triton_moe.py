@@ -203,3 +203,20 @@ def test_committed_table_holds_valid_tiles():
                        if f != "num_stages"), key
             mode, k = int(mode.split("=")[1]), int(k.split("=")[1])
             assert moe_configs.tiles_scales(mode, entry["BLOCK_K"], scale_k[mode], k), key
+
+
+@pytest.mark.parametrize("form", ["float", "int4"])
+def test_residual_joins_the_sum_on_both_paths(form, monkeypatch):
+    """fused_moe(..., residual=h) = h + the experts' sum, rounded once: on the small-batch path
+    and on the sorted one, against torch_ref's twin."""
+    gemv = pytest.importorskip("frugal.ops.triton.moe_gemv")
+    args, alone = few_tokens(form, 6, 13)
+    residual = torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(2))
+    ref = alone + residual  # (fp32: one rounding either way)
+    torch.testing.assert_close(torch_ref.fused_moe(*args, residual=residual.to(DEVICE)).cpu(),
+                               ref, atol=1e-5, rtol=1e-5)
+    for limit in (gemv.MAX_SLOTS, 0):
+        monkeypatch.setattr(gemv, "MAX_SLOTS", limit)
+        got = tri.fused_moe(*args, residual=residual.to(DEVICE))
+        torch.testing.assert_close(got.cpu(), ref, atol=1e-4 * ref.abs().max().item(),
+                                   rtol=1e-4)

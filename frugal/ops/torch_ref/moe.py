@@ -44,8 +44,10 @@ def route_experts(x: torch.Tensor, router: torch.Tensor, correction_bias: torch.
 
 
 def fused_moe(x: torch.Tensor, gate_up: torch.Tensor | Experts, down: torch.Tensor | Experts,
-              weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Σ over each token's experts of weight · down(silu(gate) · up), in x's dtype.
+              weights: torch.Tensor, ids: torch.Tensor,
+              residual: torch.Tensor | None = None) -> torch.Tensor:
+    """Σ over each token's experts of weight · down(silu(gate) · up), in x's dtype; with
+    residual ([num_tokens, hidden]) residual + Σ, added in fp32 before the one rounding.
 
     x: [num_tokens, hidden]; gate_up: [num_experts, 2 * inter, hidden] (gate rows, then up);
     down: [num_experts, hidden, inter], either float or quantized (quant.experts: dequantized
@@ -58,4 +60,6 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor | Experts, down: torch.Tens
         gate, up = F.linear(x[token], dequantize(gate_up, expert, x.dtype)).chunk(2, dim=-1)
         y = F.linear(F.silu(gate) * up, dequantize(down, expert, x.dtype))
         out.index_add_(0, token, y.float() * weights[token, slot, None])
+    if residual is not None:
+        out += residual.float()
     return out.to(x.dtype)

@@ -184,16 +184,47 @@ def rows_per_block(slots: int, num_experts: int) -> int:
     return 16 if slots <= 16 * num_experts else 64
 
 
+@triton.jit
+def _combine(out_ptr, res_ptr, dst_ptr, H, TOP_K: tl.constexpr, RESIDUAL: tl.constexpr,
+             BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < H
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):  # (a fixed order: results do not depend on scheduling)
+        acc += tl.load(out_ptr + (t * TOP_K + j) * H + cols, mask=ok, other=0.0).to(tl.float32)
+    if RESIDUAL:
+        acc += tl.load(res_ptr + t * H + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(dst_ptr + t * H + cols, acc.to(dst_ptr.dtype.element_ty), mask=ok)
+
+
+def combine(out: torch.Tensor, top_k: int, residual: torch.Tensor | None,
+            dtype: torch.dtype) -> torch.Tensor:
+    """Each token's top_k slot outputs (out [tokens · top_k, hidden], a token's slots
+    together) summed in fp32, plus residual [tokens, hidden] if given, rounded once to dtype:
+    one launch."""
+    slots, hidden = out.shape
+    dst = torch.empty(slots // top_k, hidden, dtype=dtype, device=out.device)
+    if residual is not None:
+        residual = residual.contiguous()
+    block = min(1024, triton.next_power_of_2(hidden))
+    _combine[(slots // top_k, triton.cdiv(hidden, block))](
+        out, residual if residual is not None else out, dst, hidden, TOP_K=top_k,
+        RESIDUAL=residual is not None, BLOCK=block, num_warps=4)
+    return dst
+
+
 def fused_moe(x: torch.Tensor, gate_up: torch.Tensor | Experts, down: torch.Tensor | Experts,
-              weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Σ over each token's experts of weight · down(silu(gate) · up), in x's dtype: the twin
-    of torch_ref.fused_moe (same arguments; x [T, hidden] contiguous)."""
+              weights: torch.Tensor, ids: torch.Tensor,
+              residual: torch.Tensor | None = None) -> torch.Tensor:
+    """Σ over each token's experts of weight · down(silu(gate) · up) (+ residual), in x's
+    dtype: the twin of torch_ref.fused_moe (same arguments; x [T, hidden] contiguous)."""
     tokens, hidden = x.shape
     top_k = ids.shape[1]
     from frugal.ops.triton.moe_gemv import MAX_SLOTS, fused_moe_gemv  # (it builds on this one)
 
     if tokens * top_k <= MAX_SLOTS:  # a few tokens: no sorting, each slot reads its expert
-        return fused_moe_gemv(x, gate_up, down, weights, ids)
+        return fused_moe_gemv(x, gate_up, down, weights, ids, residual)
     num_experts, inter = gate_up.shape[0], down.shape[2]
     block_m = rows_per_block(tokens * top_k, num_experts)
     sorted_slots, block_expert, total = align(ids, num_experts, block_m)
@@ -203,4 +234,4 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor | Experts, down: torch.Tens
     out = torch.empty(slots, hidden, dtype=x.dtype, device=x.device)
     _gemm(act, down, out, hidden, sorted_slots, block_expert, total,
           weights.flatten().float(), 1, block_m)
-    return out.view(tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)
+    return combine(out, top_k, residual, x.dtype)

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from frugal.ops.triton.moe import _operand, _weight_tile
+from frugal.ops.triton.moe import _operand, _weight_tile, combine
 from frugal.ops.triton.moe_configs import lookup, tiles_scales
 from frugal.quant.experts import Experts
 
@@ -130,7 +130,7 @@ def _launch(a: torch.Tensor, w: torch.Tensor | Experts, out: torch.Tensor, n: in
 
 def fused_moe_gemv(x: torch.Tensor, gate_up: torch.Tensor | Experts,
                    down: torch.Tensor | Experts, weights: torch.Tensor,
-                   ids: torch.Tensor) -> torch.Tensor:
+                   ids: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
     """ops.triton.moe.fused_moe for tokens · top_k ≤ MAX_SLOTS (same arguments and result)."""
     tokens, hidden = x.shape
     top_k = ids.shape[1]
@@ -140,4 +140,4 @@ def fused_moe_gemv(x: torch.Tensor, gate_up: torch.Tensor | Experts,
     _launch(x, gate_up, act, inter, flat, None, top_k)
     out = torch.empty(tokens * top_k, hidden, dtype=torch.float32, device=x.device)
     _launch(act, down, out, hidden, flat, weights.reshape(-1).float().contiguous(), 1)
-    return out.view(tokens, top_k, hidden).sum(dim=1).to(x.dtype)
+    return combine(out, top_k, residual, x.dtype)
