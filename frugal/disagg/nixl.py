@@ -1,11 +1,13 @@
 """KV pages between workers over NIXL: one agent per engine, its whole pool registered once.
 
-A page is num_layers * parts contiguous chunks (KVPool.storage); the local pool is described to
-NIXL once, as one list of chunks (chunk (c, page) at index c * num_pages + page), and each read
-prepares the peer's side for the pages it takes alone, so what a peer's pool claims to hold
-costs nothing here. The decode side READs from the prefill side (pull, as vLLM's
-NixlConnector does), and the READ's notification tells the prefill side which request's pages
-it may free. Memory is DRAM for a CPU pool, VRAM for a CUDA one (UCX moves both).
+A page is num_layers * parts chunks (KVPool.storage, chunk-major: chunk c of page p at
+c * num_pages + p), so consecutive pages of one chunk are contiguous. Each read describes both
+sides for the pages it takes alone (what a peer's pool claims to hold costs nothing here), one
+descriptor per chunk and run of pages consecutive on both sides (page_runs): a 4,096-token
+prompt in 256 fresh pages of Llama-3.1-8B moves as 64 descriptors, not 16,384. The decode
+side READs from the prefill side (pull, as vLLM's NixlConnector does), and the READ's
+notification tells the prefill side which request's pages it may free. Memory is DRAM for a CPU
+pool, VRAM for a CUDA one (UCX moves both).
 """
 
 from __future__ import annotations
@@ -83,8 +85,20 @@ class _Remote:
 @dataclass
 class _Read:
     handle: object
-    pages: object  # the prepared list of the peer's chunks this read takes
+    lists: tuple  # the prepared descriptor lists of both sides
     started: float
+
+
+def page_runs(local_pages: list[int], remote_pages: list[int]) -> list[tuple[int, int, int]]:
+    """(local first page, remote first page, pages) of each stretch where both sides' pages
+    go up by one, in order: the pairs (local_pages[i], remote_pages[i]) are those of the runs."""
+    runs: list[tuple[int, int, int]] = []
+    for here, there in zip(local_pages, remote_pages, strict=True):
+        if runs and here == runs[-1][0] + runs[-1][2] and there == runs[-1][1] + runs[-1][2]:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((here, there, 1))
+    return runs
 
 
 def _int(meta: dict, name: str, low: int = 0, high: int = 1 << 64) -> int:
@@ -118,21 +132,21 @@ class NixlTransfer:
         self.agent.create_backend("UCX", {"ucx_error_handling_mode": mode})
         self._registered = self.agent.register_memory(storage)
         self._chunks = self.layout.num_layers * self.layout.parts
-        self._local = self.agent.prep_xfer_dlist(
-            "", self._descs(storage.data_ptr(), pool.num_pages, range(pool.num_pages),
-                            self.device_id), self.mem_type)
         self._remotes: dict[str, _Remote] = {}
         self._reads: dict[str, _Read] = {}
 
-    def _descs(self, base: int, num_pages: int, pages, device_id: int) -> np.ndarray:
-        """NIXL descriptors [n, 3] (address, bytes, device) of the chunks of `pages` in a pool of
-        num_pages, chunk-major: row c * len(pages) + i is chunk c of pages[i]."""
-        size = self.pool.chunk_bytes
-        pages = np.asarray(pages, dtype=np.uint64)
+    def _descs(self, base: int, num_pages: int, firsts, lengths, device_id: int) -> np.ndarray:
+        """NIXL descriptors [n, 3] (address, bytes, device) of runs of pages (first page,
+        pages) in a pool of num_pages, chunk-major: row c * len(firsts) + i is chunk c of run
+        i, lengths[i] pages long."""
+        size = np.uint64(self.pool.chunk_bytes)
+        firsts = np.asarray(firsts, dtype=np.uint64)
+        lengths = np.asarray(lengths, dtype=np.uint64)
         chunks = np.arange(self._chunks, dtype=np.uint64)[:, None] * np.uint64(num_pages)
-        descs = np.empty((self._chunks * len(pages), 3), dtype=np.uint64)
-        descs[:, 0] = np.uint64(base) + (chunks + pages[None, :]).reshape(-1) * np.uint64(size)
-        descs[:, 1], descs[:, 2] = size, device_id
+        descs = np.empty((self._chunks * len(firsts), 3), dtype=np.uint64)
+        descs[:, 0] = np.uint64(base) + (chunks + firsts[None, :]).reshape(-1) * size
+        descs[:, 1] = np.tile(lengths, self._chunks) * size
+        descs[:, 2] = device_id
         return descs
 
     def metadata(self) -> dict:
@@ -186,22 +200,28 @@ class NixlTransfer:
         if bad:
             raise ValueError(f"kv_transfer_params: remote_block_ids: page {bad[0]} is not in "
                              f"[0, {remote.num_pages})")
-        pages = self.agent.prep_xfer_dlist(
-            remote.name, self._descs(remote.base_addr, remote.num_pages, remote_pages,
-                                     remote.device_id), remote.mem_type)
-        local = [c * self.pool.num_pages + p for c in range(self._chunks) for p in local_pages]
+        runs = page_runs(local_pages, remote_pages)
+        here, there, lengths = (list(x) for x in zip(*runs)) if runs else ([], [], [])
+        lists = (self.agent.prep_xfer_dlist(
+                     "", self._descs(self.pool.storage.data_ptr(), self.pool.num_pages, here,
+                                     lengths, self.device_id), self.mem_type),
+                 self.agent.prep_xfer_dlist(
+                     remote.name, self._descs(remote.base_addr, remote.num_pages, there,
+                                              lengths, remote.device_id), remote.mem_type))
+        index = list(range(self._chunks * len(runs)))
         handle = None
         try:
-            handle = self.agent.make_prepped_xfer("READ", self._local, local, pages,
-                                                  list(range(len(local))), notif)
+            handle = self.agent.make_prepped_xfer("READ", lists[0], index, lists[1], index,
+                                                  notif)
             if self.agent.transfer(handle) == "ERR":
                 raise RuntimeError(f"NIXL refused the read from {engine_id}")
         except Exception:  # (a peer gone: NIXL raises a disconnect error)
             if handle is not None:
                 self._forget(handle)
-            self.agent.release_dlist_handle(pages)
+            for dlist in lists:
+                self.agent.release_dlist_handle(dlist)
             raise
-        self._reads[key] = _Read(handle, pages, time.monotonic())
+        self._reads[key] = _Read(handle, lists, time.monotonic())
 
     def done(self, min_age: float = 0.0) -> list[tuple[str, str | None]]:
         """Reads that ended since the last call: (key, None) or (key, what went wrong); a read
@@ -240,7 +260,8 @@ class NixlTransfer:
         read = self._reads[key]
         self.agent.release_xfer_handle(read.handle)  # raises while it cannot be cancelled
         del self._reads[key]
-        self.agent.release_dlist_handle(read.pages)
+        for dlist in read.lists:
+            self.agent.release_dlist_handle(dlist)
 
     def _forget(self, handle) -> None:
         """Release a transfer that never started (or failed at once)."""

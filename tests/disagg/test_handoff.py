@@ -157,3 +157,15 @@ def test_decode_worker_reads_only_what_its_cache_lacks(engines, llm):
     assert cached >= 2 and cached <= hit_pages < num_pages
     assert d.stats().kv_bytes_loaded - before == (num_pages - hit_pages) * page_bytes
     settle(p, d)
+
+
+def test_page_runs_pair_the_same_pages():
+    """A read's descriptors: one per chunk and stretch where both sides' pages go up by one."""
+    from frugal.disagg.nixl import page_runs
+
+    local, remote = [4, 5, 6, 9, 10, 3, 2], [20, 21, 22, 23, 24, 7, 8]
+    runs = page_runs(local, remote)
+    assert runs == [(4, 20, 3), (9, 23, 2), (3, 7, 1), (2, 8, 1)]
+    assert [(a + i, b + i) for a, b, n in runs for i in range(n)] == list(zip(local, remote))
+    assert page_runs(list(range(256)), list(range(100, 356))) == [(0, 100, 256)]
+    assert page_runs([], []) == []
