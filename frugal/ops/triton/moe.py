@@ -98,6 +98,24 @@ def _dot(a, w, acc, F32_DOT: tl.constexpr):
 
 
 @triton.jit
+def _int4_dots(a_rows, row_ok, w_base, s_base, word, w_ok, offs_n, n_ok, swn, swk, ssn, ssk,
+               acc, S_BK: tl.constexpr, F32_DOT: tl.constexpr):
+    """acc + a · w over the inputs of `word` (16 or more words of 8 INT4 inputs, k = 8 · word +
+    j): one dot per nibble j, each over the words' j-th inputs, so the unpacked tile needs no
+    reshape. A nibble widens as moe_gemv._int4_words does; the scales are gathered per word."""
+    ok = w_ok[:, None] & n_ok[None, :]
+    words = tl.load(w_base + offs_n[None, :] * swn + word[:, None] * swk, mask=ok, other=0)
+    s = tl.load(s_base + offs_n[None, :] * ssn + (word * 8 // S_BK)[:, None] * ssk, mask=ok,
+                other=0.0).to(tl.float32)
+    for j in tl.static_range(8):
+        a = tl.load(a_rows + word[None, :] * 8 + j, mask=row_ok[:, None] & w_ok[None, :],
+                    other=0.0)
+        u = ((words >> (4 * j)) & 0xF) | 0x4B000000
+        acc = _dot(a, (u.to(tl.float32, bitcast=True) - 8388616.0) * s, acc, F32_DOT)
+    return acc
+
+
+@triton.jit
 def _kernel(a_ptr, w_ptr, s_ptr, out_ptr, sorted_ptr, block_expert_ptr, total_ptr, route_ptr,
             N, K, num_slots, sam, swe, swn, swk, sse, ssn, ssk, som,
             A_DIV: tl.constexpr, MODE: tl.constexpr, S_BN: tl.constexpr, S_BK: tl.constexpr,
@@ -118,18 +136,30 @@ def _kernel(a_ptr, w_ptr, s_ptr, out_ptr, sorted_ptr, block_expert_ptr, total_pt
     n_ok = offs_n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < K
-        a = tl.load(a_ptr + a_row[:, None] * sam + offs_k[None, :],
-                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w = _weight_tile(w_ptr, s_ptr, expert, k0, K, offs_n, n_ok, swe, swn, swk, sse, ssn,
-                         ssk, MODE, S_BN, S_BK, BLOCK_K, BLOCK_N)
-        acc = _dot(a, w, acc, F32_DOT)
-        if GATED:
-            w = _weight_tile(w_ptr, s_ptr, expert, k0, K, offs_n + N, n_ok, swe, swn, swk, sse,
+    if MODE == 2 and BLOCK_K >= 128:  # INT4, 16 words or more a step: a dot per nibble
+        w_base, s_base = w_ptr + expert * swe, s_ptr + expert * sse
+        a_rows = a_ptr + a_row[:, None] * sam
+        for k0 in range(0, K, BLOCK_K):
+            word = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+            w_ok = word < K // 8
+            acc = _int4_dots(a_rows, row_ok, w_base, s_base, word, w_ok, offs_n, n_ok, swn,
+                             swk, ssn, ssk, acc, S_BK, F32_DOT)
+            if GATED:
+                acc_up = _int4_dots(a_rows, row_ok, w_base, s_base, word, w_ok, offs_n + N,
+                                    n_ok, swn, swk, ssn, ssk, acc_up, S_BK, F32_DOT)
+    else:
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < K
+            a = tl.load(a_ptr + a_row[:, None] * sam + offs_k[None, :],
+                        mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w = _weight_tile(w_ptr, s_ptr, expert, k0, K, offs_n, n_ok, swe, swn, swk, sse,
                              ssn, ssk, MODE, S_BN, S_BK, BLOCK_K, BLOCK_N)
-            acc_up = _dot(a, w, acc_up, F32_DOT)
+            acc = _dot(a, w, acc, F32_DOT)
+            if GATED:
+                w = _weight_tile(w_ptr, s_ptr, expert, k0, K, offs_n + N, n_ok, swe, swn,
+                                 swk, sse, ssn, ssk, MODE, S_BN, S_BK, BLOCK_K, BLOCK_N)
+                acc_up = _dot(a, w, acc_up, F32_DOT)
     if GATED:
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up
     if ROUTED:
@@ -166,7 +196,9 @@ def _gemm(a: torch.Tensor, w: torch.Tensor | Experts, out: torch.Tensor, n: int,
         # (decode: narrower output tiles, more blocks for the GPU's SMs)
         block_n = 32 if _INTERPRET or block_m == 16 else 64
         block_k = 32 if _INTERPRET else 64
-        if mode != 0 and s_bk < k:  # a tile within one scale's inputs
+        if mode == 2:  # INT4: 16 words a step (a dot per nibble), whole groups of scales
+            block_k = 128
+        elif mode != 0 and s_bk < k:  # a tile within one scale's inputs
             block_k = min(block_k, s_bk)
             if s_bk % block_k:
                 raise ValueError(f"fused_moe: scales over {s_bk} inputs need a multiple of 16")
