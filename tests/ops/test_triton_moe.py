@@ -20,7 +20,8 @@ def routed(tokens, experts, top_k, g):
 
 
 @pytest.mark.parametrize("tokens,experts,top_k,block_m", [(1, 8, 2, 16), (5, 4, 3, 16),
-                                                          (40, 16, 4, 64), (3, 64, 8, 16)])
+                                                          (40, 16, 4, 64), (3, 64, 8, 16),
+                                                          (300, 20, 4, 64), (200, 384, 8, 16)])
 def test_align(tokens, experts, top_k, block_m):
     g = torch.Generator().manual_seed(tokens)
     _, ids = routed(tokens, experts, top_k, g)
@@ -36,7 +37,7 @@ def test_align(tokens, experts, top_k, block_m):
         real = block[block < slots]
         assert len(real) > 0  # no block wholly padding below the total
         assert bool((flat[real.long()] == block_expert[b]).all())
-        assert real.tolist() == sorted(real.tolist())  # stable: slots in token order
+    # (within an expert's run the slots come in any order: each GEMM row is stored at its slot)
 
 
 def make(form, experts, inter, hidden, g):

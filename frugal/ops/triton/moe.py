@@ -1,7 +1,8 @@
 """Fused mixture of experts: tokens sorted by expert, then one grouped GEMM per matrix.
 
-`align` lays each token's expert slots out expert by expert, every expert's run padded to a
-multiple of BLOCK_M, so one block of rows belongs to one expert (vLLM's moe_align_block_size).
+`align` (moe_align.py) lays each token's expert slots out expert by expert, every expert's run
+padded to a multiple of BLOCK_M, so one block of rows belongs to one expert (vLLM's
+moe_align_block_size).
 Slot s = t · top_k + j is token t's j-th expert. All shapes depend only on the number of tokens,
 so a CUDA graph captures the whole layer: padding slots hold the sentinel S = num_slots and
 blocks past the padded total exit at once.
@@ -27,33 +28,11 @@ import torch
 import triton
 import triton.language as tl
 
+from frugal.ops.triton.moe_align import align
 from frugal.ops.triton.moe_configs import lookup
 from frugal.quant.experts import Experts, Fp8Experts, Int4Experts
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def align(ids: torch.Tensor, num_experts: int, block_m: int
-          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """ids: [T, top_k] expert of each slot -> (sorted [P] int32: slots expert by expert, each
-    expert's run padded with S = T · top_k to a multiple of block_m; block_expert [P / block_m]
-    int32: the expert of each block (runs past the end: the last expert); total [1] int64: the
-    padded length in use). P = S + min(E, S) · (block_m - 1), rounded up to block_m."""
-    flat = ids.flatten().long()
-    slots = flat.numel()
-    counts = torch.zeros(num_experts, dtype=torch.long, device=ids.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
-    ends = padded.cumsum(0)
-    order = flat.argsort(stable=True)
-    expert = flat[order]
-    rank = torch.arange(slots, device=ids.device) - (counts.cumsum(0) - counts)[expert]
-    capacity = triton.cdiv(slots + min(num_experts, slots) * (block_m - 1), block_m) * block_m
-    sorted_slots = torch.full((capacity,), slots, dtype=torch.int32, device=ids.device)
-    sorted_slots[(ends - padded)[expert] + rank] = order.int()
-    starts = torch.arange(0, capacity, block_m, device=ids.device)
-    block_expert = torch.searchsorted(ends, starts, right=True).clamp_(max=num_experts - 1)
-    return sorted_slots, block_expert.int(), ends[-1:]
 
 
 @triton.jit
