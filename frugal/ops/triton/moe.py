@@ -216,6 +216,8 @@ def combine(out: torch.Tensor, top_k: int, residual: torch.Tensor | None,
     one launch."""
     slots, hidden = out.shape
     dst = torch.empty(slots // top_k, hidden, dtype=dtype, device=out.device)
+    if slots == 0:
+        return dst
     if residual is not None:
         residual = residual.contiguous()
     block = min(1024, triton.next_power_of_2(hidden))

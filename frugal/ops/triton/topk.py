@@ -105,6 +105,8 @@ def top_positions(scores: torch.Tensor, k: int) -> torch.Tensor:
     positions of each row's k largest finite scores in no order, -1 past a row's finite ones."""
     rows, n = scores.shape
     out = torch.full((rows, k), -1, dtype=torch.int32, device=scores.device)
+    if rows == 0:
+        return out
     work = torch.zeros(rows, WORK, dtype=torch.int32, device=scores.device)
     grid = (rows, triton.cdiv(n, BLOCK))
     for level in range(3):
