@@ -168,6 +168,7 @@ class EngineConfig:
 
     model: str | None = None
     load_format: str = "auto"  # auto | gguf | safetensors | dummy
+    dummy_init: str = "uniform"  # dummy weights: uniform (vLLM's) | normal (loader.dummy)
     dtype: str = "auto"
     device: str = "auto"
     ops_backend: str = "auto"  # auto: triton on CUDA, torch_ref on CPU
@@ -198,6 +199,8 @@ class EngineConfig:
         if self.load_format not in ("auto", "gguf", "safetensors", "dummy"):
             raise ValueError(f"load_format: unsupported {self.load_format!r} "
                              "(auto, gguf, safetensors, dummy)")
+        if self.dummy_init not in ("uniform", "normal"):
+            raise ValueError(f"dummy_init: unsupported {self.dummy_init!r} (uniform, normal)")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype: unsupported {self.dtype!r} ({', '.join(DTYPES)})")
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):

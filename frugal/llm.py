@@ -20,6 +20,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, *, load_format: str = "auto", dtype: str = "auto",
                  device: str = "auto", ops_backend: str = "auto", seed: int = 0,
+                 dummy_init: str = "uniform",
                  page_size: int = 16,
                  kv_cache_memory: str | int | float | None = None,
                  gpu_memory_utilization: float = 0.9, kv_cache_dtype: str = "auto",
@@ -30,8 +31,8 @@ class LLM:
                  quantization: str = "none", num_layers: int | None = None,
                  enable_prefix_caching: bool = True, tensor_parallel_size: int = 1) -> None:
         config = EngineConfig(
-            model=model, load_format=load_format, dtype=dtype, device=device,
-            ops_backend=ops_backend, seed=seed, enforce_eager=enforce_eager,
+            model=model, load_format=load_format, dummy_init=dummy_init, dtype=dtype,
+            device=device, ops_backend=ops_backend, seed=seed, enforce_eager=enforce_eager,
             quantization=quantization, num_layers=num_layers,
             tensor_parallel_size=tensor_parallel_size,
             cache=CacheConfig(page_size=page_size, kv_cache_memory=kv_cache_memory,

@@ -18,6 +18,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
     g.add_argument("--load-format", default="auto", choices=["auto", "gguf", "safetensors",
                                                              "dummy"])
+    g.add_argument("--dummy-init", default="uniform", choices=["uniform", "normal"],
+                   help="dummy weights: uniform in ±1e-3 as vLLM's (MoE tokens routed as "
+                        "vLLM routes them), or N(0, 0.02²) with norm weights 1")
     g.add_argument("--dtype", default="auto", help="auto (fp32 on CPU), float32, bfloat16, float16")
     g.add_argument("--device", default="auto", help="auto, cpu or cuda")
     g.add_argument("--quantization", default="none", choices=["none", "int4", "fp8"],
@@ -76,7 +79,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
-        model=args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
+        model=args.model, load_format=args.load_format, dummy_init=args.dummy_init,
+        dtype=args.dtype, device=args.device,
         ops_backend=args.ops_backend, seed=args.seed, enforce_eager=args.enforce_eager,
         quantization=args.quantization, num_layers=args.num_layers,
         tensor_parallel_size=args.tensor_parallel_size,

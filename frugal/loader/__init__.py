@@ -32,13 +32,14 @@ def default_model_path() -> Path:
 
 
 def open_checkpoint(model: str | None, load_format: str = "auto", seed: int = 0,
-                    quantization: str = "none") -> Checkpoint:
+                    quantization: str = "none", dummy_init: str = "uniform") -> Checkpoint:
     """model: a .gguf file, a HF directory, or (with load_format dummy) a preset name.
-    quantization int4: a GGUF's 4-bit matrices come as INT4 weights (quant.int4)."""
+    quantization int4: a GGUF's 4-bit matrices come as INT4 weights (quant.int4). dummy_init:
+    how dummy weights are drawn (loader.dummy.DummyCheckpoint)."""
     from frugal.loader.dummy import PRESETS, DummyCheckpoint
 
     if load_format == "dummy" and model in PRESETS:
-        return DummyCheckpoint(ModelConfig.from_hf(PRESETS[model]), seed=seed)
+        return DummyCheckpoint(ModelConfig.from_hf(PRESETS[model]), seed=seed, init=dummy_init)
     path = default_model_path() if model is None else Path(model).expanduser()
     if not path.exists():
         hint = f" (dummy presets: {', '.join(PRESETS)})" if load_format == "dummy" else ""
@@ -52,14 +53,14 @@ def open_checkpoint(model: str | None, load_format: str = "auto", seed: int = 0,
     elif path.is_dir() and load_format == "dummy":
         from frugal.loader.safetensors import read_config
         tok = Tokenizer.from_dir(path) if (path / "tokenizer.json").is_file() else None
-        return DummyCheckpoint(read_config(path), tok, seed=seed)
+        return DummyCheckpoint(read_config(path), tok, seed=seed, init=dummy_init)
     elif path.is_dir() and load_format in ("auto", "safetensors"):
         from frugal.loader.safetensors import SafetensorsCheckpoint
         ckpt = SafetensorsCheckpoint(path)
     else:
         raise ValueError(f"model: {path} cannot be loaded with load_format {load_format!r}")
     if load_format == "dummy":
-        return DummyCheckpoint(ckpt.config, ckpt.tokenizer, seed=seed)
+        return DummyCheckpoint(ckpt.config, ckpt.tokenizer, seed=seed, init=dummy_init)
     return ckpt
 
 

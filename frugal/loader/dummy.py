@@ -47,18 +47,37 @@ PRESETS: dict[str, dict] = {
 }
 
 
-class DummyCheckpoint:
-    """Weights drawn from N(0, 0.02²) (norm weights 1) for any parameter the model asks for."""
+DUMMY_INITS = ("uniform", "normal")
 
-    def __init__(self, config: ModelConfig, tokenizer=None, seed: int = 0) -> None:
+
+class DummyCheckpoint:
+    """Random weights for any parameter the model asks for. init "uniform" (the default): every
+    floating parameter, norm weights included, uniform in [-1e-3, 1e-3] from a generator seeded
+    afresh for each parameter, as vLLM's dummy loader fills them, so that both engines route
+    MoE tokens alike and read the same expert bytes (Kimi K2's router, sigmoid plus a
+    correction bias, on normed random states: 64 tokens reach 12 of its 384 experts with such
+    weights, 238 with N(0, 0.02²) ones). init "normal": N(0, 0.02²), norm weights 1 (logits
+    far apart, fewer near ties)."""
+
+    def __init__(self, config: ModelConfig, tokenizer=None, seed: int = 0,
+                 init: str = "uniform") -> None:
+        if init not in DUMMY_INITS:
+            raise ValueError(f"dummy_init: unsupported {init!r} ({', '.join(DUMMY_INITS)})")
         self.config = config
         self.tokenizer = tokenizer
         self.seed = seed
+        self.init = init
 
     def load_into(self, model: torch.nn.Module) -> None:
         """Overwrite every parameter of `model` in place (deterministic for a seed and device)."""
         gen = None
         for name, param in model.named_parameters():
+            if not param.is_floating_point():
+                continue
+            if self.init == "uniform":
+                gen = torch.Generator(device=param.device).manual_seed(self.seed)
+                param.data.uniform_(-1e-3, 1e-3, generator=gen)
+                continue
             if gen is None:
                 gen = torch.Generator(device=param.device).manual_seed(self.seed)
             if "norm" in name:

@@ -44,7 +44,7 @@ PARENT_POLL_S = 0.25  # how often a rank > 0 looks for rank 0 (see exit_with_par
 
 def load_checkpoint(config: EngineConfig) -> Checkpoint:
     checkpoint = open_checkpoint(config.model, config.load_format, config.seed,
-                                 config.quantization)
+                                 config.quantization, config.dummy_init)
     if config.num_layers is not None:
         checkpoint.config = first_layers(checkpoint.config, config.num_layers)
     return checkpoint

@@ -18,7 +18,8 @@ GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 
 
 def engine(**kw) -> LLMEngine:
-    return LLMEngine(EngineConfig(model="llama-3.1-8b", load_format="dummy", num_layers=4,
+    return LLMEngine(EngineConfig(model="llama-3.1-8b", load_format="dummy",
+                                  dummy_init="normal", num_layers=4,
                                   device="cuda", cache=CacheConfig(kv_cache_memory="4GiB"),
                                   **kw))
 

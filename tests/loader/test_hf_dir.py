@@ -71,6 +71,24 @@ def test_dummy_weights_from_directory(tmp_path):
     assert len(out[0].outputs[0].token_ids) == 4
 
 
+def test_dummy_weights_are_drawn_as_vllm_draws_them(tmp_path):
+    """uniform (the default): every weight, norms included, in [-1e-3, 1e-3], each parameter
+    from a freshly seeded generator (as vLLM's dummy loader); normal: N(0, 0.02²), norms 1."""
+    write_model("qwen3-qk-norm-head-dim", tmp_path)
+    model = LLM(str(tmp_path), load_format="dummy", device="cpu",
+                kv_cache_memory="8MiB").engine.runner.model
+    weights = dict(model.named_parameters())
+    assert all(float(w.abs().max()) <= 1e-3 for w in weights.values() if w.is_floating_point())
+    norm = next(w for name, w in weights.items() if "norm" in name)
+    assert float(norm.abs().max()) <= 1e-3 and float(norm.std()) > 1e-4
+    other = LLM(str(tmp_path), load_format="dummy", dummy_init="normal", device="cpu",
+                kv_cache_memory="8MiB").engine.runner.model
+    norm = next(w for name, w in other.named_parameters() if "norm" in name)
+    assert bool((norm == 1).all())
+    with pytest.raises(ValueError, match="dummy_init: unsupported 'zeros'"):
+        LLM(str(tmp_path), load_format="dummy", dummy_init="zeros", device="cpu")
+
+
 def test_dummy_presets_have_real_shapes():
     c = open_checkpoint("llama-3.1-8b", "dummy").config
     assert (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads) == (32, 4096, 32, 8)
