@@ -32,14 +32,8 @@ if [ "$ENGINE" = vllm ]; then
       ${EXTRA_SERVE_ARGS:-}
   grep -E "KV cache|Maximum concurrency" "$SLOG" | tail -n 4
 else
-  EXTRA_SITE=${EXTRA_SITE:-/tmp/extra}  # the project's own dependencies the kit lacks (gguf)
-  if ls .peer/extra/*.whl >/dev/null 2>&1 && [ ! -f "$EXTRA_SITE/.wheels" ]; then
-    $PY -m pip install -q --no-index --no-deps --no-compile --target "$EXTRA_SITE" \
-        .peer/extra/*.whl && ls .peer/extra > "$EXTRA_SITE/.wheels"
-  fi
-  start_server env PYTHONPATH="$ROOT:$SITE:$EXTRA_SITE" $PY -m frugal.cli.main serve \
-      "$MODEL_DIR" --served-model-name "$MODEL" --load-format dummy --dtype bfloat16 \
-      --max-model-len "$MAX_LEN" --host 127.0.0.1 --port "$PORT" --kv-cache-dtype "$FORMAT" \
+  source benchmarks/peer_frugal.sh
+  start_frugal --max-model-len "$MAX_LEN" --kv-cache-dtype "$FORMAT" \
       --kv-cache-memory "${KV_GIB}GiB" ${EXTRA_SERVE_ARGS:-}
   grep -E "KV cache" "$SLOG" | tail -n 4
 fi

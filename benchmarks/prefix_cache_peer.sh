@@ -47,15 +47,9 @@ if [ "$ENGINE" = vllm ]; then
       --gpu-memory-utilization "${GPU_UTIL:-0.9}" --host 127.0.0.1 --port "$PORT" \
       --enable-prefix-caching ${EXTRA_SERVE_ARGS:-}
 else
-  EXTRA_SITE=${EXTRA_SITE:-/tmp/extra}  # the project's own dependencies the kit lacks (gguf)
-  if ls .peer/extra/*.whl >/dev/null 2>&1 && [ ! -f "$EXTRA_SITE/.wheels" ]; then
-    $PY -m pip install -q --no-index --no-deps --no-compile --target "$EXTRA_SITE" \
-        .peer/extra/*.whl && ls .peer/extra > "$EXTRA_SITE/.wheels"
-  fi
-  start_server env PYTHONPATH="$ROOT:$SITE:$EXTRA_SITE" $PY -m frugal.cli.main serve \
-      "$MODEL_DIR" --served-model-name "$MODEL" --load-format dummy --dtype bfloat16 \
-      --max-model-len "${MAX_LEN:-4096}" --gpu-memory-utilization "${GPU_UTIL:-0.9}" \
-      --host 127.0.0.1 --port "$PORT" --enable-prefix-caching ${EXTRA_SERVE_ARGS:-}
+  source benchmarks/peer_frugal.sh
+  start_frugal --max-model-len "${MAX_LEN:-4096}" --gpu-memory-utilization "${GPU_UTIL:-0.9}" \
+      --enable-prefix-caching ${EXTRA_SERVE_ARGS:-}
 fi
 TAG=${TAG0}_prefix${PREFIX_LEN}; BLOG=$RESULTS/bench_$TAG.log; : > "$BLOG"
 bench "$PREFIX_LEN" "$INPUT_LEN" "$CONCURRENCIES"
