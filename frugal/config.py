@@ -13,6 +13,7 @@ import torch
 
 from frugal.model_config import ModelConfig, MoeConfig  # noqa: F401 (re-exported)
 
+DUMMY_INITS = ("uniform", "normal")  # how --load-format dummy draws weights (loader.dummy)
 DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -199,8 +200,9 @@ class EngineConfig:
         if self.load_format not in ("auto", "gguf", "safetensors", "dummy"):
             raise ValueError(f"load_format: unsupported {self.load_format!r} "
                              "(auto, gguf, safetensors, dummy)")
-        if self.dummy_init not in ("uniform", "normal"):
-            raise ValueError(f"dummy_init: unsupported {self.dummy_init!r} (uniform, normal)")
+        if self.dummy_init not in DUMMY_INITS:
+            raise ValueError(f"dummy_init: unsupported {self.dummy_init!r} "
+                             f"({', '.join(DUMMY_INITS)})")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype: unsupported {self.dtype!r} ({', '.join(DTYPES)})")
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):

@@ -6,7 +6,7 @@ import argparse
 import shlex
 import sys
 
-from frugal.config import CacheConfig, EngineConfig, SchedulerConfig
+from frugal.config import DUMMY_INITS, CacheConfig, EngineConfig, SchedulerConfig
 from frugal.request import SamplingParams
 
 
@@ -18,7 +18,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
     g.add_argument("--load-format", default="auto", choices=["auto", "gguf", "safetensors",
                                                              "dummy"])
-    g.add_argument("--dummy-init", default="uniform", choices=["uniform", "normal"],
+    g.add_argument("--dummy-init", default="uniform", choices=DUMMY_INITS,
                    help="dummy weights: uniform in ±1e-3 as vLLM's (MoE tokens routed as "
                         "vLLM routes them), or N(0, 0.02²) with norm weights 1")
     g.add_argument("--dtype", default="auto", help="auto (fp32 on CPU), float32, bfloat16, float16")

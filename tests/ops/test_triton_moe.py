@@ -206,13 +206,12 @@ def test_committed_table_holds_valid_tiles():
             assert moe_configs.tiles_scales(mode, entry["BLOCK_K"], scale_k[mode], k), key
 
 
-@pytest.mark.parametrize("form", ["float"])
-def test_residual_joins_the_sum_on_both_paths(form, monkeypatch):
+def test_residual_joins_the_sum_on_both_paths(monkeypatch):
     """fused_moe(..., residual=h) = h + the experts' sum, rounded once: on the small-batch path
     and on the sorted one, against torch_ref's twin. (The residual joins after the experts,
     whatever their form: the quantized forms are the other tests'.)"""
     gemv = pytest.importorskip("frugal.ops.triton.moe_gemv")
-    args, alone = few_tokens(form, 6, 13)
+    args, alone = few_tokens("float", 6, 13)
     residual = torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(2))
     ref = alone + residual  # (fp32: one rounding either way)
     torch.testing.assert_close(torch_ref.fused_moe(*args, residual=residual.to(DEVICE)).cpu(),

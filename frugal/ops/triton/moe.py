@@ -77,20 +77,36 @@ def _dot(a, w, acc, F32_DOT: tl.constexpr):
 
 
 @triton.jit
-def _int4_dots(a_rows, row_ok, w_base, s_base, word, w_ok, offs_n, n_ok, swn, swk, ssn, ssk,
-               acc, S_BK: tl.constexpr, F32_DOT: tl.constexpr):
-    """acc + a · w over the inputs of `word` (16 or more words of 8 INT4 inputs, k = 8 · word +
-    j): one dot per nibble j, each over the words' j-th inputs, so the unpacked tile needs no
-    reshape. A nibble widens as moe_gemv._int4_words does; the scales are gathered per word."""
+def int4_words(w_base, s_base, word, w_ok, offs_n, n_ok, swn, swk, ssn, ssk,
+               S_BK: tl.constexpr):
+    """An INT4 expert's words [WORDS, BLOCK_N] (8 inputs each: k = 8 · word + j) for outputs
+    offs_n, and each word's group scale [WORDS, BLOCK_N] fp32 (0 where masked)."""
     ok = w_ok[:, None] & n_ok[None, :]
     words = tl.load(w_base + offs_n[None, :] * swn + word[:, None] * swk, mask=ok, other=0)
     s = tl.load(s_base + offs_n[None, :] * ssn + (word * 8 // S_BK)[:, None] * ssk, mask=ok,
-                other=0.0).to(tl.float32)
+                other=0.0)
+    return words, s.to(tl.float32)
+
+
+@triton.jit
+def int4_nibble(words, j: tl.constexpr):
+    """The j-th inputs of INT4 words as fp32 (u - 8): u widens as the fp32 whose bits are
+    0x4B000000 | u (2**23 + u) minus 2**23 + 8, exact, an AND/OR and an add instead of an
+    integer-to-float conversion (a quarter of the CUDA cores' rate on Hopper)."""
+    u = ((words >> (4 * j)) & 0xF) | 0x4B000000
+    return u.to(tl.float32, bitcast=True) - 8388616.0
+
+
+@triton.jit
+def _int4_dots(a_rows, row_ok, w_base, s_base, word, w_ok, offs_n, n_ok, swn, swk, ssn, ssk,
+               acc, S_BK: tl.constexpr, F32_DOT: tl.constexpr):
+    """acc + a · w over the inputs of `word` (16 or more words): one dot per nibble j, each over
+    the words' j-th inputs, so the unpacked tile needs no reshape."""
+    words, s = int4_words(w_base, s_base, word, w_ok, offs_n, n_ok, swn, swk, ssn, ssk, S_BK)
     for j in tl.static_range(8):
         a = tl.load(a_rows + word[None, :] * 8 + j, mask=row_ok[:, None] & w_ok[None, :],
                     other=0.0)
-        u = ((words >> (4 * j)) & 0xF) | 0x4B000000
-        acc = _dot(a, (u.to(tl.float32, bitcast=True) - 8388616.0) * s, acc, F32_DOT)
+        acc = _dot(a, int4_nibble(words, j) * s, acc, F32_DOT)
     return acc
 
 

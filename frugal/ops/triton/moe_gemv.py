@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from frugal.ops.triton.moe import _operand, _weight_tile, combine
+from frugal.ops.triton.moe import _operand, _weight_tile, combine, int4_nibble, int4_words
 from frugal.ops.triton.moe_configs import lookup, tiles_scales
 from frugal.quant.experts import Experts
 
@@ -30,21 +30,16 @@ MAX_SLOTS = 64  # tokens · top_k up to which fused_moe takes this path
 
 
 @triton.jit
-def _int4_words(w_base, s_base, a_row, word, w_ok, group, offs_n, n_ok, swn, swk, ssn, ssk,
-                WORDS: tl.constexpr, BLOCK_N: tl.constexpr):
+def _int4_partial(w_base, s_base, a_row, word, w_ok, offs_n, n_ok, swn, swk, ssn, ssk,
+                  S_BK: tl.constexpr, WORDS: tl.constexpr, BLOCK_N: tl.constexpr):
     """[WORDS, BLOCK_N] fp32: for each word of 8 INT4 inputs (k = 8 · word + j) and output,
-    Σ_j (u_j - 8) · a[k], times the word's group scale. A nibble u widens as the fp32 whose bits
-    are 0x4B000000 | u (2**23 + u) minus 2**23 + 8: exact, an AND/OR and an add instead of an
-    integer-to-float conversion (a quarter of the CUDA cores' rate on Hopper)."""
-    ok = w_ok[:, None] & n_ok[None, :]
-    words = tl.load(w_base + offs_n[None, :] * swn + word[:, None] * swk, mask=ok, other=0)
+    Σ_j (u_j - 8) · a[k], times the word's group scale (the caller sums over words once)."""
+    words, s = int4_words(w_base, s_base, word, w_ok, offs_n, n_ok, swn, swk, ssn, ssk, S_BK)
     part = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32)
     for j in tl.static_range(8):
         a = tl.load(a_row + word * 8 + j, mask=w_ok, other=0.0).to(tl.float32)
-        u = ((words >> (4 * j)) & 0xF) | 0x4B000000
-        part += (u.to(tl.float32, bitcast=True) - 8388616.0) * a[:, None]
-    s = tl.load(s_base + offs_n[None, :] * ssn + group[:, None] * ssk, mask=ok, other=0.0)
-    return part * s.to(tl.float32)
+        part += int4_nibble(words, j) * a[:, None]
+    return part * s
 
 
 @triton.jit
@@ -66,12 +61,11 @@ def _gemv(a_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, route_ptr, N, K, sam, swe, swn,
         for k0 in range(0, K, BLOCK_K):
             word = k0 // 8 + tl.arange(0, WORDS)
             w_ok = word < K // 8
-            group = word * 8 // S_BK
-            acc2 += _int4_words(w_base, s_base, a_row, word, w_ok, group, offs_n, n_ok, swn,
-                                swk, ssn, ssk, WORDS, BLOCK_N)
+            acc2 += _int4_partial(w_base, s_base, a_row, word, w_ok, offs_n, n_ok, swn, swk,
+                                  ssn, ssk, S_BK, WORDS, BLOCK_N)
             if GATED:
-                up2 += _int4_words(w_base, s_base, a_row, word, w_ok, group, offs_n + N, n_ok,
-                                   swn, swk, ssn, ssk, WORDS, BLOCK_N)
+                up2 += _int4_partial(w_base, s_base, a_row, word, w_ok, offs_n + N, n_ok, swn,
+                                     swk, ssn, ssk, S_BK, WORDS, BLOCK_N)
         acc = tl.sum(acc2, axis=0)
         acc_up = tl.sum(up2, axis=0)
     else:
