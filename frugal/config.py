@@ -193,6 +193,9 @@ class EngineConfig:
     kv_secret: str | None = field(default=None, repr=False)
     kv_address: tuple[str, int] | None = None  # where decode workers reach this worker
     kv_max_held_fraction: float = 0.5  # of the pool, held for decode workers at most
+    # a decode worker refuses hand-offs from a peer whose probe read (disagg.probe) went over
+    # TCP or through host memory
+    kv_require_fast_path: bool = False
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

@@ -76,6 +76,10 @@ class Metrics:
             "frugal_kv_transfer_leases_expired",
             "Prefills whose pages were freed unread when their lease ran out")
         self.kv_bytes = counter("frugal_kv_transfer_bytes", "KV bytes read from prefill workers")
+        self.kv_slow_routes = counter(
+            "frugal_kv_transfer_slow_routes",
+            "Prefill workers whose hand-offs go over TCP or through host memory (their probe "
+            "read at first contact)")
         self.pages_cached = gauge("frugal_kv_cache_pages_cached",
                                   "KV pages the prefix cache maps (shared, or evictable)")
         self.cache_queries = counter("frugal_prefix_cache_queries",
@@ -118,6 +122,7 @@ class Metrics:
                 ("num_kv_loads", self.kv_loads), ("num_kv_load_failures", self.kv_load_failures),
                 ("num_kv_leases_expired", self.kv_leases_expired),
                 ("kv_bytes_loaded", self.kv_bytes),
+                ("num_kv_slow_routes", self.kv_slow_routes),
                 ("prefix_cache_queries", self.cache_queries),
                 ("prefix_cache_hits", self.cache_hits)]
 

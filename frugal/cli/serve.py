@@ -73,6 +73,9 @@ def add_serve_parser(subparsers) -> None:
                    help="seconds a prefill's KV pages wait for the decode side's read")
     g.add_argument("--kv-transfer-timeout", type=float, default=30.0,
                    help="seconds a decode worker waits for a prompt's KV")
+    g.add_argument("--kv-require-fast-path", action="store_true",
+                   help="a decode worker refuses (503) hand-offs from a prefill worker whose "
+                        "probe read went over TCP or through host memory (default: a warning)")
     p.set_defaults(func=run_serve)
 
 
@@ -106,7 +109,8 @@ def run_serve(args: argparse.Namespace) -> int:
                                      kv_transfer_timeout_s=args.kv_transfer_timeout,
                                      kv_secret=args.kv_secret if args.kv_role else None,
                                      kv_address=kv_address(args) if args.kv_role else None,
-                                     kv_max_held_fraction=args.kv_max_held_fraction)
+                                     kv_max_held_fraction=args.kv_max_held_fraction,
+                                     kv_require_fast_path=args.kv_require_fast_path)
     engine = AsyncEngine(LLMEngine(engine_cfg), metrics, args.step_timeout)
     app = build_app(engine, name, args.api_key, metrics, args.max_request_bytes,
                     args.max_queued_requests, kv_peers, metrics_public=args.metrics_public)

@@ -41,6 +41,7 @@ class TransferStats:
     num_load_failures: int = 0  # loads that failed, timed out or failed their checksum
     num_leases_expired: int = 0  # pages held for a peer that never read them
     bytes_loaded: int = 0
+    num_slow_routes: int = 0  # prefill workers whose probe read went over TCP or host memory
 
 
 class KVConnector(ABC):

@@ -7,13 +7,13 @@ descriptor per chunk and run of pages consecutive on both sides (page_runs): a 4
 prompt in 256 fresh pages of Llama-3.1-8B moves as 64 descriptors, not 16,384. The decode
 side READs from the prefill side (pull, as vLLM's NixlConnector does), and the READ's
 notification tells the prefill side which request's pages it may free. Memory is DRAM for a CPU
-pool, VRAM for a CUDA one (UCX moves both).
+pool, VRAM for a CUDA one (UCX moves both). Beside the pool each agent registers a probe buffer:
+random bytes a peer reads once (disagg.probe), then the place such a read lands.
 """
 
 from __future__ import annotations
 
 import base64
-import hashlib
 import logging
 import os
 import time
@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from frugal.disagg import probe
+from frugal.disagg.layout import KVLayout, page_runs
 from frugal.worker.kv_pool import KVPool
 
 logger = logging.getLogger("frugal")
@@ -37,38 +39,6 @@ def import_nixl():
                        "pip install 'frugal[pd]' (nixl-cu13)")
 
 
-@dataclass(frozen=True)
-class KVLayout:
-    """What two workers' pools must share for pages to move between them unchanged. Weights
-    may differ (an FP8 prefill worker beside an INT4 decode worker)."""
-
-    num_layers: int
-    parts: int
-    page_size: int
-    num_kv_heads: int
-    head_dim: int
-    kv_cache_dtype: str
-    kv_scales_sha256: str  # of the FP8 scales' bytes; "" without scales
-
-    @classmethod
-    def of(cls, pool: KVPool) -> KVLayout:
-        num_layers, parts, _, page_size, heads, head_dim = pool.storage.shape
-        scales = ("" if pool.scales is None else
-                  hashlib.sha256(pool.scales.float().cpu().numpy().tobytes()).hexdigest())
-        return cls(num_layers, parts, page_size, heads, head_dim,
-                   pool.name, scales)
-
-    def check(self, remote: KVLayout, where: str) -> None:
-        """Raise ValueError naming every field where `remote` (the worker at `where`)
-        differs from this worker."""
-        wrong = [f"{name} {getattr(remote, name)!r} there, {getattr(self, name)!r} here"
-                 for name in self.__dataclass_fields__
-                 if getattr(remote, name) != getattr(self, name)]
-        if wrong:
-            raise ValueError(f"kv_transfer_params: the prefill worker at {where} keeps a KV "
-                             f"cache this worker cannot read: {'; '.join(wrong)}")
-
-
 MAX_REMOTE_PAGES = 1 << 24  # no pool has more: a claim of more is refused unread
 MEM_TYPES = ("DRAM", "VRAM")
 
@@ -80,6 +50,8 @@ class _Remote:
     num_pages: int
     device_id: int
     mem_type: str
+    probe_addr: int
+    probe_sha256: str
 
 
 @dataclass
@@ -87,18 +59,6 @@ class _Read:
     handle: object
     lists: tuple  # the prepared descriptor lists of both sides
     started: float
-
-
-def page_runs(local_pages: list[int], remote_pages: list[int]) -> list[tuple[int, int, int]]:
-    """(local first page, remote first page, pages) of each stretch where both sides' pages
-    go up by one, in order: the pairs (local_pages[i], remote_pages[i]) are those of the runs."""
-    runs: list[tuple[int, int, int]] = []
-    for here, there in zip(local_pages, remote_pages, strict=True):
-        if runs and here == runs[-1][0] + runs[-1][2] and there == runs[-1][1] + runs[-1][2]:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
-        else:
-            runs.append((here, there, 1))
-    return runs
 
 
 def _int(meta: dict, name: str, low: int = 0, high: int = 1 << 64) -> int:
@@ -129,8 +89,13 @@ class NixlTransfer:
         # its shared-memory and CUDA IPC transports, leaving TCP; "none" allows them (a dead
         # peer's reads then end by --kv-transfer-timeout).
         mode = os.environ.get("FRUGAL_UCX_ERROR_HANDLING", "peer")
+        self.ucx_log = probe.setup_ucx_log()
+        if self.ucx_log:
+            logger.info("UCX logs to %s", self.ucx_log)
         self.agent.create_backend("UCX", {"ucx_error_handling_mode": mode})
         self._registered = self.agent.register_memory(storage)
+        self.prober = probe.Prober(self.agent, engine_id, storage.device, self.mem_type,
+                                   self.device_id, self.ucx_log)
         self._chunks = self.layout.num_layers * self.layout.parts
         self._remotes: dict[str, _Remote] = {}
         self._reads: dict[str, _Read] = {}
@@ -155,7 +120,8 @@ class NixlTransfer:
                 "agent_metadata": base64.b64encode(self.agent.get_agent_metadata()).decode(),
                 "base_addr": self.pool.storage.data_ptr(), "num_pages": self.pool.num_pages,
                 "mem_type": self.mem_type, "device_id": self.device_id,
-                "chunk_bytes": self.pool.chunk_bytes}
+                "chunk_bytes": self.pool.chunk_bytes, "probe_addr": self.prober.address,
+                "probe_sha256": self.prober.sha256}
 
     def connect(self, meta: dict, where: str) -> None:
         """Know the peer described by `meta` (its metadata()); ValueError if its pool's layout
@@ -180,12 +146,23 @@ class NixlTransfer:
         num_pages = _int(meta, "num_pages", 1, MAX_REMOTE_PAGES + 1)
         base_addr = _int(meta, "base_addr")
         device_id = _int(meta, "device_id", 0, 1 << 16)
+        probe_addr = _int(meta, "probe_addr")
         mem_type = meta.get("mem_type")
         agent = meta.get("agent_metadata")
         if mem_type not in MEM_TYPES or not isinstance(agent, str):
             raise ValueError(f"the prefill worker at {where} sent no memory type or agent")
+        probe_sha256 = meta.get("probe_sha256")
+        if not isinstance(probe_sha256, str):
+            raise ValueError(f"the prefill worker at {where} sent no probe")
         name = self.agent.add_remote_agent(base64.b64decode(agent, validate=True))
-        self._remotes[engine_id] = _Remote(name, base_addr, num_pages, device_id, mem_type)
+        self._remotes[engine_id] = _Remote(name, base_addr, num_pages, device_id, mem_type,
+                                           probe_addr, probe_sha256)
+
+    def start_probe(self, engine_id: str, where: str) -> None:
+        """Start the probe read of a known peer (disagg.probe; self.prober.result ends it)."""
+        r = self._remotes[engine_id]
+        self.prober.start(engine_id, where, r.name, r.probe_addr, r.device_id, r.mem_type,
+                          r.probe_sha256)
 
     def num_remote_pages(self, engine_id: str) -> int:
         return self._remotes[engine_id].num_pages

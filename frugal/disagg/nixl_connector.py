@@ -29,15 +29,17 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from frugal.disagg import HeldPagesFull, faults
+from frugal.disagg import HeldPagesFull, SlowRoute, faults
 from frugal.disagg.connector import KVConnector, Loaded, TransferStats
 from frugal.disagg.nixl import NixlTransfer
 from frugal.disagg.params import KVLoad, bad, field, handoff_params, parse_load, prompt_hash
+from frugal.disagg.probe import Route
 from frugal.disagg.signing import SIGNATURE, Rejected, Replays, Signer
 from frugal.request import FinishReason, Request
 from frugal.worker.kv_pool import KVPool
 
 logger = logging.getLogger("frugal")
+PROBE_TIMEOUT_S = 5.0
 
 
 class NixlConnector(KVConnector):
@@ -57,6 +59,7 @@ class NixlConnector(KVConnector):
         self.lease_s, self.timeout_s = config.kv_lease_s, config.kv_transfer_timeout_s
         self.address = config.kv_address
         self.max_held_pages = int(config.kv_max_held_fraction * pool.num_pages)
+        self.require_fast_path = config.kv_require_fast_path
         self.signer = Signer(config.kv_secret)
         self.transfer = NixlTransfer(pool, engine_id)
         self.metadata = self.signer.sign(self.transfer.metadata())  # (the side channel's)
@@ -68,6 +71,8 @@ class NixlConnector(KVConnector):
         self._abandoned: set[str] = set()  # loads whose request ended while its read ran
         self._failed: list[tuple[Request, str]] = []
         self._stats = TransferStats()
+        self._routes: dict[str, Route] = {}  # engine_id -> its probe's finding (disagg.probe)
+        self._to_probe: dict[str, str] = {}  # engine_id -> where, peers met but not yet probed
 
     # -- scheduler side: admission -----------------------------------------------------------
 
@@ -91,12 +96,45 @@ class NixlConnector(KVConnector):
                                           "another engine (restarted?)")
         where = f"{fields.get('remote_host')}:{fields.get('remote_port')}"
         self.transfer.connect(peer, where)  # ValueError when its layout differs from ours
+        self._check_route(engine_id, where)
         load = parse_load(fields, engine_id, -(-request.num_prompt_tokens // self.pool.page_size),
                           self.transfer.num_remote_pages(engine_id), self.vocab_size, where)
         if not self._replays.first(params[SIGNATURE], fields.get("expires_at")):
             raise Rejected()
         self._pending[request.request_id] = load
         request.kv_from_remote = True
+
+    def _check_route(self, engine_id: str, where: str) -> None:
+        """A peer met for the first time is probed (disagg.probe): in the background of the
+        steps, or, with --kv-require-fast-path, before this admission, which a slow route
+        refuses (SlowRoute, a 503)."""
+        if engine_id not in self._routes:
+            self._to_probe.setdefault(engine_id, where)
+            self._probe()  # (started before this peer's first read, when none is in flight)
+            while self.require_fast_path and engine_id not in self._routes:
+                self._probe(wait=True)
+        route = self._routes.get(engine_id)
+        if route is not None and route.slow and self.require_fast_path:
+            raise SlowRoute(f"{route.describe()}: refused by this decode worker "
+                            "(--kv-require-fast-path)")
+
+    def _probe(self, wait: bool = False) -> None:
+        """Start the next peer's probe read when none is in flight; record one that ended (a
+        warning and a count when slow)."""
+        if not self.transfer.prober.busy and self._to_probe:
+            engine_id = next(iter(self._to_probe))
+            self.transfer.start_probe(engine_id, self._to_probe.pop(engine_id))
+        route = self.transfer.prober.result(min(self.timeout_s, PROBE_TIMEOUT_S), wait)
+        if route is None:
+            return
+        self._routes[route.engine_id] = route
+        if not route.slow:
+            logger.info("%s", route.describe())
+            return
+        self._stats.num_slow_routes += 1
+        logger.warning("%s: SLOW, as every hand-off from there will be (check UCX_TLS; on "
+                       "one host, CUDA IPC needs one PID namespace)%s", route.describe(),
+                       "; refused (--kv-require-fast-path)" if self.require_fast_path else "")
 
     def _admit_prefill(self, request: Request) -> None:
         if self.role == "decode":
@@ -146,6 +184,7 @@ class NixlConnector(KVConnector):
         announced done, and of reads given up after timeout_s."""
         for message in self.transfer.notifications():
             self.scheduler.release("lease:" + message.decode(errors="replace"))
+        self._probe()
         for key in self.scheduler.kv.expired():
             self._stats.num_leases_expired += 1
             logger.warning("KV pages held for %s freed unread after %.0f s", key, self.lease_s)

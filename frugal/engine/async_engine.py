@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 
-from frugal.disagg import HeldPagesFull
+from frugal.disagg import Unavailable
 from frugal.engine.channels import Inbox, RequestFailedError, Streams
 from frugal.engine.llm_engine import LLMEngine
 from frugal.engine.output_stream import OutputStream, send
@@ -213,7 +213,7 @@ class AsyncEngine:
              stream: OutputStream, kv_transfer: dict | None, cache_salt: str | None) -> None:
         try:
             self.engine.add_request(prompt, params, request_id, kv_transfer, cache_salt)
-        except (ValueError, HeldPagesFull) as e:  # the client's fault (a 400), or a 503
+        except (ValueError, Unavailable) as e:  # the client's fault (a 400), or a 503
             send([(stream, e)])
             return
         except Exception as e:  # a bug, but this request's alone

@@ -30,6 +30,7 @@ class EngineStats:
     prefix_cache_hits: int = 0  # of those, tokens found there
     kv_check_kl: float | None = None  # a quantized cache's start-up check (worker.kv_check)
     kv_check_top1: float | None = None
+    num_kv_slow_routes: int = 0  # prefill workers whose probe read was slow (disagg.probe)
 
 
 def snapshot(engine) -> EngineStats:
@@ -43,4 +44,4 @@ def snapshot(engine) -> EngineStats:
         engine.num_bookkeeping_errors + (cache.num_stale if cache else 0), kv.num_held,
         t.num_loads, t.num_load_failures, t.num_leases_expired, t.bytes_loaded,
         cache.num_cached if cache else 0, kv.num_cache_queries, kv.num_cache_hits,
-        checked and checked.kl_mean, checked and checked.top1_agree)
+        checked and checked.kl_mean, checked and checked.top1_agree, t.num_slow_routes)

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 
 from starlette.requests import Request as HTTPRequest
 
-from frugal.disagg import HeldPagesFull
+from frugal.disagg import Unavailable
 from frugal.engine.async_engine import AsyncEngine, EngineDeadError
 from frugal.request import RequestOutput, join
 from frugal.server import logprobs as lp
@@ -139,8 +139,8 @@ def _api_error(e: Exception) -> APIError:
         return APIError.from_value_error(e)
     if isinstance(e, EngineDeadError):
         return APIError(str(e), status=503, kind="server_error")
-    if isinstance(e, HeldPagesFull):
-        return APIError(str(e), "kv_transfer_params", status=503, code="kv_pages_held",
+    if isinstance(e, Unavailable):
+        return APIError(str(e), "kv_transfer_params", status=503, code=e.code,
                         kind="server_error")
     return APIError(f"engine error: {e}", status=500, kind="server_error")
 

@@ -161,7 +161,7 @@ def test_decode_worker_reads_only_what_its_cache_lacks(engines, llm):
 
 def test_page_runs_pair_the_same_pages():
     """A read's descriptors: one per chunk and stretch where both sides' pages go up by one."""
-    from frugal.disagg.nixl import page_runs
+    from frugal.disagg.layout import page_runs
 
     local, remote = [4, 5, 6, 9, 10, 3, 2], [20, 21, 22, 23, 24, 7, 8]
     runs = page_runs(local, remote)

@@ -1,0 +1,106 @@
+"""The route of a hand-off, found by a probe read at first contact (disagg.probe): UCX's logged
+tables read back, the route judged, and over real NIXL with UCX held to TCP, a decode worker
+that reports it, counts it, and with --kv-require-fast-path refuses it."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from frugal.disagg import probe
+
+PREFIX = "[1796450363.229667] [vm:7477 :0]   "
+
+
+def table(agent: str, title: str, configs: list[str]) -> str:
+    rows = [f"| {agent} intra-node cfg#1 |", f"| {title} |", "| Range | Description | Config |"]
+    rows += [f"| 0..inf | zero-copy | {c} |" for c in configs]
+    return "".join(PREFIX + r + "\n" + PREFIX + "+----+\n" for r in rows)
+
+
+def test_the_read_tables_of_this_agent_name_the_transports(tmp_path):
+    log = tmp_path / "ucx.log"
+    read = "remote memory read by ucp_get*(multi) into host memory from host"
+    log.write_text(table("decode", read, ["cma/memory"])
+                   + table("decode", "remote memory write by ucp_put* from host", ["tcp/lo"])
+                   + table("prefill", read, ["tcp/lo"]))
+    assert probe.read_tables(str(log), "decode") == [(0, {"cma"})]
+    size = log.stat().st_size
+    with log.open("a") as f:
+        f.write(table("decode", read, ["cuda_copy/cuda, tcp/eth0",
+                                       "50% on rc_mlx5/mlx5_0:1 and 50% on rc_mlx5/mlx5_2:1"]))
+    assert probe.transports(str(log), size, "decode") == {"cuda_copy", "tcp", "rc_mlx5"}
+    # nothing logged since: UCX reused a configuration, the last read table stands
+    assert probe.transports(str(log), log.stat().st_size, "decode") == {
+        "cuda_copy", "tcp", "rc_mlx5"}
+    assert probe.transports(str(log), 0, "nobody") == set()
+    assert probe.transports(None, 0, "decode") == set()
+
+
+@pytest.mark.parametrize("transports, mem, gbps, kind, slow", [
+    ({"tcp"}, "DRAM", 3.0, "TCP", True),
+    ({"cuda_copy", "tcp"}, "VRAM", 0.5, "TCP", True),
+    ({"cuda_copy", "rc_mlx5"}, "VRAM", 9.0, "a bounce through host memory", True),
+    ({"cuda_ipc"}, "VRAM", 400.0, "CUDA IPC", False),
+    ({"rc_mlx5"}, "VRAM", 40.0, "RDMA", False),
+    ({"cma"}, "DRAM", 0.4, "shared memory", False),
+    (set(), "VRAM", 2.0, "a transport UCX did not name", True),
+    (set(), "VRAM", 200.0, "a transport UCX did not name", False),
+])
+def test_routes_are_judged_by_their_transports(transports, mem, gbps, kind, slow):
+    route = probe.Route("e", "h:1", frozenset(transports), mem, gbps, True)
+    assert (route.kind, route.slow) == (kind, slow)
+    assert kind in route.describe() and "h:1" in route.describe()
+
+
+def test_a_failed_or_damaged_probe_is_slow():
+    assert probe.Route("e", "h:1", frozenset({"cuda_ipc"}), "VRAM", 0.0, False,
+                       "no answer in 5 s").slow
+    assert probe.Route("e", "h:1", frozenset({"cuda_ipc"}), "VRAM", 300.0, False).slow
+
+
+SCRIPT = textwrap.dedent("""
+    import logging, threading, time
+    import pytest
+    from frugal.disagg import SlowRoute
+    from frugal.engine.llm_engine import LLMEngine
+    from tests.disagg.engines import GREEDY, config, prefill
+
+    logging.basicConfig(level=logging.INFO)
+
+    p = LLMEngine(config(kv_role="prefill"))
+    d = LLMEngine(config(kv_role="decode", kv_require_fast_path=True))
+    params = prefill(p, ["The capital of France is"])["p0"]
+    stop = threading.Event()
+
+    def serve():  # the prefill worker's loop, polling as it does while it holds pages
+        while not stop.is_set():
+            p.poll_transfers()
+            time.sleep(0.001)
+
+    t = threading.Thread(target=serve)
+    t.start()
+    try:
+        for _ in range(2):  # probed once, refused each time
+            with pytest.raises(SlowRoute, match="over TCP .*kv-require-fast-path"):
+                d.add_request("The capital of France is", GREEDY, "d0", params)
+    finally:
+        stop.set()
+        t.join()
+    assert d.stats().num_kv_slow_routes == 1
+    assert not d.has_unfinished_requests() and d.scheduler.kv.num_free == d.worker.pool.num_pages
+    print("refused")
+""")
+
+
+def test_a_tcp_route_is_reported_and_refused_with_require_fast_path():
+    pytest.importorskip("nixl_cu13")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
+    env.update(UCX_TLS="tcp", FRUGAL_UCX_ERROR_HANDLING="none")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([sys.executable, "-c", SCRIPT], cwd=root, env=env, timeout=300,
+                          capture_output=True, text=True)
+    assert done.returncode == 0 and "refused" in done.stdout, done.stderr[-3000:]
+    assert "go over TCP (tcp)" in done.stderr and "SLOW" in done.stderr
