@@ -7,7 +7,8 @@ each step on the host without it. Kernels are grouped by
 name into matmuls (cuBLAS/CUTLASS and ours), attention (prompt, decode, merge), the rest by
 name; "GPU idle" is the profiled run's wall time not covered by any kernel. With PDL (the
 default on Hopper) a kernel launched early counts its wait for the one before it: run with
-FRUGAL_PDL=0 to attribute time to kernels.
+FRUGAL_PDL=0 to attribute time to kernels. --host-profile N then runs one more prompt's step
+under cProfile and prints the N Python functions that took the most host time.
    python benchmarks/run_profile.py llama-3.1-8b --load-format dummy --kv-cache-memory 20GiB \
        --kv-cache-dtype fp8 --input-len 4096 --output-len 512 --concurrency 64
 """
@@ -103,6 +104,9 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=4096)
     p.add_argument("--output-len", type=int, default=512)
     p.add_argument("--top", type=int, default=12, help="rows of the kernel table")
+    p.add_argument("--host-profile", type=int, default=0, metavar="ROWS",
+                   help="also run one prompt step under cProfile and print the Python "
+                        "functions that took the most host time (this many rows)")
     a = p.parse_args()
     engine = LLMEngine(engine_config(a))
     vocab = engine.model_config.vocab_size
@@ -149,6 +153,34 @@ def main() -> None:
     print("\n| kernels | s | share of kernel time |\n|---|---|---|")
     for k, s in sorted(by_kind.items(), key=lambda kv: -kv[1])[:a.top]:
         print(f"| {k} | {s:.3f} | {100 * s / busy:.1f} % |")
+    if a.host_profile:
+        host_profile(engine, prompts_for(1, a.input_len, vocab, a.seed + 1)[0], a.host_profile)
+
+
+def host_profile(engine: LLMEngine, prompt: list[int], rows: int) -> None:
+    """One request's prompt step under cProfile: where the host's time goes while it launches
+    the step (the device is waited for only where the step itself waits)."""
+    import cProfile
+    import io
+    import pstats
+
+    engine.add_request(prompt, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    start = time.perf_counter()
+    profiler.enable()
+    engine.step()
+    profiler.disable()
+    took = time.perf_counter() - start
+    while engine.has_unfinished_requests():
+        engine.step()
+    out = io.StringIO()
+    stats = pstats.Stats(profiler, stream=out)
+    for order in ("tottime", "cumulative"):
+        stats.sort_stats(order).print_stats(rows)
+    print(f"\none prompt step of {len(prompt)} tokens under cProfile: {1e3 * took:.1f} ms\n")
+    print(out.getvalue())
 
 
 if __name__ == "__main__":
