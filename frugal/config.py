@@ -145,18 +145,23 @@ class CacheConfig:
         return self.kv_cache_dtype in KV_FORMATS
 
 
+BIG_GPU_BYTES = 70 << 30  # a GPU with this much memory or more gets the larger step budget
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Continuous batching limits. max_model_len None means the model's context length."""
 
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    # tokens of one step (prompt chunks + decodes); None: 8192 on a GPU of 70 GiB or more, else
+    # 2048, as vLLM's server takes (EngineConfig.resolved_batched_tokens)
+    max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs: must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens: must be >= 1, got "
                              f"{self.max_num_batched_tokens}")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -239,6 +244,16 @@ class EngineConfig:
         if self.device == "auto":
             return "cuda" if torch.cuda.is_available() else "cpu"
         return self.device
+
+    def resolved_batched_tokens(self) -> int:
+        """The step's token budget: the scheduler config's, else by the device's memory."""
+        tokens = self.scheduler.max_num_batched_tokens
+        if tokens is not None:
+            return tokens
+        device = self.resolved_device()
+        big = device.startswith("cuda") and torch.cuda.get_device_properties(
+            torch.device(device)).total_memory >= BIG_GPU_BYTES
+        return 8192 if big else 2048
 
     def resolved_ops_backend(self) -> str:
         if self.ops_backend != "auto":

@@ -26,7 +26,7 @@ class LLM:
                  gpu_memory_utilization: float = 0.9, kv_cache_dtype: str = "auto",
                  kv_scales_path: str | None = None, calibration_file: str | None = None,
                  kv_cache_max_kl: float | None = None, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int = 2048,
+                 max_num_batched_tokens: int | None = None,
                  max_model_len: int | None = None, enforce_eager: bool = False,
                  quantization: str = "none", num_layers: int | None = None,
                  enable_prefix_caching: bool = True, tensor_parallel_size: int = 1) -> None:

@@ -72,8 +72,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="share the KV of full pages between requests that start with the same "
                         "tokens (on by default; --no-enable-prefix-caching turns it off)")
     g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                   help="token budget of one step (prefill chunks + decodes)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget of one step (prefill chunks + decodes; default 8192 on "
+                        "a GPU of 70 GiB or more, else 2048, as vLLM's server)")
     g.add_argument("--max-model-len", type=int, default=None)
 
 

@@ -47,7 +47,7 @@ class LLMEngine:
         kv = KVCacheManager(pool.num_pages, pool.page_size, config.cache.enable_prefix_caching,
                             self.worker.kv_key())
         self.scheduler = Scheduler(kv, config.scheduler.max_num_seqs,
-                                   config.scheduler.max_num_batched_tokens)
+                                   config.resolved_batched_tokens())
         self.eos_token_ids = set(self.runner.sampler.eos_token_ids)
         self._requests: dict[str, Request] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}

@@ -54,10 +54,10 @@ def kv_budget(runner: ModelRunner, spec: KVSpec, config: EngineConfig, graphs: b
 
 @torch.inference_mode()
 def profile_step(runner: ModelRunner, spec: KVSpec, config: EngineConfig) -> int:
-    """Peak activation bytes of the largest step: max_num_batched_tokens new tokens of one
+    """Peak activation bytes of the largest step: the step's token budget of new tokens of one
     request, and logits for max_num_seqs rows. Runs against a one-page scratch cache (spec in
     the activation dtype) with every store skipped."""
-    mc, tokens = runner.model_config, config.scheduler.max_num_batched_tokens
+    mc, tokens = runner.model_config, config.resolved_batched_tokens()
     page_size = config.cache.page_size
     runner.bind(spec.unquantized(mc, runner.dtype).pool(1, runner.device))
     device = torch.device(runner.device)

@@ -225,3 +225,21 @@ def test_warm_up_steps_write_nothing_to_the_cache():
     before = [k.clone() for k in pool.k] + [v.clone() for v in pool.v]
     warm_up(llm.engine.runner)
     assert all(torch.equal(a, b) for a, b in zip(before, list(pool.k) + list(pool.v)))
+
+
+def test_step_budget_follows_the_device_unless_given(monkeypatch):
+    """As vLLM's server: 8192 tokens a step on a GPU of 70 GiB or more, 2048 elsewhere; a
+    given budget stands."""
+    from types import SimpleNamespace
+
+    from frugal.config import EngineConfig, SchedulerConfig
+
+    assert EngineConfig(device="cpu").resolved_batched_tokens() == 2048
+    assert EngineConfig(device="cpu", scheduler=SchedulerConfig(
+        max_num_batched_tokens=96)).resolved_batched_tokens() == 96
+    for gib, want in ((141, 8192), (80, 8192), (48, 2048)):
+        monkeypatch.setattr(torch.cuda, "get_device_properties",
+                            lambda device, gib=gib: SimpleNamespace(total_memory=gib << 30))
+        assert EngineConfig(device="cuda").resolved_batched_tokens() == want
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        SchedulerConfig(max_num_batched_tokens=0)
