@@ -125,6 +125,7 @@ def prepare(out: SchedulerOutput, page_size: int, device: str, pending: Pending 
         max_query_len=max(out.num_new_tokens),
         max_seq_len=max(seq_lens),
         num_decodes=num_decodes,
+        host_seq_lens=tuple(seq_lens),
     )
     input_ids = longs[ids_at:ids_at + num_tokens]
     if num_gathered:

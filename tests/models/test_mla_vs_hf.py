@@ -4,6 +4,8 @@ sigmoid routing with a correction bias over groups, shared experts, a dense firs
 interleaved and half-split rotary) configs, fp32 logits and greedy tokens compared; the cache
 keeps one latent row per token and layer."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -187,7 +189,16 @@ def test_prompts_expanded_equal_absorbed_in_mixed_steps(fmt, tmp_path, monkeypat
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
     calls = []
     attend = mla_prefill.attend
-    monkeypatch.setattr(mla_prefill, "attend", lambda *a: calls.append(1) or attend(*a))
+
+    def checked(*args):  # (sized from the host's lengths, and from the device's as well)
+        calls.append(1)
+        out, meta = attend(*args), args[-1]
+        assert meta.host_seq_lens is not None
+        torch.testing.assert_close(
+            attend(*args[:-1], dataclasses.replace(meta, host_seq_lens=None)), out)
+        return out
+
+    monkeypatch.setattr(mla_prefill, "attend", checked)
 
     def run():
         llm = LLM(str(tmp_path), dtype="float32", device="cpu", kv_cache_memory="8MiB",

@@ -28,7 +28,9 @@ class AttentionMetadata:
     page_table: [num_requests, max_pages] int32; cu_seqlens_q: [num_requests + 1] int32;
     seq_lens: [num_requests] int32, each request's context length after this step;
     max_query_len, max_seq_len: host-side bounds of the new tokens and of seq_lens;
-    num_decodes: how many requests at the front of the batch have one new token each.
+    num_decodes: how many requests at the front of the batch have one new token each;
+    host_seq_lens: seq_lens on the host, where the step was built there (None in a CUDA graph
+    and in the memory profile): shapes that depend on them need no device sync.
     """
 
     slot_mapping: torch.Tensor
@@ -38,6 +40,7 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     num_decodes: int = 0
+    host_seq_lens: tuple[int, ...] | None = None
 
 
 # name -> the module defining BACKEND (an AttentionBackend), imported when first asked for

@@ -48,9 +48,12 @@ def attend(q: torch.Tensor, cache: torch.Tensor, kv_scales: torch.Tensor | None,
     nope = w_kv.shape[1] - v_head_dim
     seq_lens = meta.seq_lens[first:].long()
     page_size = cache.shape[1]
-    # every context position of every prompt request, request by request
+    # every context position of every prompt request, request by request (the sizes from the
+    # host's lengths where the step has them: no sync)
     num_pages = -(-seq_lens // PAGE)
-    total = int(num_pages.sum()) * PAGE
+    host = None if meta.host_seq_lens is None else [-(-n // PAGE)
+                                                    for n in meta.host_seq_lens[first:]]
+    total = (sum(host) if host else int(num_pages.sum())) * PAGE
     request = torch.repeat_interleave(torch.arange(seq_lens.shape[0], device=q.device),
                                       num_pages * PAGE, output_size=total)
     starts = (torch.cumsum(num_pages, 0) - num_pages) * PAGE  # each request's first row
@@ -66,7 +69,7 @@ def attend(q: torch.Tensor, cache: torch.Tensor, kv_scales: torch.Tensor | None,
     keys[..., nope:] = rows[:, None, kv_lora_rank:]
     values = torch.zeros(total, heads, key_dim, dtype=q.dtype, device=q.device)
     values[..., :v_head_dim] = kv[..., nope:]
-    width = int(num_pages.max())
+    width = max(host) if host else int(num_pages.max())
     columns = torch.arange(width, device=q.device)
     pages = (starts // PAGE)[:, None] + columns
     pages = torch.where(columns < num_pages[:, None], pages, 0).int()
