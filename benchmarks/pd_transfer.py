@@ -5,13 +5,16 @@ Two NixlTransfer agents (a prefill pool and a decode pool) in one process at a m
 for each prompt length, the READ's wall time from posting to DONE (polled as the engine polls)
 and the page checksums on both sides (they must agree), beside torch's copy of the same pages
 (index_copy within the pool) on the same device. --processes 2 puts the prefill pool in a
-second process, as deployed. Prints a table and the command.
+second process, as deployed. First the decode side's probe read says which route UCX took
+(disagg.probe). Prints a table and the command; --json writes its rows (model, tokens,
+transport, gb_per_s) for NIXL and the device copy.
    python benchmarks/pd_transfer.py --device cuda --layers 32 --kv-heads 8 --head-dim 128
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing as mp
 import statistics
 import sys
@@ -37,6 +40,8 @@ def main() -> None:
                    help="2: the prefill pool and its agent in a second process, as deployed")
     p.add_argument("--pages", default="scattered", choices=["scattered", "contiguous"],
                    help="the prompt's pages every other one (as after churn) or in a run")
+    p.add_argument("--model", default="", help="a label for the JSON rows (the KV shape's model)")
+    p.add_argument("--json", default=None, help="also write the rows here")
     args = p.parse_args()
     dtype = getattr(torch, args.dtype)
     lengths = [int(t) for t in args.tokens.split(",")]
@@ -62,10 +67,16 @@ def main() -> None:
             here.send(pages)
             return here.recv()
     decode.connect(meta, "local")
+    decode.start_probe("bench-prefill", "local")
+    while (route := decode.prober.result(30.0)) is None:
+        if prefill is not None:
+            prefill.notifications()
     pools = [None, decode_pool]  # pools[1]: the decode side
     print(f"$ python {' '.join(sys.argv)}")
+    print(route.describe() + ("" if not route.slow else " (slow)") + "\n")
     print("| tokens | MiB | NIXL READ ms | NIXL GB/s | device copy GB/s | checksums equal |")
     print("|---|---|---|---|---|---|")
+    rows = []
     for n in lengths:
         count = -(-n // args.page_size)
         if args.pages == "scattered":
@@ -96,6 +107,14 @@ def main() -> None:
         read, copy = statistics.median(reads[1:]), statistics.median(copies[1:])
         print(f"| {n} | {nbytes / 2**20:.1f} | {read * 1e3:.2f} | {nbytes / read / 1e9:.1f} | "
               f"{nbytes / copy / 1e9:.1f} | {ok} |")
+        rows += [{"model": args.model, "tokens": n, "transport": f"NIXL: {route.kind}",
+                  "gb_per_s": nbytes / read / 1e9, "checksums_equal": ok},
+                 {"model": args.model, "tokens": n, "transport": "device copy",
+                  "gb_per_s": nbytes / copy / 1e9}]
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"command": " ".join(sys.argv), "route": route.describe(), "rows": rows},
+                      f, indent=1)
 
 
 def _serve_pool(shape, pipe) -> None:

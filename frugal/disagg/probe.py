@@ -14,6 +14,7 @@ and with --kv-require-fast-path a refusal of the peer's hand-offs.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import logging
 import os
@@ -46,6 +47,26 @@ def setup_ucx_log() -> str | None:
         os.environ["UCX_PROTO_INFO"] = "y"
         os.environ["UCX_LOG_FILE"] = pattern
     return pattern.replace("%p", str(os.getpid()))
+
+
+_ucs: list[ctypes.CDLL] = []  # UCX's base library, once found
+
+
+def flush_ucx_log() -> None:
+    """UCX writes its log through a buffered FILE: hand what it holds to the file now (through
+    ucs_log_flush of the libucs this process loaded; NIXL's wheel bundles it)."""
+    if not _ucs:
+        try:
+            with open("/proc/self/maps") as maps:
+                path = next((line.split()[-1] for line in maps
+                             if "/libucs" in line and ".so" in line), None)
+            lib = ctypes.CDLL(path) if path else None
+        except OSError:
+            lib = None
+        if lib is None or not hasattr(lib, "ucs_log_flush"):
+            return
+        _ucs.append(lib)
+    _ucs[0].ucs_log_flush()
 
 
 def log_size(path: str | None) -> int:
@@ -85,6 +106,7 @@ def read_tables(path: str | None, agent: str) -> list[tuple[int, set[str]]]:
 def transports(path: str | None, offset: int, agent: str) -> set[str]:
     """The transports of the agent's remote reads that UCX logged past offset; if none (UCX
     logs a configuration once, at its first use), those of the last read it logged before."""
+    flush_ucx_log()
     tables = read_tables(path, agent)
     later = [found for start, found in tables if start >= offset]
     return set().union(*later) if later else (tables[-1][1] if tables else set())
@@ -181,6 +203,7 @@ class Prober:
         """Start reading PROBE_BYTES at address of the peer (NIXL's name `agent`)."""
         if self._flight is not None:
             raise RuntimeError("a probe read is in flight")
+        flush_ucx_log()
         offset = log_size(self.ucx_log)
         here = self.buffer[PROBE_BYTES:].data_ptr()
         lists = (self.agent.prep_xfer_dlist("", np.array(
