@@ -132,19 +132,23 @@ def test_decode_split_counts_agree(splits, min_split, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("form", ["views", "packed", "qk_norm"])
 @pytest.mark.parametrize("rotary_dim", [32, 16, 12])
-def test_rotary_store_kv_matches_torch_ref(dtype, qk_norm, rotary_dim):
-    """Views of one fused qkv row (as the model passes them), or packed tensors (after qk-norm);
-    a negative slot stores nothing but its q is still rotated. rotary_dim < 32: partial rotary
-    (GLM), the other dims pass through."""
+def test_rotary_store_kv_matches_torch_ref(dtype, form, rotary_dim):
+    """Views of one fused qkv row (as the model passes them), packed tensors, or views with
+    Qwen3's per-head RMSNorm of q and k fused in; a negative slot stores nothing but its q is
+    still rotated. rotary_dim < 32: partial rotary (GLM), the other dims pass through."""
     g = torch.Generator().manual_seed(4)
     heads, kv_heads, dim, tokens = 6, 2, 32, 5
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g).to(dtype)
     q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
     q, k, v = (x.reshape(tokens, -1, dim) for x in (q, k, v))
-    if qk_norm:
+    if form == "packed":
         q, k = q.contiguous(), k.contiguous()
+    qk_norm = None
+    if form == "qk_norm":
+        qk_norm = (torch.rand(dim, generator=g).add(0.5).to(dtype),
+                   torch.rand(dim, generator=g).add(0.5).to(dtype), 1e-6)
     positions = torch.tensor([0, 7, 300, 5, 1023])
     slots = torch.tensor([3, 0, -1, 9, 12])
     inv = 1.0 / (10000 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim))
@@ -152,15 +156,19 @@ def test_rotary_store_kv_matches_torch_ref(dtype, qk_norm, rotary_dim):
     cos_sin = torch.cat([freqs.cos(), freqs.sin()], -1)
     ref_k, ref_v = torch.zeros(4, 4, kv_heads, dim, dtype=dtype), torch.zeros(4, 4, kv_heads, dim,
                                                                               dtype=dtype)
-    ref_q = torch_ref.rotary_store_kv(q, k, v, positions, cos_sin, ref_k, ref_v, slots)
+    ref_q = torch_ref.rotary_store_kv(q, k, v, positions, cos_sin, ref_k, ref_v, slots,
+                                      qk_norm=qk_norm)
     k_cache, v_cache = torch.zeros_like(ref_k).to(DEVICE), torch.zeros_like(ref_v).to(DEVICE)
     ours = kv_store.rotary_store_kv(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE),
                                     positions.to(DEVICE), cos_sin.to(DEVICE), k_cache, v_cache,
-                                    slots.to(DEVICE))
+                                    slots.to(DEVICE), qk_norm=qk_norm and (
+                                        qk_norm[0].to(DEVICE), qk_norm[1].to(DEVICE), 1e-6))
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(ours.cpu(), ref_q, atol=tol, rtol=tol)
     torch.testing.assert_close(k_cache.cpu(), ref_k, atol=tol, rtol=tol)
     assert torch.equal(v_cache.cpu(), ref_v)
+    if qk_norm is not None:
+        return
     # the dims past rotary_dim are q's and k's own
     assert torch.equal(ref_q[..., rotary_dim:], q[..., rotary_dim:])
     assert torch.equal(ref_k.view(-1, kv_heads, dim)[slots[1]][..., rotary_dim:],

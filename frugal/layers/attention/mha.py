@@ -38,11 +38,14 @@ class Attention(nn.Module):
         self.kv_scales: torch.Tensor | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata,
+                qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
         """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
-        (views of a fused projection are fine); positions: [num_tokens] int64."""
+        (views of a fused projection are fine); positions: [num_tokens] int64; qk_norm: q's
+        and k's RMSNorm weights [head_dim] and eps, applied per head before the rotary
+        (fused into the store)."""
         q = ops.rotary_store_kv(q, k, v, positions, self.rotary.cos_sin, self.k_cache,
-                                self.v_cache, meta.slot_mapping, self.kv_scales)
+                                self.v_cache, meta.slot_mapping, self.kv_scales, qk_norm)
         return ops.paged_attention(q, self.k_cache, self.v_cache, meta.page_table,
                                    meta.cu_seqlens_q, meta.seq_lens, self.scale,
                                    meta.max_query_len, meta.max_seq_len, self.kv_scales,
@@ -83,9 +86,9 @@ class MhaAttention(nn.Module):
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        o = self.attn(q, k, v, positions, meta)
+        qk_norm = None if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight,
+                                                    self.q_norm.eps)
+        o = self.attn(q, k, v, positions, meta, qk_norm)
         return self.o_proj(o.reshape(-1, self.num_heads * self.head_dim), residual=h), None
 
 

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from frugal.ops.torch_ref.kv_quant import dequantize_rows, quantize_rows, row_scaled
+from frugal.ops.torch_ref.norm import rms_norm
 from frugal.ops.torch_ref.rotary import apply_rotary
 from frugal.quant.fp8 import FP8_MAX
 
@@ -67,10 +68,15 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                     cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    slot_mapping: torch.Tensor, kv_scales: torch.Tensor | None = None
+                    slot_mapping: torch.Tensor, kv_scales: torch.Tensor | None = None,
+                    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None
                     ) -> torch.Tensor:
     """Rotate q and k (see apply_rotary), store the rotated k and v (see store_kv; a negative
-    slot skips its token) and return the rotated q: [num_tokens, num_heads, head_dim]."""
+    slot skips its token) and return the rotated q: [num_tokens, num_heads, head_dim].
+    qk_norm (q's weight [head_dim], k's, eps): each head of q and k RMS-normalized first (Qwen3,
+    as its q_norm and k_norm)."""
+    if qk_norm is not None:
+        q, k = rms_norm(q, qk_norm[0], qk_norm[2]), rms_norm(k, qk_norm[1], qk_norm[2])
     q, k = apply_rotary(q, k, positions, cos_sin)
     keep = slot_mapping >= 0
     if not bool(keep.all()):

@@ -15,7 +15,8 @@ from frugal.ops.triton.launch import enter, pdl
 @triton.jit
 def _rotary_store_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, slot_ptr, q_out_ptr,
                          k_cache_ptr, v_cache_ptr, scales_ptr, k_scale_ptr, v_scale_ptr,
-                         q_stride, k_stride, v_stride, NUM_HEADS: tl.constexpr,
+                         q_stride, k_stride, v_stride, qw_ptr, kw_ptr, eps,
+                         QK_NORM: tl.constexpr, NUM_HEADS: tl.constexpr,
                          NUM_KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
                          KV_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
                          DIM: tl.constexpr, PASS: tl.constexpr, PASS_PAD: tl.constexpr,
@@ -28,7 +29,9 @@ def _rotary_store_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, slot_ptr, q_
     (static): divided by the head's scale (scales_ptr: [2, NUM_KV_HEADS], K then V) and
     saturated; V key-minor ([pages, NUM_KV_HEADS, DIM, PAGE_SIZE]). K_ROW, V_ROW: elements
     from one (slot, head) row of the cache to the next. K_SROW / V_SROW > 0: K / V rows carry
-    their scale (ops.torch_ref.kv_quant: amax / K_QMAX), row r's at k_scale_ptr + r * K_SROW."""
+    their scale (ops.torch_ref.kv_quant: amax / K_QMAX), row r's at k_scale_ptr + r * K_SROW.
+    QK_NORM: every q and k head RMS-normalized first (weights qw_ptr, kw_ptr [DIM]; rounded to
+    the activation dtype as ops.rms_norm rounds)."""
     enter(PDL)
     t = tl.program_id(0)
     pos = tl.load(pos_ptr + t)
@@ -42,15 +45,16 @@ def _rotary_store_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, slot_ptr, q_
     src = q_ptr + t * q_stride + h * DIM + i[None, :]
     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    q_pass = (h < NUM_HEADS) & (p[None, :] < DIM)
+    xp = tl.load(q_ptr + t * q_stride + h * DIM + p[None, :], mask=q_pass, other=0.0)
+    if QK_NORM:
+        x1, x2, xp = _head_norm(x1, x2, xp, qw_ptr, i, i_mask, p, eps, HALF, DIM, PASS)
     dst = q_out_ptr + (t * NUM_HEADS + h) * DIM + i[None, :]
     out_ty = q_out_ptr.dtype.element_ty
     tl.store(dst, (x1 * cos - x2 * sin).to(out_ty), mask=mask)
     tl.store(dst + HALF, (x2 * cos + x1 * sin).to(out_ty), mask=mask)
     if PASS > 0:
-        q_pass = (h < NUM_HEADS) & (p[None, :] < DIM)
-        tl.store(q_out_ptr + (t * NUM_HEADS + h) * DIM + p[None, :],
-                 tl.load(q_ptr + t * q_stride + h * DIM + p[None, :], mask=q_pass, other=0.0),
-                 mask=q_pass)
+        tl.store(q_out_ptr + (t * NUM_HEADS + h) * DIM + p[None, :], xp.to(out_ty), mask=q_pass)
     slot = tl.load(slot_ptr + t)
     if slot >= 0:  # -1 marks padding (a CUDA graph's unused rows)
         # (names differ from the q block's: Triton needs one shape per variable)
@@ -59,14 +63,18 @@ def _rotary_store_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, slot_ptr, q_
         k_src = k_ptr + t * k_stride + j * DIM + i[None, :]
         k1 = tl.load(k_src, mask=kv_mask, other=0.0).to(tl.float32)
         k2 = tl.load(k_src + HALF, mask=kv_mask, other=0.0).to(tl.float32)
+        kv_pass = (j < NUM_KV_HEADS) & (p[None, :] < DIM)
+        k_pass = tl.load(k_ptr + t * k_stride + j * DIM + p[None, :], mask=kv_pass, other=0.0)
+        x_ty = k_ptr.dtype.element_ty
+        if QK_NORM:
+            k1, k2, k_pass = _head_norm(k1, k2, k_pass, kw_ptr, i, i_mask, p, eps, HALF, DIM,
+                                        PASS)
+            k_pass = k_pass.to(x_ty)
         row = slot * NUM_KV_HEADS + j  # [KV_PAD, 1]
         kv_dst = row * K_ROW + i[None, :]
         # round to the activation dtype first, as the unfused path stores a rotated k tensor
-        x_ty = k_ptr.dtype.element_ty
         k_rot1 = (k1 * cos - k2 * sin).to(x_ty)
         k_rot2 = (k2 * cos + k1 * sin).to(x_ty)
-        kv_pass = (j < NUM_KV_HEADS) & (p[None, :] < DIM)
-        k_pass = tl.load(k_ptr + t * k_stride + j * DIM + p[None, :], mask=kv_pass, other=0.0)
         k_scale = tl.full([KV_PAD, 1], 1.0, tl.float32)
         v_scale = tl.full([KV_PAD, 1], 1.0, tl.float32)
         if FP8:
@@ -103,6 +111,27 @@ def _rotary_store_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, slot_ptr, q_
             else:
                 v_dst = row * V_ROW + start + d[None, :]
             store_quantized(v_cache_ptr + v_dst, x, v_scale, v_mask, FP8, V_SROW > 0)
+
+
+@triton.jit
+def _head_norm(x1, x2, xp, w_ptr, i, i_mask, p, eps, HALF: tl.constexpr, DIM: tl.constexpr,
+               PASS: tl.constexpr):
+    """Each row (a head: its rotating halves x1, x2 [rows, HALF_PAD] fp32 and its passing dims
+    xp [rows, PASS_PAD]) RMS-normalized over its DIM dims and scaled by w (ops.rms_norm's
+    rounding: to xp's dtype after the normalization and after the weight), returned in fp32."""
+    ty = xp.dtype
+    xpf = xp.to(tl.float32)
+    squares = tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)
+    if PASS > 0:
+        squares += tl.sum(xpf * xpf, 1)
+    inv = (1.0 / tl.sqrt(squares / DIM + eps))[:, None]
+    w1 = tl.load(w_ptr + i, mask=i_mask, other=0.0).to(tl.float32)[None, :]
+    w2 = tl.load(w_ptr + HALF + i, mask=i_mask, other=0.0).to(tl.float32)[None, :]
+    wp = tl.load(w_ptr + p, mask=p < DIM, other=0.0).to(tl.float32)[None, :]
+    y1 = (w1 * (x1 * inv).to(ty).to(tl.float32)).to(ty).to(tl.float32)
+    y2 = (w2 * (x2 * inv).to(ty).to(tl.float32)).to(ty).to(tl.float32)
+    yp = (wp * (xpf * inv).to(ty).to(tl.float32)).to(ty).to(tl.float32)
+    return y1, y2, yp
 
 
 @triton.jit
@@ -143,7 +172,8 @@ def _heads_packed(x: torch.Tensor) -> torch.Tensor:
 
 def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                     cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    slot_mapping: torch.Tensor, kv_scales: torch.Tensor | None = None
+                    slot_mapping: torch.Tensor, kv_scales: torch.Tensor | None = None,
+                    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None
                     ) -> torch.Tensor:
     """See torch_ref.rotary_store_kv. q, k, v may be views of one fused qkv projection."""
     q, k, v = _heads_packed(q), _heads_packed(k), _heads_packed(v)
@@ -163,7 +193,8 @@ def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
     _rotary_store_kernel[(num_tokens,)](
         q, k, v, positions, cos_sin, slot_mapping, out, k_cache, v_cache,
         kv_scales if fp8 else k_cache, k_scales, v_scales, q.stride(0),
-        k.stride(0), v.stride(0), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
+        k.stride(0), v.stride(0), *(qk_norm if qk_norm is not None else (q, q, 0.0)),
+        QK_NORM=qk_norm is not None, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
         HEADS_PAD=triton.next_power_of_2(num_heads), KV_PAD=triton.next_power_of_2(num_kv_heads),
         HALF=half, HALF_PAD=triton.next_power_of_2(half), DIM=head_dim, PASS=passed,
         PASS_PAD=triton.next_power_of_2(max(passed, 1)), PAGE_SIZE=k_cache.shape[1], FP8=fp8,
