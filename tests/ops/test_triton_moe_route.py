@@ -1,6 +1,7 @@
 """The routing kernel (ops.triton.moe_route) against torch_ref.route_experts on fresh random
-logits: softmax top-k (Qwen3-MoE), sigmoid with a correction bias over groups (DeepSeek-V3),
-without groups (Kimi K2's 384 experts, GLM-4.5), renormalized or not, scaled."""
+logits: softmax top-k (Qwen3-MoE, DeepSeek-V2-Lite's 6 of 64), sigmoid with a correction bias
+over groups (DeepSeek-V3), without groups (Kimi K2's 384 experts, GLM-4.5), renormalized or
+not, scaled."""
 
 import pytest
 import torch
@@ -17,6 +18,8 @@ CASES = {  # experts, top_k, scoring, renormalize, n_group, topk_group, scaling,
     "kimi-k2": (384, 8, "sigmoid", True, 1, 1, 2.827, True),
     "glm-4.5": (160, 8, "sigmoid", True, 1, 1, 1.0, True),
     "sigmoid-no-bias": (32, 2, "sigmoid", False, 1, 1, 1.0, False),
+    "deepseek-v2-lite": (64, 6, "softmax", False, 1, 1, 1.0, False),  # top_k not a power of 2
+    "sigmoid-top6": (96, 6, "sigmoid", True, 1, 1, 2.5, True),
 }
 
 

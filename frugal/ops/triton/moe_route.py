@@ -67,8 +67,9 @@ def router_logits(x: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _route(logits_ptr, bias_ptr, weights_ptr, ids_ptr, E, scaling, TOP_K: tl.constexpr,
-           SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
-           N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_E: tl.constexpr):
+           TOP_PAD: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
+           RENORMALIZE: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
+           BLOCK_E: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
     ok = offs < E
@@ -98,9 +99,9 @@ def _route(logits_ptr, bias_ptr, weights_ptr, ids_ptr, E, scaling, TOP_K: tl.con
         p = tl.exp(x - tl.max(x, axis=0))
         score = p / tl.sum(p, axis=0)
         choice = tl.where(ok, score, float("-inf"))
-    slots = tl.arange(0, TOP_K)
-    weights = tl.zeros((TOP_K,), dtype=tl.float32)
-    ids = tl.zeros((TOP_K,), dtype=tl.int64)
+    slots = tl.arange(0, TOP_PAD)  # (top_k rounded up to a power of two: DeepSeek-V2's 6)
+    weights = tl.zeros((TOP_PAD,), dtype=tl.float32)
+    ids = tl.zeros((TOP_PAD,), dtype=tl.int64)
     for j in tl.static_range(TOP_K):
         best = tl.argmax(choice, axis=0)
         weights = tl.where(slots == j, tl.sum(tl.where(offs == best, score, 0.0), axis=0),
@@ -110,8 +111,8 @@ def _route(logits_ptr, bias_ptr, weights_ptr, ids_ptr, E, scaling, TOP_K: tl.con
     if RENORMALIZE:
         total = tl.sum(weights, axis=0)
         weights = weights / (total + 1e-20) if SIGMOID else weights / total
-    tl.store(weights_ptr + row * TOP_K + slots, weights * scaling)
-    tl.store(ids_ptr + row * TOP_K + slots, ids)
+    tl.store(weights_ptr + row * TOP_K + slots, weights * scaling, mask=slots < TOP_K)
+    tl.store(ids_ptr + row * TOP_K + slots, ids, mask=slots < TOP_K)
 
 
 def route_experts(x: torch.Tensor, router: torch.Tensor, correction_bias: torch.Tensor | None,
@@ -122,7 +123,7 @@ def route_experts(x: torch.Tensor, router: torch.Tensor, correction_bias: torch.
     num_tokens, num_experts = x.shape[0], router.shape[0]
     block_e = triton.next_power_of_2(num_experts)
     grouped = scoring == "sigmoid" and n_group > 1
-    if (grouped and block_e != num_experts) or top_k & (top_k - 1) or num_tokens == 0:
+    if (grouped and block_e != num_experts) or num_tokens == 0:
         return route_experts_torch(x, router, correction_bias, top_k, scoring, renormalize,
                                    n_group, topk_group, scaling)
     logits = router_logits(x.contiguous(), router.contiguous())
@@ -130,7 +131,8 @@ def route_experts(x: torch.Tensor, router: torch.Tensor, correction_bias: torch.
     ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=x.device)
     bias = correction_bias if correction_bias is not None else logits
     _route[(num_tokens,)](logits, bias, weights, ids, num_experts, float(scaling), TOP_K=top_k,
-                          SIGMOID=scoring == "sigmoid", HAS_BIAS=correction_bias is not None,
+                          TOP_PAD=triton.next_power_of_2(top_k), SIGMOID=scoring == "sigmoid",
+                          HAS_BIAS=correction_bias is not None,
                           RENORMALIZE=renormalize, N_GROUP=n_group if grouped else 1,
                           TOPK_GROUP=topk_group, BLOCK_E=block_e, num_warps=4)
     return weights, ids
