@@ -26,16 +26,19 @@ import triton.language as tl
 from frugal.ops.torch_ref.moe import route_experts as route_experts_torch
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DECODE_SPLITS = 8  # slices of the router's inputs at up to 16 tokens (see router_logits)
 
 
 @triton.jit
-def _logits(x_ptr, w_ptr, out_ptr, T, E, K, sxt, swe, F32_DOT: tl.constexpr,
+def _logits(x_ptr, w_ptr, out_ptr, T, E, K, slice_k, sxt, swe, F32_DOT: tl.constexpr,
             BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
-    """out[t, e] = Σ_k x[t, k] · w[e, k] in fp32: BLOCK_T tokens × BLOCK_E experts a program."""
+    """out[s, t, e] = Σ_k x[t, k] · w[e, k] in fp32 over the s-th slice_k inputs: BLOCK_T
+    tokens × BLOCK_E experts × one slice a program."""
     rows = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
+    split = tl.program_id(2)
     acc = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(split * slice_k, tl.minimum(K, (split + 1) * slice_k), BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + rows[:, None].to(tl.int64) * sxt + ks[None, :],
                     mask=(rows[:, None] < T) & (ks[None, :] < K), other=0.0)
@@ -45,28 +48,34 @@ def _logits(x_ptr, w_ptr, out_ptr, T, E, K, sxt, swe, F32_DOT: tl.constexpr,
             acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
         else:  # (bf16 / fp16 products are exact in fp32; the sums are fp32)
             acc += tl.dot(x, tl.trans(w))
-    tl.store(out_ptr + rows[:, None].to(tl.int64) * E + cols[None, :], acc,
+    out = out_ptr + split.to(tl.int64) * T * E
+    tl.store(out + rows[:, None].to(tl.int64) * E + cols[None, :], acc,
              mask=(rows[:, None] < T) & (cols[None, :] < E))
 
 
-def router_logits(x: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
-    """x [T, hidden] @ router [E, hidden]ᵀ as [T, E] fp32 (torch_ref: x.float() @
-    router.float().t()), one launch. Decode-sized steps take 16 tokens × 16 experts a program
-    (Qwen3's 128 experts: 8 programs each reading 64 KiB of the router), larger ones 64 × 64."""
+def router_logits(x: torch.Tensor, router: torch.Tensor, splits: int = 1) -> torch.Tensor:
+    """x [T, hidden] @ router [E, hidden]ᵀ in fp32, as [S, T, E] partial sums over S ≤ splits
+    slices of hidden (their sum is torch_ref's x.float() @ router.float().t()), one launch.
+    Decode-sized steps take 16 tokens × 16 experts a program, larger ones 64 × 64; slices
+    spread a decode step's router over the SMs (Qwen3's 128 experts and 8 slices: 64 programs,
+    each reading 8 KiB of the router, not 8 reading 64 KiB)."""
     t, k = x.shape
     e = router.shape[0]
-    out = torch.empty(t, e, dtype=torch.float32, device=x.device)
     small = t <= 16
     block_t, block_e, block_k = (16, 16, 256) if small else (64, 64, 64)
+    slice_k = triton.cdiv(triton.cdiv(k, max(1, splits)), block_k) * block_k
+    splits = triton.cdiv(k, slice_k)
+    out = torch.empty(splits, t, e, dtype=torch.float32, device=x.device)
     f32 = _INTERPRET or x.dtype != router.dtype or x.dtype == torch.float32
-    grid = (triton.cdiv(e, block_e), triton.cdiv(t, block_t))
-    _logits[grid](x, router, out, t, e, k, x.stride(0), router.stride(0), F32_DOT=f32,
+    grid = (triton.cdiv(e, block_e), triton.cdiv(t, block_t), splits)
+    _logits[grid](x, router, out, t, e, k, slice_k, x.stride(0), router.stride(0), F32_DOT=f32,
                   BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k, num_warps=4)
     return out
 
 
 @triton.jit
-def _route(logits_ptr, bias_ptr, weights_ptr, ids_ptr, E, scaling, TOP_K: tl.constexpr,
+def _route(logits_ptr, bias_ptr, weights_ptr, ids_ptr, T, E, scaling, SPLITS: tl.constexpr,
+           TOP_K: tl.constexpr,
            TOP_PAD: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
            RENORMALIZE: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
            BLOCK_E: tl.constexpr):
@@ -74,6 +83,8 @@ def _route(logits_ptr, bias_ptr, weights_ptr, ids_ptr, E, scaling, TOP_K: tl.con
     offs = tl.arange(0, BLOCK_E)
     ok = offs < E
     x = tl.load(logits_ptr + row * E + offs, mask=ok, other=float("-inf"))
+    for s in tl.static_range(1, SPLITS):  # (the router logits' partial sums, in order)
+        x += tl.load(logits_ptr + (s * T + row) * E + offs, mask=ok, other=0.0)
     if SIGMOID:
         score = tl.where(ok, 1.0 / (1.0 + tl.exp(-x)), 0.0)
         choice = score
@@ -126,11 +137,13 @@ def route_experts(x: torch.Tensor, router: torch.Tensor, correction_bias: torch.
     if (grouped and block_e != num_experts) or num_tokens == 0:
         return route_experts_torch(x, router, correction_bias, top_k, scoring, renormalize,
                                    n_group, topk_group, scaling)
-    logits = router_logits(x.contiguous(), router.contiguous())
+    logits = router_logits(x.contiguous(), router.contiguous(),
+                           DECODE_SPLITS if num_tokens <= 16 else 1)
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=x.device)
     bias = correction_bias if correction_bias is not None else logits
-    _route[(num_tokens,)](logits, bias, weights, ids, num_experts, float(scaling), TOP_K=top_k,
+    _route[(num_tokens,)](logits, bias, weights, ids, num_tokens, num_experts, float(scaling),
+                          SPLITS=logits.shape[0], TOP_K=top_k,
                           TOP_PAD=triton.next_power_of_2(top_k), SIGMOID=scoring == "sigmoid",
                           HAS_BIAS=correction_bias is not None,
                           RENORMALIZE=renormalize, N_GROUP=n_group if grouped else 1,
