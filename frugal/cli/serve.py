@@ -75,7 +75,8 @@ def add_serve_parser(subparsers) -> None:
                    help="seconds a decode worker waits for a prompt's KV")
     g.add_argument("--kv-require-fast-path", action="store_true",
                    help="a decode worker refuses (503) hand-offs from a prefill worker whose "
-                        "probe read went over TCP or through host memory (default: a warning)")
+                        "probe read went over TCP or through host memory, or failed (default: "
+                        "a warning)")
     p.set_defaults(func=run_serve)
 
 

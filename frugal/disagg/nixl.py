@@ -50,8 +50,8 @@ class _Remote:
     num_pages: int
     device_id: int
     mem_type: str
-    probe_addr: int
-    probe_sha256: str
+    probe_addr: int | None
+    probe_sha256: str | None
 
 
 @dataclass
@@ -146,14 +146,15 @@ class NixlTransfer:
         num_pages = _int(meta, "num_pages", 1, MAX_REMOTE_PAGES + 1)
         base_addr = _int(meta, "base_addr")
         device_id = _int(meta, "device_id", 0, 1 << 16)
-        probe_addr = _int(meta, "probe_addr")
+        # (a prefill worker of an earlier frugal offers no probe: its route stays unknown)
+        probe_addr = None if "probe_addr" not in meta else _int(meta, "probe_addr")
         mem_type = meta.get("mem_type")
         agent = meta.get("agent_metadata")
         if mem_type not in MEM_TYPES or not isinstance(agent, str):
             raise ValueError(f"the prefill worker at {where} sent no memory type or agent")
         probe_sha256 = meta.get("probe_sha256")
-        if not isinstance(probe_sha256, str):
-            raise ValueError(f"the prefill worker at {where} sent no probe")
+        if probe_addr is not None and not isinstance(probe_sha256, str):
+            raise ValueError(f"the prefill worker at {where} sent a probe without its sha256")
         name = self.agent.add_remote_agent(base64.b64decode(agent, validate=True))
         self._remotes[engine_id] = _Remote(name, base_addr, num_pages, device_id, mem_type,
                                            probe_addr, probe_sha256)
@@ -161,8 +162,11 @@ class NixlTransfer:
     def start_probe(self, engine_id: str, where: str) -> None:
         """Start the probe read of a known peer (disagg.probe; self.prober.result ends it)."""
         r = self._remotes[engine_id]
-        self.prober.start(engine_id, where, r.name, r.probe_addr, r.device_id, r.mem_type,
-                          r.probe_sha256)
+        if r.probe_addr is None:
+            self.prober.fail(engine_id, where, "it offers no probe buffer (an earlier frugal)")
+        else:
+            self.prober.start(engine_id, where, r.name, r.probe_addr, r.device_id, r.mem_type,
+                              r.probe_sha256)
 
     def num_remote_pages(self, engine_id: str) -> int:
         return self._remotes[engine_id].num_pages

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 
 from frugal.disagg import HeldPagesFull, SlowRoute, faults
 from frugal.disagg.connector import KVConnector, Loaded, TransferStats
@@ -40,6 +41,7 @@ from frugal.worker.kv_pool import KVPool
 
 logger = logging.getLogger("frugal")
 PROBE_TIMEOUT_S = 5.0
+PROBE_RETRY_S = 30.0  # a peer whose probe failed is probed again after this long
 
 
 class NixlConnector(KVConnector):
@@ -73,6 +75,7 @@ class NixlConnector(KVConnector):
         self._stats = TransferStats()
         self._routes: dict[str, Route] = {}  # engine_id -> its probe's finding (disagg.probe)
         self._to_probe: dict[str, str] = {}  # engine_id -> where, peers met but not yet probed
+        self._probe_failed: dict[str, tuple[Route, float]] = {}  # -> (its Route, retry after)
 
     # -- scheduler side: admission -----------------------------------------------------------
 
@@ -106,35 +109,51 @@ class NixlConnector(KVConnector):
 
     def _check_route(self, engine_id: str, where: str) -> None:
         """A peer met for the first time is probed (disagg.probe): in the background of the
-        steps, or, with --kv-require-fast-path, before this admission, which a slow route
-        refuses (SlowRoute, a 503)."""
-        if engine_id not in self._routes:
+        steps, or, with --kv-require-fast-path, before this admission, which a slow route or a
+        failed probe refuses (SlowRoute, a 503; a failed probe is tried again after
+        PROBE_RETRY_S)."""
+        failed = self._probe_failed.get(engine_id)
+        if failed is not None and time.monotonic() >= failed[1]:
+            del self._probe_failed[engine_id]
+        if engine_id not in self._routes and engine_id not in self._probe_failed:
             self._to_probe.setdefault(engine_id, where)
             self._probe()  # (started before this peer's first read, when none is in flight)
-            while self.require_fast_path and engine_id not in self._routes:
+            deadline = time.monotonic() + 2 * PROBE_TIMEOUT_S
+            while (self.require_fast_path and time.monotonic() < deadline
+                   and engine_id not in self._routes and engine_id not in self._probe_failed):
                 self._probe(wait=True)
+        if not self.require_fast_path:
+            return
         route = self._routes.get(engine_id)
-        if route is not None and route.slow and self.require_fast_path:
-            raise SlowRoute(f"{route.describe()}: refused by this decode worker "
-                            "(--kv-require-fast-path)")
+        if route is None or route.slow:
+            logger.warning("a hand-off from %s refused (--kv-require-fast-path): %s", where,
+                           "its route is slow" if route else "its probe has not succeeded")
+            raise SlowRoute("kv_transfer_params: this decode worker takes hand-offs only over a "
+                            "fast route (--kv-require-fast-path), and that prefill worker's is "
+                            "not (its log says why)")
 
     def _probe(self, wait: bool = False) -> None:
         """Start the next peer's probe read when none is in flight; record one that ended (a
-        warning and a count when slow)."""
+        warning, and a count when its route is slow)."""
         if not self.transfer.prober.busy and self._to_probe:
             engine_id = next(iter(self._to_probe))
             self.transfer.start_probe(engine_id, self._to_probe.pop(engine_id))
         route = self.transfer.prober.result(min(self.timeout_s, PROBE_TIMEOUT_S), wait)
         if route is None:
             return
+        if route.error:
+            self._probe_failed[route.engine_id] = (route, time.monotonic() + PROBE_RETRY_S)
+            logger.warning("%s; tried again in %.0f s", route.describe(), PROBE_RETRY_S)
+            return
         self._routes[route.engine_id] = route
         if not route.slow:
             logger.info("%s", route.describe())
             return
         self._stats.num_slow_routes += 1
-        logger.warning("%s: SLOW, as every hand-off from there will be (check UCX_TLS; on "
-                       "one host, CUDA IPC needs one PID namespace)%s", route.describe(),
-                       "; refused (--kv-require-fast-path)" if self.require_fast_path else "")
+        logger.warning("%s: SLOW, as every hand-off from there will be (UCX's route: "
+                       "UCX_TLS; UCX's peer error handling rules out its shared-memory and CUDA "
+                       "IPC transports, FRUGAL_UCX_ERROR_HANDLING=none allows them; on one "
+                       "host, CUDA IPC needs one PID namespace)", route.describe())
 
     def _admit_prefill(self, request: Request) -> None:
         if self.role == "decode":

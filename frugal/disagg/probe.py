@@ -14,6 +14,8 @@ and with --kv-require-fast-path a refusal of the peer's hand-offs.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -29,6 +31,7 @@ import torch
 logger = logging.getLogger("frugal")
 
 PROBE_BYTES = 8 << 20
+SPIN_S = 0.05  # how long starting a probe waits for its end (8 MiB at 0.17 GB/s or more)
 SLOW_VRAM_GB_PER_S = 10.0  # below this a VRAM route UCX did not name counts as slow
 
 _TABLE_HEADER = re.compile(r"\|\s*(\S+) (?:intra|inter)-node cfg#\d+")
@@ -38,15 +41,30 @@ _SHARED_MEMORY = ("cma", "sysv", "posix", "xpmem", "knem", "self")
 
 def setup_ucx_log() -> str | None:
     """Ask UCX (before its first context in this process) to log its protocol choices to a file
-    of this process; the file's path, or None when the user's UCX_LOG_FILE or UCX_PROTO_INFO
-    settings stand (the route is then judged by bandwidth alone)."""
-    pattern = os.path.join(tempfile.gettempdir(), "frugal-ucx-%p.log")  # (UCX: %p, the pid)
-    if os.environ.get("UCX_LOG_FILE") != pattern:  # (ours: this process's or its parent's)
+    of this process, in a directory only this user reaches (made once, inherited by child
+    processes through the environment; the file is removed at exit); the file's path, or None
+    when the user's UCX_LOG_FILE or UCX_PROTO_INFO settings stand (the route is then judged by
+    its bandwidth alone, and only a GPU pool's)."""
+    pattern = os.environ.get("FRUGAL_UCX_LOG")
+    if pattern is None or os.environ.get("UCX_LOG_FILE") != pattern:
         if "UCX_LOG_FILE" in os.environ or "UCX_PROTO_INFO" in os.environ:
             return None
-        os.environ["UCX_PROTO_INFO"] = "y"
-        os.environ["UCX_LOG_FILE"] = pattern
-    return pattern.replace("%p", str(os.getpid()))
+        # (UCX puts the pid for %p; mkdtemp's directory is the user's alone, mode 0700)
+        pattern = os.path.join(tempfile.mkdtemp(prefix="frugal-ucx-"), "ucx-%p.log")
+        os.environ.update(FRUGAL_UCX_LOG=pattern, UCX_LOG_FILE=pattern, UCX_PROTO_INFO="y")
+    path = pattern.replace("%p", str(os.getpid()))
+    if path not in _ours:
+        _ours.append(path)
+        atexit.register(_remove, path)
+    return path
+
+
+_ours: list[str] = []  # this process's UCX log files
+
+
+def _remove(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.remove(path)
 
 
 _ucs: list[ctypes.CDLL] = []  # UCX's base library, once found
@@ -54,17 +72,18 @@ _ucs: list[ctypes.CDLL] = []  # UCX's base library, once found
 
 def flush_ucx_log() -> None:
     """UCX writes its log through a buffered FILE: hand what it holds to the file now (through
-    ucs_log_flush of the libucs this process loaded; NIXL's wheel bundles it)."""
+    ucs_log_flush of the libucs this process loaded, NIXL's bundled one first)."""
     if not _ucs:
         try:
             with open("/proc/self/maps") as maps:
-                path = next((line.split()[-1] for line in maps
-                             if "/libucs" in line and ".so" in line), None)
-            lib = ctypes.CDLL(path) if path else None
+                paths = [line.split()[-1] for line in maps if "/libucs" in line and ".so" in line]
+            paths.sort(key=lambda path: "nixl" not in path)
+            lib = ctypes.CDLL(paths[0]) if paths else None
         except OSError:
             lib = None
         if lib is None or not hasattr(lib, "ucs_log_flush"):
             return
+        lib.ucs_log_flush.restype = None
         _ucs.append(lib)
     _ucs[0].ucs_log_flush()
 
@@ -76,19 +95,31 @@ def log_size(path: str | None) -> int:
         return 0
 
 
-def read_tables(path: str | None, agent: str) -> list[tuple[int, set[str]]]:
-    """(offset in the log where it starts, transports in its `Config` column) of each
-    remote-read table UCX logged for the agent (NIXL's name, UCX's worker name), in order."""
+def _covers(cell: str, size: int) -> bool:
+    """Whether a table's Range cell ("0", "85..8240", "8241..inf") holds messages of size."""
+    low, _, high = cell.strip().partition("..")
+    try:
+        return int(low) <= size and (high == "inf" or size <= int(high or low))
+    except ValueError:
+        return False
+
+
+def read_tables(path: str | None, agent: str, size: int = PROBE_BYTES
+                ) -> list[tuple[int, set[str]]]:
+    """(byte offset in the log where it starts, transports in its `Config` column for messages
+    of `size` bytes) of each remote-read table UCX logged for the agent (NIXL's name, UCX's
+    worker name), in order."""
     if not path:
         return []
     try:
         with open(path, "rb") as f:
-            text = f.read().decode(errors="replace")
+            data = f.read()
     except OSError:
         return []
     tables: list[tuple[int, set[str]]] = []
     owner, title, at = None, "", 0
-    for line in text.splitlines(keepends=True):
+    for raw in data.splitlines(keepends=True):
+        line = raw.decode(errors="replace")
         cells = line[line.find("|"):] if "|" in line else ""
         header = _TABLE_HEADER.search(cells)
         if header:
@@ -97,19 +128,18 @@ def read_tables(path: str | None, agent: str) -> list[tuple[int, set[str]]]:
                 tables.append((at, set()))
         elif cells and owner is not None and title is None:
             title = cells
-        elif cells.count("|") >= 4 and owner == agent and "remote memory read" in title:
+        elif (cells.count("|") >= 4 and owner == agent and "remote memory read" in title
+              and _covers(cells.split("|")[1], size)):
             tables[-1][1].update(_TRANSPORT.findall(cells.rsplit("|", 2)[-2]))
-        at += len(line.encode())
+        at += len(raw)
     return [(start, found) for start, found in tables if found]
 
 
 def transports(path: str | None, offset: int, agent: str) -> set[str]:
-    """The transports of the agent's remote reads that UCX logged past offset; if none (UCX
-    logs a configuration once, at its first use), those of the last read it logged before."""
+    """The transports of the agent's remote reads of PROBE_BYTES that UCX logged past offset
+    (empty when it logged none: a configuration is logged once, at its first use)."""
     flush_ucx_log()
-    tables = read_tables(path, agent)
-    later = [found for start, found in tables if start >= offset]
-    return set().union(*later) if later else (tables[-1][1] if tables else set())
+    return set().union(*(found for start, found in read_tables(path, agent) if start >= offset))
 
 
 @dataclass(frozen=True)
@@ -164,10 +194,11 @@ class _Flight:
     where: str
     sha256: str  # of the bytes the peer sent
     handle: object
-    lists: tuple
+    lists: list  # the prepared descriptor lists (released with the read)
     started: float
     log_offset: int  # of the UCX log when it started
     error: str | None
+    ended: float | None = None  # when it was seen done
 
 
 def sha256(data: torch.Tensor) -> str:
@@ -177,8 +208,9 @@ def sha256(data: torch.Tensor) -> str:
 class Prober:
     """One NIXL agent's probe buffer, 2 * PROBE_BYTES on its pool's device, registered with the
     agent: [0, PROBE_BYTES) random bytes peers read (address, sha256 in its metadata), the
-    rest the place this agent's own probe reads land. One probe read at a time; a read given up
-    may still land later, where only probes look."""
+    rest the place this agent's own probe reads land. One probe read at a time, and none while
+    a read given up is not yet released (it could still land there). Never raises: what goes
+    wrong is the Route's error."""
 
     def __init__(self, agent, name: str, device: torch.device, mem_type: str, device_id: int,
                  ucx_log: str | None) -> None:
@@ -189,6 +221,7 @@ class Prober:
         self.sha256 = sha256(self.buffer[:PROBE_BYTES])
         self._registered = agent.register_memory(self.buffer)
         self._flight: _Flight | None = None
+        self._stuck: _Flight | None = None  # a read given up that NIXL has not released yet
 
     @property
     def address(self) -> int:
@@ -196,29 +229,52 @@ class Prober:
 
     @property
     def busy(self) -> bool:
-        return self._flight is not None
+        return self._flight is not None or (self._stuck is not None and not self._release(
+            self._stuck))
 
     def start(self, engine_id: str, where: str, agent: str, address: int, device_id: int,
               mem_type: str, sent_sha256: str) -> None:
-        """Start reading PROBE_BYTES at address of the peer (NIXL's name `agent`)."""
-        if self._flight is not None:
+        """Start reading PROBE_BYTES at address of the peer (NIXL's name `agent`), spinning
+        up to SPIN_S for its end (a fast route is timed exactly, and before any other read of
+        that peer can log its own table)."""
+        if self.busy:
             raise RuntimeError("a probe read is in flight")
         flush_ucx_log()
-        offset = log_size(self.ucx_log)
-        here = self.buffer[PROBE_BYTES:].data_ptr()
-        lists = (self.agent.prep_xfer_dlist("", np.array(
-                     [[here, PROBE_BYTES, self.device_id]], dtype=np.uint64), self.mem_type),
-                 self.agent.prep_xfer_dlist(agent, np.array(
-                     [[address, PROBE_BYTES, device_id]], dtype=np.uint64), mem_type))
-        handle, error = None, None
+        f = _Flight(engine_id, where, sent_sha256, None, [], 0.0, log_size(self.ucx_log), None)
+        self._flight = f
         try:
-            handle = self.agent.make_prepped_xfer("READ", lists[0], [0], lists[1], [0])
-            if self.agent.transfer(handle) == "ERR":
-                error = "NIXL refused the read"
-        except Exception as e:  # (a peer gone: NIXL raises)
-            error = str(e) or type(e).__name__
-        self._flight = _Flight(engine_id, where, sent_sha256, handle, lists,
-                               time.perf_counter(), offset, error)
+            here = self.buffer[PROBE_BYTES:].data_ptr()
+            f.lists.append(self.agent.prep_xfer_dlist("", np.array(
+                [[here, PROBE_BYTES, self.device_id]], dtype=np.uint64), self.mem_type))
+            f.lists.append(self.agent.prep_xfer_dlist(agent, np.array(
+                [[address, PROBE_BYTES, device_id]], dtype=np.uint64), mem_type))
+            f.handle = self.agent.make_prepped_xfer("READ", f.lists[0], [0], f.lists[1], [0])
+            f.started = time.perf_counter()
+            if self.agent.transfer(f.handle) == "ERR":
+                f.error = "NIXL refused the read"
+            while f.error is None and time.perf_counter() - f.started < SPIN_S:
+                if self._state(f) != "PROC":
+                    break
+        except Exception as e:  # (a peer gone, memory it never registered: NIXL raises)
+            f.error = str(e) or type(e).__name__
+
+    def fail(self, engine_id: str, where: str, error: str) -> None:
+        """A probe that cannot start (result reports the error)."""
+        if self.busy:
+            raise RuntimeError("a probe read is in flight")
+        self._flight = _Flight(engine_id, where, "", None, [], time.perf_counter(), 0, error)
+
+    def _state(self, f: _Flight) -> str:
+        """NIXL's state of the read ("PROC", "DONE", "ERR" or an error), noting its end."""
+        if f.error:
+            return "ERR"
+        try:
+            state = self.agent.check_xfer_state(f.handle)
+        except Exception as e:  # (NIXL raises for a failed read)
+            f.error, state = str(e) or type(e).__name__, "ERR"
+        if state != "PROC" and f.ended is None:
+            f.ended = time.perf_counter()
+        return state
 
     def result(self, timeout_s: float, wait: bool = False) -> Route | None:
         """The read's finding once it ended (or failed, or passed timeout_s), else None; wait:
@@ -226,25 +282,40 @@ class Prober:
         f = self._flight
         if f is None:
             return None
-        state = "ERR" if f.error else self.agent.check_xfer_state(f.handle)
+        state = self._state(f)
         while wait and state == "PROC" and time.perf_counter() - f.started < timeout_s:
             time.sleep(0)  # (the GIL for the server's threads)
-            state = self.agent.check_xfer_state(f.handle)
-        seconds = time.perf_counter() - f.started
-        if state == "PROC" and seconds < timeout_s:
+            state = self._state(f)
+        if state == "PROC" and time.perf_counter() - f.started < timeout_s:
             return None
+        self._flight = None
         error = f.error or (None if state == "DONE" else f"no answer in {timeout_s:g} s"
                             if state == "PROC" else f"the read ended in {state}")
-        self._flight = None
-        try:
-            if f.handle is not None:
-                self.agent.release_xfer_handle(f.handle)
-            for dlist in f.lists:
-                self.agent.release_dlist_handle(dlist)
-        except Exception as e:
-            logger.warning("NIXL kept the probe read of %s: %s", f.where, e)
+        if not self._release(f):
+            self._stuck = f
         intact = error is None and sha256(self.buffer[PROBE_BYTES:]) == f.sha256
+        if error is None and not intact:
+            error = "its bytes arrived changed"
         found = transports(self.ucx_log, f.log_offset, self.name)
+        seconds = (f.ended or time.perf_counter()) - f.started
         return Route(f.engine_id, f.where, frozenset(found), self.mem_type,
-                     0.0 if error else PROBE_BYTES / seconds / 1e9, intact, error)
+                     0.0 if error else PROBE_BYTES / max(seconds, 1e-9) / 1e9, intact, error)
 
+    def _release(self, f: _Flight) -> bool:
+        """Give NIXL back the read and its lists; False while it cannot cancel the read yet."""
+        if f.handle is not None:
+            try:
+                self.agent.release_xfer_handle(f.handle)
+            except Exception as e:
+                logger.warning("NIXL keeps the probe read of %s for now: %s", f.where, e)
+                return False
+            f.handle = None
+        for dlist in f.lists:
+            try:
+                self.agent.release_dlist_handle(dlist)
+            except Exception as e:
+                logger.warning("NIXL kept a probe descriptor list of %s: %s", f.where, e)
+        f.lists.clear()
+        if self._stuck is f:
+            self._stuck = None
+        return True

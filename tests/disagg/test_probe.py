@@ -14,9 +14,10 @@ from frugal.disagg import probe
 PREFIX = "[1796450363.229667] [vm:7477 :0]   "
 
 
-def table(agent: str, title: str, configs: list[str]) -> str:
+def table(agent: str, title: str, configs: list[str], ranges: list[str] | None = None) -> str:
     rows = [f"| {agent} intra-node cfg#1 |", f"| {title} |", "| Range | Description | Config |"]
-    rows += [f"| 0..inf | zero-copy | {c} |" for c in configs]
+    rows += [f"| {r} | zero-copy | {c} |" for r, c in zip(ranges or ["0..inf"] * len(configs),
+                                                        configs, strict=True)]
     return "".join(PREFIX + r + "\n" + PREFIX + "+----+\n" for r in rows)
 
 
@@ -32,10 +33,15 @@ def test_the_read_tables_of_this_agent_name_the_transports(tmp_path):
         f.write(table("decode", read, ["cuda_copy/cuda, tcp/eth0",
                                        "50% on rc_mlx5/mlx5_0:1 and 50% on rc_mlx5/mlx5_2:1"]))
     assert probe.transports(str(log), size, "decode") == {"cuda_copy", "tcp", "rc_mlx5"}
-    # nothing logged since: UCX reused a configuration, the last read table stands
-    assert probe.transports(str(log), log.stat().st_size, "decode") == {
-        "cuda_copy", "tcp", "rc_mlx5"}
+    # nothing logged since (UCX logs a configuration once): no transport named
+    assert probe.transports(str(log), log.stat().st_size, "decode") == set()
     assert probe.transports(str(log), 0, "nobody") == set()
+    # only the rows of messages of the probe's size count
+    size = log.stat().st_size
+    with log.open("a") as f:
+        f.write(table("decode", read, ["tcp/lo", "cuda_ipc/cuda"], ["0..8240", "8241..inf"])
+                + table("decode", read, ["cuda_copy/cuda"], ["0"]))
+    assert probe.transports(str(log), size, "decode") == {"cuda_ipc"}
     assert probe.transports(None, 0, "decode") == set()
 
 
@@ -84,7 +90,7 @@ SCRIPT = textwrap.dedent("""
     t.start()
     try:
         for _ in range(2):  # probed once, refused each time
-            with pytest.raises(SlowRoute, match="over TCP .*kv-require-fast-path"):
+            with pytest.raises(SlowRoute, match="fast route .*kv-require-fast-path"):
                 d.add_request("The capital of France is", GREEDY, "d0", params)
     finally:
         stop.set()
@@ -104,3 +110,32 @@ def test_a_tcp_route_is_reported_and_refused_with_require_fast_path():
                           capture_output=True, text=True)
     assert done.returncode == 0 and "refused" in done.stdout, done.stderr[-3000:]
     assert "go over TCP (tcp)" in done.stderr and "SLOW" in done.stderr
+
+
+def test_a_probe_that_cannot_read_fails_alone_and_the_next_one_works():
+    """A peer's probe address outside what it registered (NIXL refuses the descriptors), and a
+    peer of an earlier frugal without a probe: each a Route with its error, nothing raised, the
+    prober free again; then a good probe reads the peer's bytes intact."""
+    pytest.importorskip("nixl_cu13")
+    import torch
+
+    from frugal.disagg.nixl import NixlTransfer
+    from frugal.worker.kv_pool import KVPool
+
+    prefill = NixlTransfer(KVPool(2, 8, 16, 2, 32, torch.float32, "cpu"), "probe-prefill")
+    decode = NixlTransfer(KVPool(2, 8, 16, 2, 32, torch.float32, "cpu"), "probe-decode")
+    meta = prefill.metadata()
+    decode.connect({**meta, "probe_addr": meta["probe_addr"] + (64 << 20)}, "far")
+    decode.start_probe("probe-prefill", "far")
+    route = decode.prober.result(5.0, wait=True)
+    assert route.error and route.slow and not decode.prober.busy
+    older = {k: v for k, v in meta.items() if not k.startswith("probe_")}
+    decode.connect({**older, "engine_id": "older"}, "old")
+    decode.start_probe("older", "old")
+    route = decode.prober.result(5.0)
+    assert "no probe" in route.error and not decode.prober.busy
+    decode.prober.start("probe-prefill", "near", decode._remotes["probe-prefill"].name,
+                        meta["probe_addr"], 0, "DRAM", meta["probe_sha256"])
+    while (route := decode.prober.result(5.0)) is None:
+        prefill.notifications()  # (the peer's progress, as its engine loop makes it)
+    assert route.error is None and route.intact and route.gb_per_s > 0
