@@ -63,8 +63,11 @@ _ours: list[str] = []  # this process's UCX log files
 
 
 def _remove(path: str) -> None:
+    """This process's log, and its directory once no other process's log is left there."""
     with contextlib.suppress(OSError):
         os.remove(path)
+    with contextlib.suppress(OSError):
+        os.rmdir(os.path.dirname(path))
 
 
 _ucs: list[ctypes.CDLL] = []  # UCX's base library, once found
