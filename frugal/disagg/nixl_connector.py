@@ -75,7 +75,7 @@ class NixlConnector(KVConnector):
         self._stats = TransferStats()
         self._routes: dict[str, Route] = {}  # engine_id -> its probe's finding (disagg.probe)
         self._to_probe: dict[str, str] = {}  # engine_id -> where, peers met but not yet probed
-        self._probe_failed: dict[str, tuple[Route, float]] = {}  # -> (its Route, retry after)
+        self._probe_failed: dict[str, float] = {}  # engine_id -> when to probe it again
 
     # -- scheduler side: admission -----------------------------------------------------------
 
@@ -112,8 +112,7 @@ class NixlConnector(KVConnector):
         steps, or, with --kv-require-fast-path, before this admission, which a slow route or a
         failed probe refuses (SlowRoute, a 503; a failed probe is tried again after
         PROBE_RETRY_S)."""
-        failed = self._probe_failed.get(engine_id)
-        if failed is not None and time.monotonic() >= failed[1]:
+        if time.monotonic() >= self._probe_failed.get(engine_id, float("inf")):
             del self._probe_failed[engine_id]
         if engine_id not in self._routes and engine_id not in self._probe_failed:
             self._to_probe.setdefault(engine_id, where)
@@ -142,7 +141,7 @@ class NixlConnector(KVConnector):
         if route is None:
             return
         if route.error:
-            self._probe_failed[route.engine_id] = (route, time.monotonic() + PROBE_RETRY_S)
+            self._probe_failed[route.engine_id] = time.monotonic() + PROBE_RETRY_S
             logger.warning("%s; tried again in %.0f s", route.describe(), PROBE_RETRY_S)
             return
         self._routes[route.engine_id] = route

@@ -107,20 +107,21 @@ def _covers(cell: str, size: int) -> bool:
         return False
 
 
-def read_tables(path: str | None, agent: str, size: int = PROBE_BYTES
+def read_tables(path: str | None, agent: str, size: int = PROBE_BYTES, offset: int = 0
                 ) -> list[tuple[int, set[str]]]:
     """(byte offset in the log where it starts, transports in its `Config` column for messages
     of `size` bytes) of each remote-read table UCX logged for the agent (NIXL's name, UCX's
-    worker name), in order."""
+    worker name) from offset on, in order."""
     if not path:
         return []
     try:
         with open(path, "rb") as f:
+            f.seek(offset)
             data = f.read()
     except OSError:
         return []
     tables: list[tuple[int, set[str]]] = []
-    owner, title, at = None, "", 0
+    owner, title, at = None, "", offset
     for raw in data.splitlines(keepends=True):
         line = raw.decode(errors="replace")
         cells = line[line.find("|"):] if "|" in line else ""
@@ -142,7 +143,7 @@ def transports(path: str | None, offset: int, agent: str) -> set[str]:
     """The transports of the agent's remote reads of PROBE_BYTES that UCX logged past offset
     (empty when it logged none: a configuration is logged once, at its first use)."""
     flush_ucx_log()
-    return set().union(*(found for start, found in read_tables(path, agent) if start >= offset))
+    return set().union(*(found for _, found in read_tables(path, agent, offset=offset)))
 
 
 @dataclass(frozen=True)
@@ -265,7 +266,8 @@ class Prober:
         """A probe that cannot start (result reports the error)."""
         if self.busy:
             raise RuntimeError("a probe read is in flight")
-        self._flight = _Flight(engine_id, where, "", None, [], time.perf_counter(), 0, error)
+        self._flight = _Flight(engine_id, where, "", None, [], time.perf_counter(),
+                               log_size(self.ucx_log), error)
 
     def _state(self, f: _Flight) -> str:
         """NIXL's state of the read ("PROC", "DONE", "ERR" or an error), noting its end."""
