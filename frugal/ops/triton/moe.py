@@ -250,9 +250,10 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor | Experts, down: torch.Tens
     dtype: the twin of torch_ref.fused_moe (same arguments; x [T, hidden] contiguous)."""
     tokens, hidden = x.shape
     top_k = ids.shape[1]
-    from frugal.ops.triton.moe_gemv import MAX_SLOTS, fused_moe_gemv  # (it builds on this one)
+    from frugal.ops.triton.moe_gemv import MAX_SLOTS, fused_moe_gemv, takes  # (builds on this)
 
-    if tokens * top_k <= MAX_SLOTS:  # a few tokens: no sorting, each slot reads its expert
+    if tokens * top_k <= MAX_SLOTS and takes(gate_up) and takes(down):
+        # a few tokens: no sorting, each slot reads its expert
         return fused_moe_gemv(x, gate_up, down, weights, ids, residual)
     num_experts, inter = gate_up.shape[0], down.shape[2]
     block_m = rows_per_block(tokens * top_k, num_experts)

@@ -21,30 +21,40 @@ import torch
 import triton
 import triton.language as tl
 
-from frugal.ops.triton.moe import _operand, _weight_tile, combine, int4_nibble, int4_words
+from frugal.ops.triton.moe import _operand, _weight_tile, combine
 from frugal.ops.triton.moe_configs import lookup, tiles_scales
-from frugal.quant.experts import Experts
+from frugal.quant.experts import Experts, Int4Experts
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_SLOTS = 64  # tokens · top_k up to which fused_moe takes this path
+ONE_BITS = 0x3F800000  # 1.0 in fp32 (INT4's `magic`)
 
 
 @triton.jit
-def _int4_partial(w_base, s_base, a_row, word, w_ok, offs_n, n_ok, swn, swk, ssn, ssk,
-                  S_BK: tl.constexpr, WORDS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """[WORDS, BLOCK_N] fp32: for each word of 8 INT4 inputs (k = 8 · word + j) and output,
-    Σ_j (u_j - 8) · a[k], times the word's group scale (the caller sums over words once)."""
-    words, s = int4_words(w_base, s_base, word, w_ok, offs_n, n_ok, swn, swk, ssn, ssk, S_BK)
-    part = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32)
-    for j in tl.static_range(8):
-        a = tl.load(a_row + word * 8 + j, mask=w_ok, other=0.0).to(tl.float32)
-        part += int4_nibble(words, j) * a[:, None]
-    return part * s
+def _int4_groups(w_base, s_base, a, a_sum, group, g_ok, offs_n, n_ok, swn, swk, ssn, ssk,
+                 magic, S_BK: tl.constexpr):
+    """[BLOCK_N, GROUPS] fp32: for each output and group of 32 inputs (k = 32 · group + 8 · q
+    + j: nibble j of the group's word q), Σ_k a_k · (u_k - 8) / 16 times the scale of k.
+    a [8 (j), 1, GROUPS, 4 (q)] fp32; a_sum [GROUPS]: 1.5 · Σ a over each group.
+    A nibble becomes the fp32 1 + u/16 in two integer instructions: rotated to bits 19-22 (the
+    top of the mantissa; one funnel shift) and put into 1.0's bits (one LOP3 with `magic`,
+    0x3F800000, a register so the AND and the OR fuse). Σ a (1 + u/16) - 1.5 Σ a is
+    Σ a (u - 8) / 16: the offset leaves per group, not per weight."""
+    word = group[None, None, :, None] * 4 + tl.arange(0, 4)[None, None, None, :]
+    ok = n_ok[None, :, None, None] & g_ok[None, None, :, None]
+    words = tl.load(w_base + offs_n[None, :, None, None] * swn + word * swk, mask=ok, other=0)
+    s = tl.load(s_base + offs_n[:, None] * ssn + (group * 32 // S_BK)[None, :] * ssk,
+                mask=n_ok[:, None] & g_ok[None, :], other=0.0)
+    u = words.to(tl.uint32, bitcast=True)
+    rot = ((tl.arange(0, 8) * 4 + 13) % 32).to(tl.uint32)[:, None, None, None]
+    f = ((((u >> rot) | (u << (32 - rot))) & 0x780000) | magic).to(tl.float32, bitcast=True)
+    part = tl.sum(tl.sum(f * a, axis=0), axis=2) - a_sum[None, :]
+    return part * s.to(tl.float32)
 
 
 @triton.jit
 def _gemv(a_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, route_ptr, N, K, sam, swe, swn, swk, sse, ssn,
-          ssk, som, A_DIV: tl.constexpr, MODE: tl.constexpr, S_BN: tl.constexpr,
+          ssk, som, magic, A_DIV: tl.constexpr, MODE: tl.constexpr, S_BN: tl.constexpr,
           S_BK: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr,
           BLOCK_K: tl.constexpr):
     slot = tl.program_id(0)
@@ -53,21 +63,25 @@ def _gemv(a_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, route_ptr, N, K, sam, swe, swn,
     # (int64: an expert's offset passes 2**31 elements in Kimi K2's and GLM-5's stacks)
     expert = tl.load(ids_ptr + slot).to(tl.int64)
     a_row = a_ptr + (slot // A_DIV).to(tl.int64) * sam
-    if MODE == 2:  # INT4: per-word partial sums, summed over words once after the loop
-        WORDS: tl.constexpr = BLOCK_K // 8
-        acc2 = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32)
-        up2 = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32)
+    if MODE == 2:  # INT4: per-group partial sums, summed over groups once after the loop
+        GROUPS: tl.constexpr = BLOCK_K // 32
+        acc2 = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
+        up2 = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
         w_base, s_base = w_ptr + expert * swe, s_ptr + expert * sse
         for k0 in range(0, K, BLOCK_K):
-            word = k0 // 8 + tl.arange(0, WORDS)
-            w_ok = word < K // 8
-            acc2 += _int4_partial(w_base, s_base, a_row, word, w_ok, offs_n, n_ok, swn, swk,
-                                  ssn, ssk, S_BK, WORDS, BLOCK_N)
+            group = k0 // 32 + tl.arange(0, GROUPS)
+            g_ok = group < K // 32
+            k = (group[None, None, :, None] * 32 + tl.arange(0, 4)[None, None, None, :] * 8
+                 + tl.arange(0, 8)[:, None, None, None])
+            a = tl.load(a_row + k, mask=g_ok[None, None, :, None], other=0.0).to(tl.float32)
+            a_sum = tl.sum(tl.sum(tl.sum(a, axis=0), axis=0), axis=1) * 1.5
+            acc2 += _int4_groups(w_base, s_base, a, a_sum, group, g_ok, offs_n, n_ok, swn, swk,
+                                 ssn, ssk, magic, S_BK)
             if GATED:
-                up2 += _int4_partial(w_base, s_base, a_row, word, w_ok, offs_n + N, n_ok, swn,
-                                     swk, ssn, ssk, S_BK, WORDS, BLOCK_N)
-        acc = tl.sum(acc2, axis=0)
-        acc_up = tl.sum(up2, axis=0)
+                up2 += _int4_groups(w_base, s_base, a, a_sum, group, g_ok, offs_n + N, n_ok,
+                                    swn, swk, ssn, ssk, magic, S_BK)
+        acc = tl.sum(acc2, axis=1) * 16.0
+        acc_up = tl.sum(up2, axis=1) * 16.0
     else:
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -102,6 +116,12 @@ def _blocks(mode: int, s_bk: int, k: int) -> tuple[int, int]:
     return block_n, block_k
 
 
+def takes(w: torch.Tensor | Experts) -> bool:
+    """Whether this path takes w: any float or FP8 form; INT4 with groups of a multiple of 32
+    inputs (its partial sums are per 32 inputs)."""
+    return not isinstance(w, Int4Experts) or (w.group_size % 32 == 0 and w.shape[2] % 32 == 0)
+
+
 def _launch(a: torch.Tensor, w: torch.Tensor | Experts, out: torch.Tensor, n: int,
             ids: torch.Tensor, route: torch.Tensor | None, a_div: int,
             config: dict | None = None) -> None:
@@ -117,7 +137,8 @@ def _launch(a: torch.Tensor, w: torch.Tensor | Experts, out: torch.Tensor, n: in
         block_n, block_k, num_warps = config["BLOCK_N"], config["BLOCK_K"], config["num_warps"]
     grid = (ids.numel(), triton.cdiv(n, block_n))
     _gemv[grid](a, data, scales, out, ids, route if route is not None else out, n, k,
-                a.stride(0), *data.stride(), *scales.stride(), out.stride(0), A_DIV=a_div,
+                a.stride(0), *data.stride(), *scales.stride(), out.stride(0), ONE_BITS,
+                A_DIV=a_div,
                 MODE=mode, S_BN=s_bn, S_BK=s_bk, GATED=route is None, BLOCK_N=block_n,
                 BLOCK_K=block_k, num_warps=num_warps)
 
@@ -125,7 +146,8 @@ def _launch(a: torch.Tensor, w: torch.Tensor | Experts, out: torch.Tensor, n: in
 def fused_moe_gemv(x: torch.Tensor, gate_up: torch.Tensor | Experts,
                    down: torch.Tensor | Experts, weights: torch.Tensor,
                    ids: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """ops.triton.moe.fused_moe for tokens · top_k ≤ MAX_SLOTS (same arguments and result)."""
+    """ops.triton.moe.fused_moe for tokens · top_k ≤ MAX_SLOTS and weights it `takes` (same
+    arguments and result)."""
     tokens, hidden = x.shape
     top_k = ids.shape[1]
     inter = down.shape[2]

@@ -1,0 +1,121 @@
+"""Instructions per weight of the small-batch MoE GEMV (ops.triton.moe_gemv), counted in the
+SASS of its K loop: the kernel compiled for Hopper (sm_90) by Triton's own ptxas, on any
+machine, no GPU needed. At one token the INT4 GEMV is bound by instructions, not bytes: an
+H200 SM issues 4 warp instructions a clock (128 thread instructions) and its integer units
+take half of that, so ~4 instructions a weight cap INT4 near 4 TB/s and ~8 near 2.
+
+    python benchmarks/moe_sass.py [--model qwen3-30b-a3b] [--forms float,fp8,int4]
+        [--slots 8] [--tile BLOCK_N,BLOCK_K,num_warps] [--dump out.sass]
+
+Tiles: --tile, else the tuned table's for the H200 (ops.triton.moe_configs), else the
+kernel's defaults. Prints, per form and matrix, the loop's instructions, weights per loop step
+and thread instructions per weight, and the most frequent opcodes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import pathlib
+import re
+import subprocess
+
+import triton
+from moe_layer import model_config
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from frugal.ops.triton import moe_configs, moe_gemv
+
+MODES = {"float": 0, "fp8": 1, "int4": 2}
+INSTRUCTION = re.compile(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)")
+
+
+def sass(n: int, k: int, experts: int, mode: int, gated: bool, tile: tuple) -> str:
+    """The GEMV's SASS for one matrix ([experts, (2 if gated) n, k]), specialized as a launch
+    would be (ints equal to 1 are constants, pointers and multiples of 16 aligned)."""
+    block_n, block_k, warps = tile
+    rows = 2 * n if gated else n
+    s_bn, s_bk = {0: (1, 1), 1: (128, 128), 2: (1, 32)}[mode]
+    words = k // 8 if mode == 2 else k
+    scales = (rows // s_bn) * (k // s_bk) if mode else 1
+    ty = {0: "*bf16", 1: "*fp8e4nv", 2: "*i32"}[mode]
+    ints = {"N": n, "K": k, "sam": k, "swe": rows * words, "swn": words, "swk": 1,
+            "sse": scales, "ssn": k // s_bk if mode else 1, "ssk": 1, "som": n,
+            "magic": moe_gemv.ONE_BITS}
+    ptrs = {"a_ptr": "*bf16", "w_ptr": ty, "s_ptr": "*fp32" if mode == 1 else "*bf16",
+            "out_ptr": "*bf16", "ids_ptr": "*i32", "route_ptr": "*fp32"}
+    const = {"A_DIV": 8 if gated else 1, "MODE": mode, "S_BN": s_bn, "S_BK": s_bk,
+             "GATED": gated, "BLOCK_N": block_n, "BLOCK_K": block_k}
+    fn = moe_gemv._gemv
+    signature, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in const or ints.get(name) == 1:
+            signature[name] = "constexpr"
+            const.setdefault(name, 1)
+            continue
+        signature[name] = ptrs.get(name, "i32")
+        if name in ptrs or ints[name] % 16 == 0:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    kernel = triton.compile(ASTSource(fn, signature, const, attrs),
+                            target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    cubin = pathlib.Path("/tmp/moe_sass.cubin")
+    cubin.write_bytes(kernel.asm["cubin"])
+    nvdisasm = pathlib.Path(triton.__file__).parent / "backends/nvidia/bin/nvdisasm"
+    return subprocess.run([str(nvdisasm), "-c", str(cubin)], capture_output=True, text=True,
+                          check=True).stdout
+
+
+def k_loop(text: str) -> list[str]:
+    """Opcodes of the longest loop (a backward branch to a label)."""
+    lines = text.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines)
+              if (m := re.match(r"(\.L_x_\d+):", line))}
+    best = []
+    for i, line in enumerate(lines):
+        m = re.search(r"BRA\s+`?\(?(\.L_x_\d+)", line)
+        if m and labels.get(m.group(1), i) < i:
+            body = [m2.group(1) for x in lines[labels[m.group(1)]:i + 1]
+                    if (m2 := INSTRUCTION.match(x))]
+            best = max(best, body, key=len)
+    return best
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="qwen3-30b-a3b")
+    p.add_argument("--forms", default="float,fp8,int4")
+    p.add_argument("--slots", type=int, default=8, help="tokens x top_k (picks tuned tiles)")
+    p.add_argument("--tile", help="BLOCK_N,BLOCK_K,num_warps for every matrix")
+    p.add_argument("--dump", help="write the last kernel's SASS here")
+    args = p.parse_args()
+    mc = model_config(args.model)
+    print("| form | matrix | tile (N, K, warps) | loop instructions | weights a step "
+          "| instructions / weight | top opcodes |\n|---|---|---|---|---|---|---|")
+    for form in args.forms.split(","):
+        mode = MODES[form]
+        inter, hidden = mc.moe.intermediate_size, mc.hidden_size
+        for name, n, k, gated in (("gate_up", inter, hidden, True),
+                                  ("down", hidden, inter, False)):
+            if args.tile:
+                tile = tuple(int(v) for v in args.tile.split(","))
+            else:
+                entry = moe_configs._table().get("NVIDIA H200", {}).get(
+                    moe_configs.key("gemv", mode, n, k, args.slots))
+                tile = ((entry["BLOCK_N"], entry["BLOCK_K"], entry["num_warps"]) if entry
+                        else (*moe_gemv._blocks(mode, {0: 1, 1: 128, 2: 32}[mode], k), 4))
+            text = sass(n, k, mc.moe.num_experts, mode, gated, tile)
+            body = k_loop(text)
+            weights = tile[0] * tile[1] * (2 if gated else 1)
+            top = collections.Counter(op.split(".")[0] for op in body).most_common(5)
+            print(f"| {form} | {name} | {tile} | {len(body)} | {weights} | "
+                  f"{len(body) * 32 * tile[2] / weights:.2f} | "
+                  f"{', '.join(f'{op} {c}' for op, c in top)} |")
+            if args.dump:
+                pathlib.Path(args.dump).write_text(text)
+    print(f"\n(command: python benchmarks/moe_sass.py --model {args.model} --forms {args.forms}"
+          f" --slots {args.slots}{' --tile ' + args.tile if args.tile else ''})")
+
+
+if __name__ == "__main__":
+    main()
