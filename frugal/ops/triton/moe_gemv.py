@@ -53,6 +53,28 @@ def _int4_groups(w_base, s_base, a, a_sum, group, g_ok, offs_n, n_ok, swn, swk, 
 
 
 @triton.jit
+def _fp8_sum(w_ptr, s_ptr, expert, k0, K, a, offs_n, n_ok, swe, swn, swk, sse, ssn, ssk,
+             S_BN: tl.constexpr, S_BK: tl.constexpr, BLOCK_K: tl.constexpr,
+             BLOCK_N: tl.constexpr):
+    """[BLOCK_N] fp32: Σ_k a_k · w[n, k] over inputs k0 .. k0 + BLOCK_K of FP8 weights, each
+    scale applied once to its inputs' sum rather than to every weight. a [BLOCK_K] fp32."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    w = tl.load(w_ptr + expert * swe + offs_n[None, :] * swn + offs_k[:, None] * swk,
+                mask=(offs_k[:, None] < K) & n_ok[None, :], other=0.0).to(tl.float32)
+    if S_BK < BLOCK_K:  # whole scale blocks: a sum per block, then its scale
+        GROUPS: tl.constexpr = BLOCK_K // S_BK
+        part = tl.sum(tl.reshape(w * a[:, None], (GROUPS, S_BK, BLOCK_N)), axis=1)
+        group = k0 // S_BK + tl.arange(0, GROUPS)
+        s = tl.load(s_ptr + expert * sse + (offs_n // S_BN)[None, :] * ssn
+                    + group[:, None] * ssk, mask=(group[:, None] * S_BK < K) & n_ok[None, :],
+                    other=0.0)
+        return tl.sum(part * s, axis=0)
+    s = tl.load(s_ptr + expert * sse + (offs_n // S_BN) * ssn + (k0 // S_BK) * ssk,
+                mask=n_ok, other=0.0)
+    return tl.sum(w * a[:, None], axis=0) * s
+
+
+@triton.jit
 def _gemv(a_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, route_ptr, N, K, sam, swe, swn, swk, sse, ssn,
           ssk, som, magic, A_DIV: tl.constexpr, MODE: tl.constexpr, S_BN: tl.constexpr,
           S_BK: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -88,13 +110,20 @@ def _gemv(a_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, route_ptr, N, K, sam, swe, swn,
         for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             a = tl.load(a_row + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-            w = _weight_tile(w_ptr, s_ptr, expert, k0, K, offs_n, n_ok, swe, swn, swk, sse,
-                             ssn, ssk, MODE, S_BN, S_BK, BLOCK_K, BLOCK_N)
-            acc += tl.sum(w.to(tl.float32) * a[:, None], axis=0)
-            if GATED:
-                w = _weight_tile(w_ptr, s_ptr, expert, k0, K, offs_n + N, n_ok, swe, swn, swk,
+            if MODE == 1:
+                acc += _fp8_sum(w_ptr, s_ptr, expert, k0, K, a, offs_n, n_ok, swe, swn, swk,
+                                sse, ssn, ssk, S_BN, S_BK, BLOCK_K, BLOCK_N)
+                if GATED:
+                    acc_up += _fp8_sum(w_ptr, s_ptr, expert, k0, K, a, offs_n + N, n_ok, swe,
+                                       swn, swk, sse, ssn, ssk, S_BN, S_BK, BLOCK_K, BLOCK_N)
+            else:
+                w = _weight_tile(w_ptr, s_ptr, expert, k0, K, offs_n, n_ok, swe, swn, swk,
                                  sse, ssn, ssk, MODE, S_BN, S_BK, BLOCK_K, BLOCK_N)
-                acc_up += tl.sum(w.to(tl.float32) * a[:, None], axis=0)
+                acc += tl.sum(w.to(tl.float32) * a[:, None], axis=0)
+                if GATED:
+                    w = _weight_tile(w_ptr, s_ptr, expert, k0, K, offs_n + N, n_ok, swe, swn,
+                                     swk, sse, ssn, ssk, MODE, S_BN, S_BK, BLOCK_K, BLOCK_N)
+                    acc_up += tl.sum(w.to(tl.float32) * a[:, None], axis=0)
     if GATED:
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up
     else:  # routed: times the slot's routing weight
