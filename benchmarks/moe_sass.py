@@ -25,16 +25,19 @@ from moe_layer import model_config
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from frugal.ops.triton import moe_configs, moe_gemv
+from frugal.ops.triton import moe, moe_configs, moe_gemv
 
 MODES = {"float": 0, "fp8": 1, "int4": 2}
 INSTRUCTION = re.compile(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)")
 
 
-def sass(n: int, k: int, experts: int, mode: int, gated: bool, tile: tuple) -> str:
-    """The GEMV's SASS for one matrix ([experts, (2 if gated) n, k]), specialized as a launch
-    would be (ints equal to 1 are constants, pointers and multiples of 16 aligned)."""
-    block_n, block_k, warps = tile
+def sass(n: int, k: int, mode: int, gated: bool, tile: tuple, path: str = "gemv",
+         block_m: int = 16) -> str:
+    """The kernel's SASS for one matrix ([E, (2 if gated) n, k]) on `path` (gemv: moe_gemv;
+    sorted: moe's grouped GEMM with BLOCK_M rows), specialized as a launch would be (ints
+    equal to 1 are constants, pointers and multiples of 16 aligned). tile: BLOCK_N, BLOCK_K,
+    num_warps[, num_stages]."""
+    block_n, block_k, warps, *stages = tile
     rows = 2 * n if gated else n
     s_bn, s_bk = {0: (1, 1), 1: (128, 128), 2: (1, 32)}[mode]
     words = k // 8 if mode == 2 else k
@@ -42,12 +45,15 @@ def sass(n: int, k: int, experts: int, mode: int, gated: bool, tile: tuple) -> s
     ty = {0: "*bf16", 1: "*fp8e4nv", 2: "*i32"}[mode]
     ints = {"N": n, "K": k, "sam": k, "swe": rows * words, "swn": words, "swk": 1,
             "sse": scales, "ssn": k // s_bk if mode else 1, "ssk": 1, "som": n,
-            "magic": moe_gemv.ONE_BITS}
+            "magic": moe_gemv.ONE_BITS, "num_slots": 1024}
     ptrs = {"a_ptr": "*bf16", "w_ptr": ty, "s_ptr": "*fp32" if mode == 1 else "*bf16",
-            "out_ptr": "*bf16", "ids_ptr": "*i32", "route_ptr": "*fp32"}
+            "out_ptr": "*bf16", "ids_ptr": "*i32", "route_ptr": "*fp32", "sorted_ptr": "*i32",
+            "block_expert_ptr": "*i32", "total_ptr": "*i32"}
     const = {"A_DIV": 8 if gated else 1, "MODE": mode, "S_BN": s_bn, "S_BK": s_bk,
              "GATED": gated, "BLOCK_N": block_n, "BLOCK_K": block_k}
-    fn = moe_gemv._gemv
+    if path == "sorted":
+        const.update(ROUTED=not gated, F32_DOT=False, BLOCK_M=block_m)
+    fn = moe_gemv._gemv if path == "gemv" else moe._kernel
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in const or ints.get(name) == 1:
@@ -57,8 +63,9 @@ def sass(n: int, k: int, experts: int, mode: int, gated: bool, tile: tuple) -> s
         signature[name] = ptrs.get(name, "i32")
         if name in ptrs or ints[name] % 16 == 0:
             attrs[(i,)] = [["tt.divisibility", 16]]
+    options = {"num_warps": warps, **({"num_stages": stages[0]} if stages else {})}
     kernel = triton.compile(ASTSource(fn, signature, const, attrs),
-                            target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+                            target=GPUTarget("cuda", 90, 32), options=options)
     cubin = pathlib.Path("/tmp/moe_sass.cubin")
     cubin.write_bytes(kernel.asm["cubin"])
     nvdisasm = pathlib.Path(triton.__file__).parent / "backends/nvidia/bin/nvdisasm"
@@ -81,15 +88,24 @@ def k_loop(text: str) -> list[str]:
     return best
 
 
+def default_tile(path: str, mode: int, k: int, block_m: int) -> tuple:
+    """The kernels' tiles without a table entry (moe_gemv._blocks; moe._gemm's choices)."""
+    if path == "gemv":
+        return (*moe_gemv._blocks(mode, {0: 1, 1: 128, 2: 32}[mode], k), 4)
+    return (32 if block_m == 16 else 64, 128 if mode else 64, 4)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="qwen3-30b-a3b")
     p.add_argument("--forms", default="float,fp8,int4")
     p.add_argument("--slots", type=int, default=8, help="tokens x top_k (picks tuned tiles)")
-    p.add_argument("--tile", help="BLOCK_N,BLOCK_K,num_warps for every matrix")
+    p.add_argument("--path", choices=("gemv", "sorted"), default="gemv")
+    p.add_argument("--tile", help="BLOCK_N,BLOCK_K,num_warps[,num_stages] for every matrix")
     p.add_argument("--dump", help="write the last kernel's SASS here")
     args = p.parse_args()
     mc = model_config(args.model)
+    block_m = moe.rows_per_block(args.slots, mc.moe.num_experts)
     print("| form | matrix | tile (N, K, warps) | loop instructions | weights a step "
           "| instructions / weight | top opcodes |\n|---|---|---|---|---|---|---|")
     for form in args.forms.split(","):
@@ -101,12 +117,12 @@ def main() -> None:
                 tile = tuple(int(v) for v in args.tile.split(","))
             else:
                 entry = moe_configs._table().get("NVIDIA H200", {}).get(
-                    moe_configs.key("gemv", mode, n, k, args.slots))
-                tile = ((entry["BLOCK_N"], entry["BLOCK_K"], entry["num_warps"]) if entry
-                        else (*moe_gemv._blocks(mode, {0: 1, 1: 128, 2: 32}[mode], k), 4))
-            text = sass(n, k, mc.moe.num_experts, mode, gated, tile)
+                    moe_configs.key(args.path, mode, n, k, args.slots))
+                tile = (tuple(entry[f] for f in moe_configs.FIELDS[args.path]) if entry
+                        else default_tile(args.path, mode, k, block_m))
+            text = sass(n, k, mode, gated, tile, args.path, block_m)
             body = k_loop(text)
-            weights = tile[0] * tile[1] * (2 if gated else 1)
+            weights = tile[0] * tile[1] * (2 if gated else 1)  # (a loop step's, dequantized once)
             top = collections.Counter(op.split(".")[0] for op in body).most_common(5)
             print(f"| {form} | {name} | {tile} | {len(body)} | {weights} | "
                   f"{len(body) * 32 * tile[2] / weights:.2f} | "
@@ -114,7 +130,8 @@ def main() -> None:
             if args.dump:
                 pathlib.Path(args.dump).write_text(text)
     print(f"\n(command: python benchmarks/moe_sass.py --model {args.model} --forms {args.forms}"
-          f" --slots {args.slots}{' --tile ' + args.tile if args.tile else ''})")
+          f" --slots {args.slots} --path {args.path}"
+          f"{' --tile ' + args.tile if args.tile else ''}; BLOCK_M {block_m} on the sorted path)")
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from frugal.ops.triton.moe_configs import lookup
 from frugal.quant.experts import Experts, Fp8Experts, Int4Experts
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+ONE_BITS = 0x3F800000  # 1.0 in fp32: INT4's `magic` (int4_nibble)
 
 
 @triton.jit
@@ -89,30 +90,34 @@ def int4_words(w_base, s_base, word, w_ok, offs_n, n_ok, swn, swk, ssn, ssk,
 
 
 @triton.jit
-def int4_nibble(words, j: tl.constexpr):
-    """The j-th inputs of INT4 words as fp32 (u - 8): u widens as the fp32 whose bits are
-    0x4B000000 | u (2**23 + u) minus 2**23 + 8, exact, an AND/OR and an add instead of an
-    integer-to-float conversion (a quarter of the CUDA cores' rate on Hopper)."""
-    u = ((words >> (4 * j)) & 0xF) | 0x4B000000
-    return u.to(tl.float32, bitcast=True) - 8388616.0
+def int4_nibble(words, j: tl.constexpr, magic):
+    """The j-th inputs of INT4 words as the fp32 1 + u/16: nibble j rotated to bits 19-22 (the
+    top of the mantissa; one funnel shift) and put into 1.0's bits (one LOP3 with `magic`,
+    0x3F800000 in a register, so the AND and the OR fuse). (u - 8) · s = f · 16 s - 24 s."""
+    u = words.to(tl.uint32, bitcast=True)
+    rot: tl.constexpr = (4 * j + 13) % 32
+    f = (((u >> rot) | (u << (32 - rot))) & 0x780000) | magic
+    return f.to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _int4_dots(a_rows, row_ok, w_base, s_base, word, w_ok, offs_n, n_ok, swn, swk, ssn, ssk,
-               acc, S_BK: tl.constexpr, F32_DOT: tl.constexpr):
+               acc, magic, S_BK: tl.constexpr, F32_DOT: tl.constexpr):
     """acc + a · w over the inputs of `word` (16 or more words): one dot per nibble j, each over
-    the words' j-th inputs, so the unpacked tile needs no reshape."""
+    the words' j-th inputs, so the unpacked tile needs no reshape. A weight costs a shift, a
+    LOP3, an FMA and half a conversion (int4_nibble)."""
     words, s = int4_words(w_base, s_base, word, w_ok, offs_n, n_ok, swn, swk, ssn, ssk, S_BK)
+    s16, offset = s * 16.0, s * -24.0
     for j in tl.static_range(8):
         a = tl.load(a_rows + word[None, :] * 8 + j, mask=row_ok[:, None] & w_ok[None, :],
                     other=0.0)
-        acc = _dot(a, int4_nibble(words, j) * s, acc, F32_DOT)
+        acc = _dot(a, int4_nibble(words, j, magic) * s16 + offset, acc, F32_DOT)
     return acc
 
 
 @triton.jit
 def _kernel(a_ptr, w_ptr, s_ptr, out_ptr, sorted_ptr, block_expert_ptr, total_ptr, route_ptr,
-            N, K, num_slots, sam, swe, swn, swk, sse, ssn, ssk, som,
+            N, K, num_slots, sam, swe, swn, swk, sse, ssn, ssk, som, magic,
             A_DIV: tl.constexpr, MODE: tl.constexpr, S_BN: tl.constexpr, S_BK: tl.constexpr,
             GATED: tl.constexpr, ROUTED: tl.constexpr, F32_DOT: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -138,10 +143,10 @@ def _kernel(a_ptr, w_ptr, s_ptr, out_ptr, sorted_ptr, block_expert_ptr, total_pt
             word = k0 // 8 + tl.arange(0, BLOCK_K // 8)
             w_ok = word < K // 8
             acc = _int4_dots(a_rows, row_ok, w_base, s_base, word, w_ok, offs_n, n_ok, swn,
-                             swk, ssn, ssk, acc, S_BK, F32_DOT)
+                             swk, ssn, ssk, acc, magic, S_BK, F32_DOT)
             if GATED:
                 acc_up = _int4_dots(a_rows, row_ok, w_base, s_base, word, w_ok, offs_n + N,
-                                    n_ok, swn, swk, ssn, ssk, acc_up, S_BK, F32_DOT)
+                                    n_ok, swn, swk, ssn, ssk, acc_up, magic, S_BK, F32_DOT)
     else:
         for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -191,8 +196,9 @@ def _gemm(a: torch.Tensor, w: torch.Tensor | Experts, out: torch.Tensor, n: int,
         # (decode: narrower output tiles, more blocks for the GPU's SMs)
         block_n = 32 if _INTERPRET or block_m == 16 else 64
         block_k = 32 if _INTERPRET else 64
-        if mode == 2:  # INT4: 16 words a step (a dot per nibble), whole groups of scales
-            block_k = 128
+        if mode == 2:  # INT4: 16 words a step (a dot per nibble), whole groups of scales;
+            block_k = 128  # wide N: ~6 instructions a weight at 128, ~7.6 at 32 (moe_sass.py)
+            block_n = block_n if _INTERPRET else 128
         elif mode != 0 and s_bk < k:  # a tile within one scale's inputs
             block_k = min(block_k, s_bk)
             if s_bk % block_k:
@@ -200,7 +206,8 @@ def _gemm(a: torch.Tensor, w: torch.Tensor | Experts, out: torch.Tensor, n: int,
     grid = (block_expert.numel() * triton.cdiv(n, block_n),)
     _kernel[grid](a, data, scales, out, sorted_slots, block_expert, total,
                   route if route is not None else out, n, k, out.shape[0], a.stride(0),
-                  *data.stride(), *scales.stride(), out.stride(0), A_DIV=a_div, MODE=mode,
+                  *data.stride(), *scales.stride(), out.stride(0), ONE_BITS,
+                  A_DIV=a_div, MODE=mode,
                   S_BN=s_bn, S_BK=s_bk, GATED=gated, ROUTED=not gated,
                   F32_DOT=_INTERPRET or a.dtype == torch.float32, BLOCK_M=block_m,
                   BLOCK_N=block_n, BLOCK_K=block_k, **launch)

@@ -21,13 +21,12 @@ import torch
 import triton
 import triton.language as tl
 
-from frugal.ops.triton.moe import _operand, _weight_tile, combine
+from frugal.ops.triton.moe import ONE_BITS, _operand, _weight_tile, combine
 from frugal.ops.triton.moe_configs import lookup, tiles_scales
 from frugal.quant.experts import Experts, Int4Experts
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_SLOTS = 64  # tokens · top_k up to which fused_moe takes this path
-ONE_BITS = 0x3F800000  # 1.0 in fp32 (INT4's `magic`)
 
 
 @triton.jit
