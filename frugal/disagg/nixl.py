@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from frugal.disagg import probe
+from frugal.disagg import probe, ucx_log
 from frugal.disagg.layout import KVLayout, page_runs
 from frugal.worker.kv_pool import KVPool
 
@@ -89,7 +89,7 @@ class NixlTransfer:
         # its shared-memory and CUDA IPC transports, leaving TCP; "none" allows them (a dead
         # peer's reads then end by --kv-transfer-timeout).
         mode = os.environ.get("FRUGAL_UCX_ERROR_HANDLING", "peer")
-        self.ucx_log = probe.setup_ucx_log()
+        self.ucx_log = ucx_log.setup()
         if self.ucx_log:
             logger.info("UCX logs to %s", self.ucx_log)
         self.agent.create_backend("UCX", {"ucx_error_handling_mode": mode})

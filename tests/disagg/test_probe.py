@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from frugal.disagg import probe
+from frugal.disagg import probe, ucx_log
 
 PREFIX = "[1796450363.229667] [vm:7477 :0]   "
 
@@ -27,22 +27,22 @@ def test_the_read_tables_of_this_agent_name_the_transports(tmp_path):
     log.write_text(table("decode", read, ["cma/memory"])
                    + table("decode", "remote memory write by ucp_put* from host", ["tcp/lo"])
                    + table("prefill", read, ["tcp/lo"]))
-    assert probe.read_tables(str(log), "decode") == [(0, {"cma"})]
+    assert ucx_log.read_tables(str(log), "decode") == [(0, {"cma"})]
     size = log.stat().st_size
     with log.open("a") as f:
         f.write(table("decode", read, ["cuda_copy/cuda, tcp/eth0",
                                        "50% on rc_mlx5/mlx5_0:1 and 50% on rc_mlx5/mlx5_2:1"]))
-    assert probe.transports(str(log), size, "decode") == {"cuda_copy", "tcp", "rc_mlx5"}
+    assert ucx_log.transports(str(log), size, "decode") == {"cuda_copy", "tcp", "rc_mlx5"}
     # nothing logged since (UCX logs a configuration once): no transport named
-    assert probe.transports(str(log), log.stat().st_size, "decode") == set()
-    assert probe.transports(str(log), 0, "nobody") == set()
+    assert ucx_log.transports(str(log), log.stat().st_size, "decode") == set()
+    assert ucx_log.transports(str(log), 0, "nobody") == set()
     # only the rows of messages of the probe's size count
     size = log.stat().st_size
     with log.open("a") as f:
         f.write(table("decode", read, ["tcp/lo", "cuda_ipc/cuda"], ["0..8240", "8241..inf"])
                 + table("decode", read, ["cuda_copy/cuda"], ["0"]))
-    assert probe.transports(str(log), size, "decode") == {"cuda_ipc"}
-    assert probe.transports(None, 0, "decode") == set()
+    assert ucx_log.transports(str(log), size, "decode") == {"cuda_ipc"}
+    assert ucx_log.transports(None, 0, "decode") == set()
 
 
 @pytest.mark.parametrize("transports, mem, gbps, kind, slow", [
