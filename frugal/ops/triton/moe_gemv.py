@@ -106,6 +106,8 @@ def _gemv(a_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, route_ptr, N, K, sam, swe, swn,
     else:
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        acc2 = tl.zeros((BLOCK_K if MODE == 0 else 1, BLOCK_N), dtype=tl.float32)
+        up2 = tl.zeros((BLOCK_K if MODE == 0 else 1, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             a = tl.load(a_row + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
@@ -115,14 +117,17 @@ def _gemv(a_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, route_ptr, N, K, sam, swe, swn,
                 if GATED:
                     acc_up += _fp8_sum(w_ptr, s_ptr, expert, k0, K, a, offs_n + N, n_ok, swe,
                                        swn, swk, sse, ssn, ssk, S_BN, S_BK, BLOCK_K, BLOCK_N)
-            else:
+            else:  # float: products summed in place, across threads once after the loop
                 w = _weight_tile(w_ptr, s_ptr, expert, k0, K, offs_n, n_ok, swe, swn, swk,
                                  sse, ssn, ssk, MODE, S_BN, S_BK, BLOCK_K, BLOCK_N)
-                acc += tl.sum(w.to(tl.float32) * a[:, None], axis=0)
+                acc2 += w.to(tl.float32) * a[:, None]
                 if GATED:
                     w = _weight_tile(w_ptr, s_ptr, expert, k0, K, offs_n + N, n_ok, swe, swn,
                                      swk, sse, ssn, ssk, MODE, S_BN, S_BK, BLOCK_K, BLOCK_N)
-                    acc_up += tl.sum(w.to(tl.float32) * a[:, None], axis=0)
+                    up2 += w.to(tl.float32) * a[:, None]
+        if MODE == 0:
+            acc = tl.sum(acc2, axis=0)
+            acc_up = tl.sum(up2, axis=0)
     if GATED:
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up
     else:  # routed: times the slot's routing weight
