@@ -51,6 +51,8 @@ def sass(n: int, k: int, mode: int, gated: bool, tile: tuple, path: str = "gemv"
             "block_expert_ptr": "*i32", "total_ptr": "*i32"}
     const = {"A_DIV": 8 if gated else 1, "MODE": mode, "S_BN": s_bn, "S_BK": s_bk,
              "GATED": gated, "BLOCK_N": block_n, "BLOCK_K": block_k}
+    if path == "gemv":
+        const["FP8_SCALES"] = moe_gemv._fp8_scales(mode, s_bn, s_bk, n, k, block_n)
     if path == "sorted":
         const.update(ROUTED=not gated, F32_DOT=False, BLOCK_M=block_m)
     fn = moe_gemv._gemv if path == "gemv" else moe._kernel

@@ -165,8 +165,12 @@ def test_tuned_configurations_compute_what_the_defaults_do(form, monkeypatch):
     mode = {"float": 0, "fp8": 1, "int4": 2}[form]
     scale_k = {"float": 1, "fp8": 128, "int4": 32}[form]
     monkeypatch.setattr(moe_configs, "device_name", lambda device: "a tuned GPU")
+    max_slots = gemv.MAX_SLOTS  # (each tile below takes both paths)
+    # (N tiles of 256 straddle FP8's blocks of 128 rows: scales on each block's partial sum)
     for gemv_tile, sorted_tile in (((8, 64, 1), (32, 32, 4, 2)), ((64, 256, 8), (64, 64, 8, 3)),
-                                   ((16, 128, 2), (128, 32, 4, 4))):
+                                   ((16, 128, 2), (128, 32, 4, 4)),
+                                   ((256, 256, 4), (64, 64, 8, 3)),
+                                   ((256, 128, 4), (32, 32, 4, 2))):
         table = {}
         for n, k in ((inter, hidden), (hidden, inter)):
             gemv_entry = dict(zip(moe_configs.FIELDS["gemv"], gemv_tile))
@@ -179,7 +183,7 @@ def test_tuned_configurations_compute_what_the_defaults_do(form, monkeypatch):
         if mode != 0 and gemv_tile[1] == 64:  # (scales over 96 inputs: 64 would straddle)
             assert moe_configs.lookup(torch.device("cpu"), "gemv", mode, inter, hidden,
                                       slots, 96) is None
-        for limit in (gemv.MAX_SLOTS, 0):  # the small-batch path, then the sorted one
+        for limit in (max_slots, 0):  # the small-batch path, then the sorted one
             monkeypatch.setattr(gemv, "MAX_SLOTS", limit)
             got = tri.fused_moe(*args)
             torch.testing.assert_close(got.cpu(), ref, atol=1e-4 * ref.abs().max().item(),

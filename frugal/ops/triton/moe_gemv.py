@@ -76,8 +76,8 @@ def _fp8_sum(w_ptr, s_ptr, expert, k0, K, a, offs_n, n_ok, swe, swn, swk, sse, s
 @triton.jit
 def _gemv(a_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, route_ptr, N, K, sam, swe, swn, swk, sse, ssn,
           ssk, som, magic, A_DIV: tl.constexpr, MODE: tl.constexpr, S_BN: tl.constexpr,
-          S_BK: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr,
-          BLOCK_K: tl.constexpr):
+          S_BK: tl.constexpr, GATED: tl.constexpr, FP8_SCALES: tl.constexpr,
+          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     slot = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -106,28 +106,47 @@ def _gemv(a_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, route_ptr, N, K, sam, swe, swn,
     else:
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        acc2 = tl.zeros((BLOCK_K if MODE == 0 else 1, BLOCK_N), dtype=tl.float32)
-        up2 = tl.zeros((BLOCK_K if MODE == 0 else 1, BLOCK_N), dtype=tl.float32)
+        IN_PLACE: tl.constexpr = MODE == 0 or FP8_SCALES != 0
+        # (VEC: the inputs a thread loads at once, 16 bytes; summed before they accumulate)
+        VEC: tl.constexpr = 128 // w_ptr.dtype.element_ty.primitive_bitwidth
+        acc2 = tl.zeros((BLOCK_K // VEC if IN_PLACE else 1, BLOCK_N), dtype=tl.float32)
+        up2 = tl.zeros((BLOCK_K // VEC if IN_PLACE else 1, BLOCK_N), dtype=tl.float32)
+        s_base = s_ptr + expert * sse  # (FP8_SCALES 1: the tile's rows share a scale block)
+        s_row = s_base + (tl.program_id(1) * BLOCK_N // S_BN) * ssn
+        s_row_up = s_base + ((tl.program_id(1) * BLOCK_N + N) // S_BN) * ssn
         for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             a = tl.load(a_row + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-            if MODE == 1:
+            if IN_PLACE:  # products summed in place, across threads once after the loop
+                a_up = a
+                if FP8_SCALES == 1 and BLOCK_K <= S_BK:  # the scale of the inputs' block
+                    a_up = a * tl.load(s_row_up + (k0 // S_BK) * ssk)
+                    a = a * tl.load(s_row + (k0 // S_BK) * ssk)
+                elif FP8_SCALES == 1:  # the scales of the inputs' blocks, on the inputs
+                    a_up = a * tl.load(s_row_up + (offs_k // S_BK) * ssk, mask=offs_k < K,
+                                       other=0.0)
+                    a = a * tl.load(s_row + (offs_k // S_BK) * ssk, mask=offs_k < K, other=0.0)
+                w = _weight_tile(w_ptr, s_ptr, expert, k0, K, offs_n, n_ok, swe, swn, swk,
+                                 sse, ssn, ssk, 0, S_BN, S_BK, BLOCK_K, BLOCK_N)
+                acc2 += tl.sum(tl.reshape(w.to(tl.float32) * a[:, None],
+                                          (BLOCK_K // VEC, VEC, BLOCK_N)), axis=1)
+                if GATED:
+                    w = _weight_tile(w_ptr, s_ptr, expert, k0, K, offs_n + N, n_ok, swe, swn,
+                                     swk, sse, ssn, ssk, 0, S_BN, S_BK, BLOCK_K, BLOCK_N)
+                    up2 += tl.sum(tl.reshape(w.to(tl.float32) * a_up[:, None],
+                                             (BLOCK_K // VEC, VEC, BLOCK_N)), axis=1)
+            else:  # FP8 blocks a tile's rows straddle: a sum per block, then its scale
                 acc += _fp8_sum(w_ptr, s_ptr, expert, k0, K, a, offs_n, n_ok, swe, swn, swk,
                                 sse, ssn, ssk, S_BN, S_BK, BLOCK_K, BLOCK_N)
                 if GATED:
                     acc_up += _fp8_sum(w_ptr, s_ptr, expert, k0, K, a, offs_n + N, n_ok, swe,
                                        swn, swk, sse, ssn, ssk, S_BN, S_BK, BLOCK_K, BLOCK_N)
-            else:  # float: products summed in place, across threads once after the loop
-                w = _weight_tile(w_ptr, s_ptr, expert, k0, K, offs_n, n_ok, swe, swn, swk,
-                                 sse, ssn, ssk, MODE, S_BN, S_BK, BLOCK_K, BLOCK_N)
-                acc2 += w.to(tl.float32) * a[:, None]
-                if GATED:
-                    w = _weight_tile(w_ptr, s_ptr, expert, k0, K, offs_n + N, n_ok, swe, swn,
-                                     swk, sse, ssn, ssk, MODE, S_BN, S_BK, BLOCK_K, BLOCK_N)
-                    up2 += w.to(tl.float32) * a[:, None]
-        if MODE == 0:
+        if IN_PLACE:
             acc = tl.sum(acc2, axis=0)
             acc_up = tl.sum(up2, axis=0)
+        if FP8_SCALES == 2:  # one scale per output: after the sum
+            acc *= tl.load(s_base + offs_n * ssn, mask=n_ok, other=0.0)
+            acc_up *= tl.load(s_base + (offs_n + N) * ssn, mask=n_ok, other=0.0)
     if GATED:
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up
     else:  # routed: times the slot's routing weight
@@ -171,9 +190,20 @@ def _launch(a: torch.Tensor, w: torch.Tensor | Experts, out: torch.Tensor, n: in
     grid = (ids.numel(), triton.cdiv(n, block_n))
     _gemv[grid](a, data, scales, out, ids, route if route is not None else out, n, k,
                 a.stride(0), *data.stride(), *scales.stride(), out.stride(0), ONE_BITS,
-                A_DIV=a_div,
-                MODE=mode, S_BN=s_bn, S_BK=s_bk, GATED=route is None, BLOCK_N=block_n,
+                A_DIV=a_div, MODE=mode, S_BN=s_bn, S_BK=s_bk, GATED=route is None,
+                FP8_SCALES=_fp8_scales(mode, s_bn, s_bk, n, k, block_n), BLOCK_N=block_n,
                 BLOCK_K=block_k, num_warps=num_warps)
+
+
+def _fp8_scales(mode: int, s_bn: int, s_bk: int, n: int, k: int, block_n: int) -> int:
+    """How _gemv applies FP8 scales: 2 one per output (per channel), after the sum; 1 on the
+    inputs, when a tile's rows (gate and up alike) lie in one block of S_BN rows; 0 to each
+    block's partial sum."""
+    if mode != 1:
+        return 0
+    if s_bn == 1 and s_bk >= k:
+        return 2
+    return 1 if s_bn % block_n == 0 and n % s_bn == 0 else 0
 
 
 def fused_moe_gemv(x: torch.Tensor, gate_up: torch.Tensor | Experts,
