@@ -21,6 +21,7 @@ from frugal.ops.triton import fp8_decode
 from frugal.ops.triton.decode_split import merge_kernel, split_len
 from frugal.ops.triton.kv_blocks import dot_dtype, load_kv, row_scales, softmax_step
 from frugal.ops.triton.launch import enter, pdl
+from frugal.ops.triton.sizes import cdiv, next_power_of_2
 
 # The CPU interpreter's bf16 tl.dot is wrong: compute the products in fp32 there.
 _DOT_F32 = os.environ.get("TRITON_INTERPRET") == "1"
@@ -218,8 +219,8 @@ def num_decode_splits(num_requests: int, num_kv_heads: int, max_seq_len: int,
     """Context slices per (request, KV head) so a decode step fills the GPU: few long requests
     get many slices, a big batch one. Depends on host values only (CUDA-graph friendly)."""
     programs = max(num_requests * num_kv_heads, 1)
-    wanted = 1 if programs >= _SPLIT_BELOW else triton.cdiv(_SPLIT_TARGET, programs)
-    return max(1, min(wanted, triton.cdiv(max_seq_len, _block_n(fp8)), _MAX_SPLITS))
+    wanted = 1 if programs >= _SPLIT_BELOW else cdiv(_SPLIT_TARGET, programs)
+    return max(1, min(wanted, cdiv(max_seq_len, _block_n(fp8)), _MAX_SPLITS))
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -247,7 +248,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     args = (q, k_cache, v_cache, scales, k_scales, v_scales, page_table, seq_lens, cu_seqlens_q)
     # fp32 activations get exact fp32 products (no TF32), so GPU and CPU paths agree
     consts = dict(NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim,
-                  DIM_PAD=triton.next_power_of_2(head_dim), PAGE_SIZE=page_size,
+                  DIM_PAD=next_power_of_2(head_dim), PAGE_SIZE=page_size,
                   DOT_F32=_DOT_F32, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
                   FP8=fp8, K_ROW=k_cache.stride(2), V_ROW=0 if fp8 else v_cache.stride(2),
                   K_SROW=k_scales.stride(2) if k_rows else 0,
@@ -255,9 +256,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if decodes:
         _decode(args, out, scale, decodes, max_seq_len, consts)
     if decodes < batch:
-        group_pad = triton.next_power_of_2(group)
+        group_pad = next_power_of_2(group)
         block_m, launch = _extend_launch(max_query_len * group_pad, group_pad, fp8)
-        grid = (batch - decodes, num_kv_heads, triton.cdiv(max_query_len, block_m // group_pad))
+        grid = (batch - decodes, num_kv_heads, cdiv(max_query_len, block_m // group_pad))
         _extend_kernel[grid](*args, out, scale, page_table.stride(0), decodes,
                              GROUP_PAD=group_pad, BLOCK_M=block_m, **consts, **launch)
     return out
@@ -291,7 +292,7 @@ def _decode(args: tuple, out: torch.Tensor, scale: float, batch: int, max_seq_le
     else:
         _decode_kernel[(batch, num_kv_heads, splits)](
             *args, partial, lse, out, scale, page_table.stride(0), splits,
-            GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
+            GROUP_PAD=max(16, next_power_of_2(group)), BLOCK_N=block_n,
             DIRECT=splits == 1, MIN_SPLIT=_MIN_SPLIT, PDL=launch_pdl, launch_pdl=launch_pdl > 0,
             **consts, **_DECODE_LAUNCH)
     if splits > 1:

@@ -19,6 +19,7 @@ import triton.language as tl
 from frugal.ops import torch_ref
 from frugal.ops.triton.mla_decode import mla_decode
 from frugal.ops.triton.mla_decode import supported as mla_supported
+from frugal.ops.triton.sizes import cdiv
 from frugal.ops.triton.topk import top_positions
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -89,7 +90,7 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
     fp8 = keys.element_size() == 1
     # an FP8 key's fp32 scale follows its dim bytes (torch_ref.dsa): a strided fp32 view
     key_scales = keys.view(torch.uint8)[..., dim:dim + 4].view(torch.float32) if fp8 else out
-    grid = (num_tokens, triton.cdiv(max_seq_len, BLOCK_N))
+    grid = (num_tokens, cdiv(max_seq_len, BLOCK_N))
     _score_kernel[grid](q, weights, keys, key_scales, page_table, request, visible, out,
                         q.stride(0), q.stride(1), weights.stride(0), keys.stride(1),
                         key_scales.stride(1) if fp8 else 0, page_table.stride(0),

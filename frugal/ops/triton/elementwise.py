@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 
 from frugal.ops.triton.launch import enter, pdl
+from frugal.ops.triton.sizes import cdiv, next_power_of_2
 
 
 @triton.jit
@@ -33,7 +34,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty_like(x)
     n = shape[-1]
     launch_pdl = pdl(x.device)
-    _rms_norm_kernel[(x.shape[0],)](x, weight, out, eps, N=n, BLOCK=triton.next_power_of_2(n),
+    _rms_norm_kernel[(x.shape[0],)](x, weight, out, eps, N=n, BLOCK=next_power_of_2(n),
                                     PDL=launch_pdl, launch_pdl=launch_pdl > 0)
     return out.reshape(shape)
 
@@ -55,6 +56,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     x = x.contiguous()
     n = x.shape[-1] // 2
     out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
-    block = min(1024, triton.next_power_of_2(n))
-    _silu_mul_kernel[(x.numel() // x.shape[-1], triton.cdiv(n, block))](x, out, N=n, BLOCK=block)
+    block = min(1024, next_power_of_2(n))
+    _silu_mul_kernel[(x.numel() // x.shape[-1], cdiv(n, block))](x, out, N=n, BLOCK=block)
     return out

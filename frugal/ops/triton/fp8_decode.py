@@ -24,13 +24,13 @@ import functools
 import os
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from frugal.ops.triton.decode_split import split_len
 from frugal.ops.triton.launch import enter
+from frugal.ops.triton.sizes import cdiv
 
 # 16-key blocks per inner step, and how many of the kernel's warps an SM holds at each
 # (registers at d=128: 128, 166, 255). A step splits contexts until its programs fill one such
@@ -66,7 +66,7 @@ def split_count(num_requests: int, num_kv_heads: int, max_seq_len: int, device: 
     index = device.index if device.index is not None else torch.cuda.current_device()
     wave = _num_sms(index) * _WARPS_PER_SM.get(PAGES, 8)
     wanted = wave // max(num_requests * num_kv_heads, 1)
-    return max(1, min(wanted, triton.cdiv(max_seq_len, 16 * PAGES), most))
+    return max(1, min(wanted, cdiv(max_seq_len, 16 * PAGES), most))
 
 
 @gluon.jit

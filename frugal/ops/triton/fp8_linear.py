@@ -24,6 +24,7 @@ import triton.language as tl
 
 from frugal.ops.triton.fp8_w8a8 import w8a8_linear, w8a8_supported
 from frugal.ops.triton.launch import enter, pdl
+from frugal.ops.triton.sizes import cdiv
 from frugal.ops.triton.split_k import counters, finish, grid, load_tile, partials, tile_range
 from frugal.quant.fp8 import Fp8Weight, round_rows
 
@@ -110,9 +111,9 @@ def _config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
     keep the programs within about two per SM (264) and two tiles each."""
     if m > 16:
         return (32 if m <= 32 else 64), 64, 2, 4, 3
-    blocks = triton.cdiv(n, 128)
+    blocks = cdiv(n, 128)
     split = 1
-    while blocks * split * 2 <= 264 and triton.cdiv(k, BLOCK_K) >= 4 * split:
+    while blocks * split * 2 <= 264 and cdiv(k, BLOCK_K) >= 4 * split:
         split *= 2
     return 16, 128, split, 4, 3
 
@@ -138,7 +139,7 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
         raise ValueError(f"fp8_linear: block scales of {w.block} need a multiple of {BLOCK_K} "
                          "(and gate/up halves in whole blocks)")
     block_m, block_n, split, num_warps, num_stages = config or _config(m, n, k)
-    launch, split = grid(triton.cdiv(n, block_n), triton.cdiv(m, block_m), split)
+    launch, split = grid(cdiv(n, block_n), cdiv(m, block_m), split)
     f32 = x.dtype == torch.float32 or _INTERPRET
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     launch_pdl = pdl(x.device)

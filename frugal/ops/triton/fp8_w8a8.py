@@ -24,6 +24,7 @@ import triton.language as tl
 
 from frugal.ops.triton.elementwise import silu_and_mul
 from frugal.ops.triton.launch import enter, pdl
+from frugal.ops.triton.sizes import cdiv, next_power_of_2
 from frugal.ops.triton.split_k import counters, finish, grid, load_tile, partials, tile_range
 from frugal.quant.fp8 import FP8, Fp8Weight
 
@@ -89,7 +90,7 @@ def _config(m: int, n: int, k: int, gated: bool) -> tuple[int, int, int, int]:
     64 rows (Llama-3.1-8B shapes): blocks of 64 outputs (one warpgroup), the inputs split while
     the blocks (a gated one counting twice: it streams twice the rows) times the parts stay
     within two an SM (264), 4 tiles a part at least. (m: the same at every row count.)"""
-    blocks, tiles = triton.cdiv(n, 64) * (2 if gated else 1), triton.cdiv(k, 128)
+    blocks, tiles = cdiv(n, 64) * (2 if gated else 1), cdiv(k, 128)
     split = 1
     while blocks * split * 2 <= 264 and tiles >= 8 * split:
         split *= 2
@@ -128,7 +129,7 @@ def quantize_rows_padded(x: torch.Tensor, norm: torch.Tensor | None = None, eps:
     rows = -(-m // 16) * 16
     q = torch.empty(rows, k, dtype=FP8, device=x.device)
     scales = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
-    block = triton.next_power_of_2(k)
+    block = next_power_of_2(k)
     launch_pdl = pdl(x.device)
     _quantize_rows_kernel[(rows,)](x, norm, q, scales, m, k, eps, NORM=norm is not None,
                                    BLOCK=block, PDL=launch_pdl,
@@ -186,13 +187,13 @@ def multiply(q: torch.Tensor, scales: torch.Tensor, m: int, w: Fp8Weight, dtype:
         raise ValueError(f"w8a8 multiply: weight {w.shape} with block {w.block} for {k} inputs "
                          "(per-channel scales only; gated: an even number of rows)")
     block_n, split, num_warps, num_stages = config or _config(m, n, k, gated)
-    launch, split = grid(triton.cdiv(n, block_n), 1, split)
+    launch, split = grid(cdiv(n, block_n), 1, split)
     out = torch.empty(m, n, dtype=dtype, device=q.device)
     launch_pdl = pdl(q.device)
     _kernel[launch](
         q, scales, w.data, w.scales, bias, residual, out, partials(split, m, rows, q.device),
         counters(q.device), m, n, k, GATED=gated, HAS_BIAS=bias is not None,
-        HAS_RESIDUAL=residual is not None, BLOCK_M=max(16, triton.next_power_of_2(m)),
+        HAS_RESIDUAL=residual is not None, BLOCK_M=max(16, next_power_of_2(m)),
         BLOCK_N=block_n, SPLIT_K=split, EVEN_K=k % 128 == 0, DOT_F32=_INTERPRET,
         PDL=launch_pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=launch_pdl > 0)
     return out

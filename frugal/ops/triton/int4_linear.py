@@ -33,6 +33,7 @@ import triton.language as tl
 from frugal.ops import torch_ref
 from frugal.ops.triton.int4_wgmma import _kernel, row_offsets
 from frugal.ops.triton.launch import pdl
+from frugal.ops.triton.sizes import cdiv, next_power_of_2
 from frugal.ops.triton.split_k import counters, grid, partials
 from frugal.quant.int4 import Int4Weight
 
@@ -68,10 +69,10 @@ def repack(q: Int4Weight, dtype: torch.dtype) -> Int4Tiles:
     if group < 32 or (TILE_K % group and group % TILE_K):
         raise ValueError(f"INT4 kernel: group size {group} must be 32, 64 or a multiple of "
                          f"{TILE_K}")
-    kp = triton.cdiv(k, TILE_K) * TILE_K
+    kp = cdiv(k, TILE_K) * TILE_K
     codes = F.pad(q.codes(), (0, kp - k)).to(torch.int32)
     c = codes.view(n, kp // TILE_K, 4, 2, 2, 4, 2).permute(0, 1, 5, 2, 3, 4, 6)  # tile,t,q,a,b,c
-    blocks = triton.cdiv(n, 64)
+    blocks = cdiv(n, 64)
     words = torch.zeros(blocks * 64, kp // TILE_K, 4, 4, dtype=torch.int32, device=codes.device)
     for a in range(2):
         for b in range(2):
@@ -98,7 +99,7 @@ def _config(m: int, n: int, k: int, gated: bool) -> tuple[int, int, int, int]:
         block_n, warps, target = 128, 8, 160
     else:
         block_n, warps, target = 64, 4, 512 if m <= 8 else 384 if m <= 32 else 256
-    blocks, tiles = triton.cdiv(n, block_n) * (2 if gated else 1), triton.cdiv(k, TILE_K)
+    blocks, tiles = cdiv(n, block_n) * (2 if gated else 1), cdiv(k, TILE_K)
     least = 8 if m <= 16 else 4 if m <= 32 else 16  # tiles a part streams at least
     split = 1
     while blocks * split * 2 <= target and tiles >= 2 * least * split:
@@ -140,8 +141,8 @@ def int4_linear(x: torch.Tensor, w: Int4Tiles, bias: torch.Tensor | None = None,
         raise ValueError(f"int4_linear: {num_warps} warps (whole warpgroups) cannot share "
                          f"{block_n} outputs in 16-row slabs")
     align = 8 if k % 8 == 0 else 2  # (x's rows are copied 16 or 4 bytes at a time)
-    block_m = max(8, triton.next_power_of_2(m))
-    launch, split = grid(triton.cdiv(n, block_n), 1, split)
+    block_m = max(8, next_power_of_2(m))
+    launch, split = grid(cdiv(n, block_n), 1, split)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     launch_pdl = pdl(x.device)
     _kernel[launch](
@@ -189,6 +190,6 @@ def dequantize(w: Int4Tiles, dtype: torch.dtype) -> torch.Tensor:
     """The weight [N, K] in dtype (for matmuls of many rows, which cuBLAS then runs)."""
     n, k = w.shape
     out = torch.empty(n, k, dtype=dtype, device=w.words.device)
-    _dequantize_kernel[(triton.cdiv(n, 64), w.words.shape[1])](
+    _dequantize_kernel[(cdiv(n, 64), w.words.shape[1])](
         w.words, w.params, out, n, k, KP=w.padded_k, GROUP=w.group, BLOCK_N=64)
     return out

@@ -10,6 +10,7 @@ import triton.language as tl
 
 from frugal.ops.torch_ref.kv_quant import QMAX, row_scaled, scale_view
 from frugal.ops.triton.launch import enter, pdl
+from frugal.ops.triton.sizes import next_power_of_2
 
 
 @triton.jit
@@ -195,9 +196,9 @@ def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
         kv_scales if fp8 else k_cache, k_scales, v_scales, q.stride(0),
         k.stride(0), v.stride(0), *(qk_norm if qk_norm is not None else (q, q, 0.0)),
         QK_NORM=qk_norm is not None, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
-        HEADS_PAD=triton.next_power_of_2(num_heads), KV_PAD=triton.next_power_of_2(num_kv_heads),
-        HALF=half, HALF_PAD=triton.next_power_of_2(half), DIM=head_dim, PASS=passed,
-        PASS_PAD=triton.next_power_of_2(max(passed, 1)), PAGE_SIZE=k_cache.shape[1], FP8=fp8,
+        HEADS_PAD=next_power_of_2(num_heads), KV_PAD=next_power_of_2(num_kv_heads),
+        HALF=half, HALF_PAD=next_power_of_2(half), DIM=head_dim, PASS=passed,
+        PASS_PAD=next_power_of_2(max(passed, 1)), PAGE_SIZE=k_cache.shape[1], FP8=fp8,
         K_ROW=k_cache.stride(2), V_ROW=0 if fp8 else v_cache.stride(2),
         K_SROW=k_scales.stride(2) if k_rows else 0, V_SROW=v_scales.stride(2) if v_rows else 0,
         K_QMAX=QMAX.get(k_cache.dtype, 1.0), V_QMAX=QMAX.get(v_cache.dtype, 1.0),

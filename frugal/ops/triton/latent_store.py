@@ -11,6 +11,7 @@ import triton.language as tl
 
 from frugal.ops.torch_ref.kv_quant import QMAX, row_scaled, scale_view
 from frugal.ops.triton.kv_store import finite_abs, store_quantized
+from frugal.ops.triton.sizes import next_power_of_2
 
 
 @triton.jit
@@ -48,7 +49,7 @@ def _launch(x: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor, mo
         x, slot_mapping, cache, cache if scale is None else scale,
         cache if row_scales is None else row_scales, x.stride(0), cache.stride(1),
         0 if row_scales is None else row_scales.stride(1), WIDTH=width,
-        BLOCK=triton.next_power_of_2(width), MODE=mode,
+        BLOCK=next_power_of_2(width), MODE=mode,
         QMAX=QMAX.get(cache.dtype, 448.0))
 
 

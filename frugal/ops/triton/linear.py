@@ -34,6 +34,7 @@ from frugal.ops.triton.fp8_w8a8 import w8a8_linear, w8a8_supported
 from frugal.ops.triton.int4_linear import Int4Tiles, int4_linear, repack
 from frugal.ops.triton.int4_linear import dequantize as dequantize_int4
 from frugal.ops.triton.launch import enter, pdl
+from frugal.ops.triton.sizes import cdiv, next_power_of_2
 from frugal.ops.triton.split_k import epilogue
 from frugal.quant.fp8 import Fp8Weight
 from frugal.quant.int4 import Int4Weight
@@ -173,10 +174,10 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         64, 128, 4, 4)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     launch_pdl = pdl(x.device)
-    _small_m_kernel[(triton.cdiv(n, block_n),)](
+    _small_m_kernel[(cdiv(n, block_n),)](
         x, weight, bias, residual, out, m, n, K=k, GATED=gated, HAS_BIAS=bias is not None,
         HAS_RESIDUAL=residual is not None, EVEN=n % block_n == 0 and k % block_k == 0,
-        BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k,
+        BLOCK_M=max(16, next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k,
         DOT_F32=_INTERPRET, PDL=launch_pdl, num_warps=num_warps, num_stages=num_stages,
         launch_pdl=launch_pdl > 0)
     return out
@@ -192,7 +193,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     block_n, block_k, num_warps, num_stages, unroll = config or _gemv_config(n, k, gated)
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     launch_pdl = pdl(x.device)
-    _gemv_kernel[(triton.cdiv(n, block_n),)](
+    _gemv_kernel[(cdiv(n, block_n),)](
         x, weight, bias, norm, residual, out, n, eps, K=k,
         NORM=norm is not None, GATED=gated, HAS_BIAS=bias is not None,
         HAS_RESIDUAL=residual is not None, BLOCK_N=block_n, BLOCK_K=block_k, UNROLL=unroll,

@@ -30,6 +30,7 @@ import triton.language as tl
 
 from frugal.ops.triton.moe_align import align
 from frugal.ops.triton.moe_configs import lookup
+from frugal.ops.triton.sizes import cdiv, next_power_of_2
 from frugal.quant.experts import Experts, Fp8Experts, Int4Experts
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -203,7 +204,7 @@ def _gemm(a: torch.Tensor, w: torch.Tensor | Experts, out: torch.Tensor, n: int,
             block_k = min(block_k, s_bk)
             if s_bk % block_k:
                 raise ValueError(f"fused_moe: scales over {s_bk} inputs need a multiple of 16")
-    grid = (block_expert.numel() * triton.cdiv(n, block_n),)
+    grid = (block_expert.numel() * cdiv(n, block_n),)
     _kernel[grid](a, data, scales, out, sorted_slots, block_expert, total,
                   route if route is not None else out, n, k, out.shape[0], a.stride(0),
                   *data.stride(), *scales.stride(), out.stride(0), ONE_BITS,
@@ -243,8 +244,8 @@ def combine(out: torch.Tensor, top_k: int, residual: torch.Tensor | None,
         return dst
     if residual is not None:
         residual = residual.contiguous()
-    block = min(1024, triton.next_power_of_2(hidden))
-    _combine[(slots // top_k, triton.cdiv(hidden, block))](
+    block = min(1024, next_power_of_2(hidden))
+    _combine[(slots // top_k, cdiv(hidden, block))](
         out, residual if residual is not None else out, dst, hidden, TOP_K=top_k,
         RESIDUAL=residual is not None, BLOCK=block, num_warps=4)
     return dst

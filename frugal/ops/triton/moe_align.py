@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from frugal.ops.triton.sizes import cdiv, next_power_of_2
+
 BLOCK = 1024  # slots a program of _count and _place takes
 CHUNK_BLOCKS = 64  # GEMM row blocks _layout assigns a step
 
@@ -71,13 +73,13 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int
     padded length in use). P = S + min(E, S) · (block_m - 1), rounded up to block_m."""
     flat = ids.reshape(-1).contiguous()
     slots = flat.numel()
-    e_pad = max(16, triton.next_power_of_2(num_experts))
-    capacity = triton.cdiv(slots + min(num_experts, slots) * (block_m - 1), block_m) * block_m
+    e_pad = max(16, next_power_of_2(num_experts))
+    capacity = cdiv(slots + min(num_experts, slots) * (block_m - 1), block_m) * block_m
     work = torch.zeros(2 * e_pad, dtype=torch.int32, device=ids.device)  # counts, cursors
     sorted_slots = torch.empty(capacity, dtype=torch.int32, device=ids.device)
     block_expert = torch.empty(capacity // block_m, dtype=torch.int32, device=ids.device)
     total = torch.empty(1, dtype=torch.int32, device=ids.device)
-    grid = (max(1, triton.cdiv(slots, BLOCK)),)
+    grid = (max(1, cdiv(slots, BLOCK)),)
     _count[grid](flat, work, slots, E_PAD=e_pad, BLOCK=BLOCK)
     _layout[(1,)](work, sorted_slots, block_expert, total, num_experts, slots, capacity,
                   BLOCK_M=block_m, E_PAD=e_pad, BLOCK=BLOCK, CHUNK_BLOCKS=CHUNK_BLOCKS)

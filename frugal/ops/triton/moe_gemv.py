@@ -23,6 +23,7 @@ import triton.language as tl
 
 from frugal.ops.triton.moe import ONE_BITS, _operand, _weight_tile, combine
 from frugal.ops.triton.moe_configs import lookup, tiles_scales
+from frugal.ops.triton.sizes import cdiv
 from frugal.quant.experts import Experts, Int4Experts
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -187,7 +188,7 @@ def _launch(a: torch.Tensor, w: torch.Tensor | Experts, out: torch.Tensor, n: in
         num_warps = 4
     else:
         block_n, block_k, num_warps = config["BLOCK_N"], config["BLOCK_K"], config["num_warps"]
-    grid = (ids.numel(), triton.cdiv(n, block_n))
+    grid = (ids.numel(), cdiv(n, block_n))
     _gemv[grid](a, data, scales, out, ids, route if route is not None else out, n, k,
                 a.stride(0), *data.stride(), *scales.stride(), out.stride(0), ONE_BITS,
                 A_DIV=a_div, MODE=mode, S_BN=s_bn, S_BK=s_bk, GATED=route is None,

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from frugal.ops.torch_ref.moe import route_experts as route_experts_torch
+from frugal.ops.triton.sizes import cdiv, next_power_of_2
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DECODE_SPLITS = 8  # slices of the router's inputs at up to 16 tokens (see router_logits)
@@ -63,11 +64,11 @@ def router_logits(x: torch.Tensor, router: torch.Tensor, splits: int = 1) -> tor
     e = router.shape[0]
     small = t <= 16
     block_t, block_e, block_k = (16, 16, 256) if small else (64, 64, 64)
-    slice_k = triton.cdiv(triton.cdiv(k, max(1, splits)), block_k) * block_k
-    splits = triton.cdiv(k, slice_k)
+    slice_k = cdiv(cdiv(k, max(1, splits)), block_k) * block_k
+    splits = cdiv(k, slice_k)
     out = torch.empty(splits, t, e, dtype=torch.float32, device=x.device)
     f32 = _INTERPRET or x.dtype != router.dtype or x.dtype == torch.float32
-    grid = (triton.cdiv(e, block_e), triton.cdiv(t, block_t), splits)
+    grid = (cdiv(e, block_e), cdiv(t, block_t), splits)
     _logits[grid](x, router, out, t, e, k, slice_k, x.stride(0), router.stride(0), F32_DOT=f32,
                   BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k, num_warps=4)
     return out
@@ -132,7 +133,7 @@ def route_experts(x: torch.Tensor, router: torch.Tensor, correction_bias: torch.
     """The twin of torch_ref.route_experts (same arguments and results: weights [T, top_k] fp32,
     ids [T, top_k] int64)."""
     num_tokens, num_experts = x.shape[0], router.shape[0]
-    block_e = triton.next_power_of_2(num_experts)
+    block_e = next_power_of_2(num_experts)
     grouped = scoring == "sigmoid" and n_group > 1
     if (grouped and block_e != num_experts) or num_tokens == 0:
         return route_experts_torch(x, router, correction_bias, top_k, scoring, renormalize,
@@ -144,7 +145,7 @@ def route_experts(x: torch.Tensor, router: torch.Tensor, correction_bias: torch.
     bias = correction_bias if correction_bias is not None else logits
     _route[(num_tokens,)](logits, bias, weights, ids, num_tokens, num_experts, float(scaling),
                           SPLITS=logits.shape[0], TOP_K=top_k,
-                          TOP_PAD=triton.next_power_of_2(top_k), SIGMOID=scoring == "sigmoid",
+                          TOP_PAD=next_power_of_2(top_k), SIGMOID=scoring == "sigmoid",
                           HAS_BIAS=correction_bias is not None,
                           RENORMALIZE=renormalize, N_GROUP=n_group if grouped else 1,
                           TOPK_GROUP=topk_group, BLOCK_E=block_e, num_warps=4)

@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from frugal.ops.triton.sizes import cdiv
+
 BINS = 2048
 BLOCK = 2048  # scores a program takes
 WORK = 3 * BINS + 2
@@ -108,7 +110,7 @@ def top_positions(scores: torch.Tensor, k: int) -> torch.Tensor:
     if rows == 0:
         return out
     work = torch.zeros(rows, WORK, dtype=torch.int32, device=scores.device)
-    grid = (rows, triton.cdiv(n, BLOCK))
+    grid = (rows, cdiv(n, BLOCK))
     for level in range(3):
         _histogram[grid](scores, work, n, k, scores.stride(0), work.stride(0), LEVEL=level,
                          BLOCK=BLOCK, num_warps=4)
