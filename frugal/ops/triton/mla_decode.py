@@ -22,6 +22,7 @@ import triton.language as tl
 
 from frugal.ops import torch_ref
 from frugal.ops.torch_ref.kv_quant import row_scaled, scale_view
+from frugal.ops.triton.sizes import cdiv, next_power_of_2
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Heads a program takes: all of them up to 64 (tl.dot needs at least 16), so each cached row is
@@ -31,7 +32,11 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_BLOCK_H = 64
 BLOCK_N = 64  # keys an iteration takes
 NUM_WARPS: int | None = None  # None: 8 for a latent of 256 or more, else 4
-MIN_SPLIT_KEYS = (256, 256)  # the fewest keys a split takes: dense, sparse
+# The fewest keys a split takes, and the programs splits may add up to (about two waves of the
+# H200's 132 SMs dense, one sparse): dense; sparse (its 2,048 positions at one request came in
+# 8 splits, 8 programs for 132 SMs, 41.6 us; in 32, one wave)
+MIN_SPLIT_KEYS = (256, 64)
+SPLIT_PROGRAMS = (264, 132)
 NUM_STAGES: int | None = None  # None: Triton's default
 
 
@@ -150,7 +155,7 @@ def merge(part: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> torch.Te
     batch, splits, heads, lat = part.shape
     out = torch.empty(batch, heads, lat, dtype=dtype, device=part.device)
     block_d = min(128, lat)
-    splits_pad = max(16, triton.next_power_of_2(splits))
+    splits_pad = max(16, next_power_of_2(splits))
     _merge[(batch, heads, lat // block_d)](part, lse, out, splits, part.stride(0),
                                            part.stride(1), part.stride(2), lse.stride(0),
                                            lse.stride(1), out.stride(0), out.stride(1),
@@ -182,19 +187,19 @@ def mla_decode(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor,
     own = row_scaled(cache, width, kv_scales)
     row_scales = scale_view(cache, width) if own else seq_lens  # (any tensor: not read)
     page_size = cache.shape[1]
-    block_h = min(MAX_BLOCK_H, max(16, triton.next_power_of_2(num_heads)))
+    block_h = min(MAX_BLOCK_H, max(16, next_power_of_2(num_heads)))
     if selection is not None:
         max_seq_len = selection.shape[1]
     # splits: enough programs for the GPU's SMs at a small batch, each of MIN_SPLIT_KEYS at least
-    want = max(1, min(triton.cdiv(max(max_seq_len, 1), MIN_SPLIT_KEYS[selection is not None]),
-                      triton.cdiv(264, batch * triton.cdiv(num_heads, block_h))))
-    keys_per_split = triton.cdiv(triton.cdiv(max(max_seq_len, 1), want), BLOCK_N) * BLOCK_N
-    splits = triton.cdiv(max(max_seq_len, 1), keys_per_split)
+    sparse = selection is not None
+    want = max(1, min(cdiv(max(max_seq_len, 1), MIN_SPLIT_KEYS[sparse]),
+                      cdiv(SPLIT_PROGRAMS[sparse], batch * cdiv(num_heads, block_h))))
+    keys_per_split = cdiv(cdiv(max(max_seq_len, 1), want), BLOCK_N) * BLOCK_N
+    splits = cdiv(max(max_seq_len, 1), keys_per_split)
     out = torch.empty(batch, splits, num_heads, kv_lora_rank, dtype=torch.float32,
                       device=q.device)
     lse = torch.empty(batch, splits, num_heads, dtype=torch.float32, device=q.device)
-    grid = (batch, triton.cdiv(num_heads, block_h), splits)
-    sparse = selection is not None
+    grid = (batch, cdiv(num_heads, block_h), splits)
     _kernel[grid](q, cache, page_table, seq_lens, out, lse, scale, num_heads, keys_per_split,
                   q.stride(0), q.stride(1), page_table.stride(0), cache.stride(1),
                   out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
