@@ -94,7 +94,7 @@ def default_tile(path: str, mode: int, k: int, block_m: int) -> tuple:
     """The kernels' tiles without a table entry (moe_gemv._blocks; moe._gemm's choices)."""
     if path == "gemv":
         return (*moe_gemv._blocks(mode, {0: 1, 1: 128, 2: 32}[mode], k), 4)
-    return (32 if block_m == 16 else 64, 128 if mode else 64, 4)
+    return (128 if mode == 2 else 32 if block_m == 16 else 64, 128 if mode else 64, 4)
 
 
 def main() -> None:
