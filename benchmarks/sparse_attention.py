@@ -119,12 +119,13 @@ def sweep(cache: torch.Tensor, fp8: torch.Tensor, scales: torch.Tensor) -> None:
     mla.MAX_BLOCK_H, mla.BLOCK_N, mla.NUM_WARPS, mla.NUM_STAGES = default
     print("\n| sparse: fewest keys a split | batch | bf16 sparse MLA | FP8 sparse MLA |")
     print("|---|---|---|---|")
+    saved_keys = mla.MIN_SPLIT_KEYS
     for keys in (256, 128, 64):
-        mla.MIN_SPLIT_KEYS = (256, keys)
+        mla.MIN_SPLIT_KEYS = (saved_keys[0], keys)
         for batch in (1, 16, 64):
             r, f = bench(batch, 32768, cache), bench(batch, 32768, fp8, scales)
             print(f"| {keys} | {batch} | {r['attend']:.1f} | {f['attend']:.1f} |", flush=True)
-    mla.MIN_SPLIT_KEYS = (256, 256)
+    mla.MIN_SPLIT_KEYS = saved_keys
     print("\n| index scores: BLOCK_N | warps | batch | context | bf16 | FP8 |")
     print("|---|---|---|---|---|---|")
     saved = dsa.BLOCK_N, dsa.NUM_WARPS
