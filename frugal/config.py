@@ -180,6 +180,9 @@ class EngineConfig:
     ops_backend: str = "auto"  # auto: triton on CUDA, torch_ref on CPU
     enforce_eager: bool = False  # no CUDA graphs for decode steps
     cuda_graph_max_bs: int = 256  # largest decode batch replayed from a graph
+    # steps with prompt tokens up to this many tokens replayed from graphs (worker.prompt_graphs;
+    # 0: none)
+    prompt_graph_max_tokens: int = 0
     overlap_schedule: bool = True  # launch the next step before reading this one's tokens
     seed: int = 0
     # none | int4 (W4A16) | fp8 (W8A8: per-channel weights, activations per token): a
@@ -228,6 +231,9 @@ class EngineConfig:
             raise ValueError("tensor_parallel_size: not with kv_role (disaggregation) yet")
         if self.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs: must be >= 1, got {self.cuda_graph_max_bs}")
+        if self.prompt_graph_max_tokens < 0:
+            raise ValueError("prompt_graph_max_tokens: must be >= 0, got "
+                             f"{self.prompt_graph_max_tokens}")
         if self.kv_role not in (None, "prefill", "decode", "both"):
             raise ValueError(f"kv_role: unsupported {self.kv_role!r} (prefill, decode, both)")
         if not self.kv_lease_s > 0 or not self.kv_transfer_timeout_s > 0:

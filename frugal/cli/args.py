@@ -48,6 +48,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="wait for each step's tokens before launching the next step")
     g.add_argument("--cuda-graph-max-bs", type=int, default=256,
                    help="largest decode batch run from a CUDA graph")
+    g.add_argument("--prompt-graph-max-tokens", type=int, default=0,
+                   help="steps with prompt tokens of up to this many tokens run from CUDA "
+                        "graphs too (0: none; MHA models: Llama, Qwen, Qwen3-MoE, GLM-4.5)")
     g.add_argument("--kv-cache-dtype", default="auto",
                    help="auto (the activation dtype), bfloat16, float16, float32; 8-bit: "
                         "fp8_e4m3 (alias fp8: scaled per layer and KV head, calibrated), "
@@ -86,6 +89,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         quantization=args.quantization, num_layers=args.num_layers,
         tensor_parallel_size=args.tensor_parallel_size,
         cuda_graph_max_bs=args.cuda_graph_max_bs,
+        prompt_graph_max_tokens=args.prompt_graph_max_tokens,
         overlap_schedule=not args.disable_overlap_schedule,
         cache=CacheConfig(page_size=args.page_size, kv_cache_memory=args.kv_cache_memory,
                           gpu_memory_utilization=args.gpu_memory_utilization,

@@ -18,6 +18,7 @@ from frugal.layers.attention import AttentionMetadata
 from frugal.parallel import SINGLE, Parallel
 from frugal.worker.cuda_graph import DecodeGraphs
 from frugal.worker.kv_pool import KVPool
+from frugal.worker.prompt_graphs import PromptGraphs
 from frugal.worker.sampler import Sampler, token_logprobs
 from frugal.worker.step import Launched, StepResult, failures, score_prompt, scores_prompt
 from frugal.worker.step_inputs import Pending, StepInputs, prepare
@@ -52,9 +53,11 @@ class ModelRunner:
         self.dtype = config.resolved_dtype(self.model_config)
         self.pool: KVPool | None = None
         self.graphs: DecodeGraphs | None = None
+        self.prompt_graphs: PromptGraphs | None = None
         self.integrity = False  # (FP8 calibration runs steps unchecked)
-        self._graph_sets: dict[bool, DecodeGraphs] = {}
-        self._graph_args: tuple | None = None  # (max_bs, max_model_len) with graphs on
+        self._graph_sets: dict[bool, tuple[DecodeGraphs, PromptGraphs | None]] = {}
+        # (max_bs, max_model_len, prompt graphs' max tokens) with graphs on
+        self._graph_args: tuple | None = None
         self._unread: list[Launched] = []  # steps that sampled nothing, status not yet read
 
     def bind(self, pool: KVPool | None) -> None:
@@ -65,10 +68,12 @@ class ModelRunner:
             attn.v_cache = None if pool is None else pool.v[i]
             attn.kv_scales = None if pool is None or pool.scales is None else pool.scales[i]
 
-    def enable_graphs(self, on: bool, max_bs: int, max_model_len: int) -> None:
-        """Decode steps of up to max_bs requests from CUDA graphs (captured now, for the
-        integrity setting in force; the other setting's on first use). Call once, bound."""
-        self._graph_args = (max_bs, max_model_len) if on else None
+    def enable_graphs(self, on: bool, max_bs: int, max_model_len: int,
+                      prompt_tokens: int = 0) -> None:
+        """Decode steps of up to max_bs requests from CUDA graphs, and steps with prompt tokens
+        of up to prompt_tokens tokens (0: none; worker.prompt_graphs), captured now for the
+        integrity setting in force (the other setting's on first use). Call once, bound."""
+        self._graph_args = (max_bs, max_model_len, prompt_tokens) if on else None
         self.set_integrity(self.config.cache.kv_integrity)
 
     def set_integrity(self, on: bool, tags: list[int] | None = None) -> None:
@@ -81,12 +86,15 @@ class ModelRunner:
         self.integrity = on
         if self._graph_args is not None:
             if on not in self._graph_sets:
-                max_bs, max_model_len = self._graph_args
-                self._graph_sets[on] = DecodeGraphs(
-                    self.model, self.backend, max_bs, max_model_len, self.pool.page_size,
-                    self.model_config.vocab_size, self.dtype, self.device,
-                    self.pool.tags if on else None)
-            self.graphs = self._graph_sets[on]
+                max_bs, max_model_len, prompt_tokens = self._graph_args
+                shape = (self.pool.page_size, self.model_config.vocab_size, self.dtype,
+                         self.device, self.pool.tags if on else None)
+                self._graph_sets[on] = (
+                    DecodeGraphs(self.model, self.backend, max_bs, max_model_len, *shape),
+                    PromptGraphs(self.model, self.backend, prompt_tokens,
+                                 self.config.scheduler.max_num_seqs, max_model_len, *shape)
+                    if prompt_tokens else None)
+            self.graphs, self.prompt_graphs = self._graph_sets[on]
 
     def prepare(self, out: SchedulerOutput) -> StepInputs:
         return prepare(out, self.pool.page_size, self.device)
@@ -140,6 +148,9 @@ class ModelRunner:
             logits, step.status = self.graphs.run(inputs)
             if len(inputs.sampled) < inputs.num_requests:
                 logits = logits[inputs.logits_indices]
+        elif (self.prompt_graphs is not None and self.prompt_graphs.fits(inputs)
+              and not scoring):
+            logits, step.status = self.prompt_graphs.run(inputs)
         else:
             if check:
                 step.status = self._check(inputs)

@@ -20,7 +20,7 @@ import torch
 
 from frugal import ops
 from frugal.config import EngineConfig
-from frugal.layers.attention import graph_capture_blocker
+from frugal.layers.attention import graph_capture_blocker, prompt_graph_blocker
 from frugal.layers.linear import quantize_layers
 from frugal.layers.moe import quantize_moe
 from frugal.loader import Checkpoint
@@ -166,9 +166,13 @@ class Worker:
         if self.device.startswith("cuda"):
             warm_up(self.runner)
         c = self.config
+        prompt_tokens = min(c.prompt_graph_max_tokens, c.resolved_batched_tokens())
+        if prompt_tokens and (why := prompt_graph_blocker(self.model_config)):
+            logger.info("steps with prompt tokens run eagerly: %s", why)
+            prompt_tokens = 0
         self.runner.enable_graphs(self.uses_graphs, min(c.cuda_graph_max_bs,
                                                         c.scheduler.max_num_seqs),
-                                  self.max_model_len)
+                                  self.max_model_len, prompt_tokens)
 
     # -- what the engine asks ----------------------------------------------------------------
 

@@ -48,6 +48,31 @@ def test_cuda_graphs_equal_eager():
     assert runner.pool.num_pages == graphs.engine.scheduler.kv.num_free
 
 
+def test_prompt_graphs_equal_eager():
+    """Steps with prompt tokens (chunks of 64 alone and beside decodes, the short prompts' last
+    chunks) replayed from padded graphs: the eager engine's tokens, no page leaked."""
+    from frugal.config import CacheConfig, EngineConfig, SchedulerConfig
+
+    def engine(**kwargs):
+        return LLM.from_config(EngineConfig(
+            dtype="float32", device="cuda", cache=CacheConfig(kv_cache_memory="1GiB"),
+            scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=64), **kwargs))
+
+    graphs, eager = engine(prompt_graph_max_tokens=64), engine(enforce_eager=True)
+    runner = graphs.engine.runner
+    assert runner.prompt_graphs is not None and eager.engine.runner.prompt_graphs is None
+    replays = []
+    run = runner.prompt_graphs.run
+    runner.prompt_graphs.run = lambda inputs: replays.append(1) or run(inputs)
+    prompts = [p * (1 + i % 3) for i, p in enumerate(PROMPTS)]  # 64-token chunks, and short
+    params = [SamplingParams(temperature=0, max_tokens=8 + 4 * i, ignore_eos=True)
+              for i in range(len(prompts))]
+    ours = [o.outputs[0].token_ids for o in graphs.generate(prompts, params)]
+    assert ours == [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
+    assert len(replays) >= 2
+    assert runner.pool.num_pages == graphs.engine.scheduler.kv.num_free
+
+
 def test_gpu_bf16_differs_only_within_rounding(llm, cpu_tokens):
     """Where bf16 greedy leaves the fp32 path, the fp32 logits of the two tokens are close."""
     gpu = LLM(dtype="bfloat16", device="cuda", kv_cache_memory="1GiB")

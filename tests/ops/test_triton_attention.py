@@ -117,6 +117,33 @@ def test_mixed_batch_runs_its_leading_decodes_in_the_decode_kernel(fp8):
                                    rtol=TOL[torch.bfloat16])
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_a_padded_prompt_step_leaves_its_padding_zero(fp8):
+    """A step as worker.prompt_graphs pads it: token rows past the last request's (in no
+    request) and requests with no new tokens and seq_len 0 (their page-table rows zero), the
+    grid sized for the padded token count, every request through the prompt kernel. The real
+    rows are the unpadded step's; the padding rows are zeros, not whatever memory held."""
+    seq_lens, num_new = [37, 20, 9], [1, 12, 1]
+    scales = fp8_scales(2, seed=6) if fp8 else None
+    q, k_cache, v_cache, table, cu, lens = make_case(seq_lens, num_new, 6, 2, 16, 4,
+                                                     torch.bfloat16, seed=6, scales=scales)
+    kv = None if scales is None else scales.to(DEVICE)
+    real = torch_ref.paged_attention(q, k_cache, v_cache, table, cu, lens, 16 ** -0.5,
+                                     max(num_new), max(seq_lens), kv, 1)
+    tokens, requests = 32, 5  # (the graph's bucket: 14 tokens of 3 requests padded)
+    q_pad = torch.cat([q, torch.full((tokens - q.shape[0], *q.shape[1:]), float("nan"),
+                                     dtype=q.dtype, device=q.device)])
+    cu_pad = torch.cat([cu, cu[-1:].repeat(requests - 3)])
+    lens_pad = torch.cat([lens, lens.new_zeros(requests - 3)])
+    table_pad = torch.cat([table, table.new_zeros(requests - 3, table.shape[1])])
+    for impl in (torch_ref, triton_attention):
+        out = impl.paged_attention(q_pad, k_cache, v_cache, table_pad, cu_pad, lens_pad,
+                                   16 ** -0.5, tokens, 4 * table.shape[1], kv, 0)
+        torch.testing.assert_close(out[:q.shape[0]].float(), real.float(),
+                                   atol=TOL[torch.bfloat16], rtol=TOL[torch.bfloat16])
+        assert bool((out[q.shape[0]:] == 0).all())
+
+
 @pytest.mark.parametrize("splits", [1, 3, 7])
 @pytest.mark.parametrize("min_split", [64, 256])
 def test_decode_split_counts_agree(splits, min_split, monkeypatch):

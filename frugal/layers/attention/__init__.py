@@ -83,3 +83,8 @@ def graph_capture_blocker(c: ModelConfig) -> str | None:
     """None when the model's attention lets decode steps be captured in CUDA graphs, else the
     reason it does not (the backend's own words)."""
     return backend_for(c).graph_capture(c)
+
+
+def prompt_graph_blocker(c: ModelConfig) -> str | None:
+    """Likewise for steps with prompt tokens (worker.prompt_graphs)."""
+    return backend_for(c).prompt_graphs(c)

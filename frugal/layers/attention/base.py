@@ -59,6 +59,12 @@ class AttentionBackend(ABC):
         """The cache a layer of this backend reads and writes on this rank (fp8: an FP8
         cache)."""
 
+    def prompt_graphs(self, c: ModelConfig) -> str | None:
+        """None when steps with prompt tokens may be captured too (worker.prompt_graphs: padded
+        tokens in no request, padded requests of seq_len 0, max_query_len the token bucket),
+        else why not."""
+        return f"{self.name} prompts size their attention from host lengths"
+
     @abstractmethod
     def graph_capture(self, c: ModelConfig) -> str | None:
         """None when a decode step of this backend may be captured in a CUDA graph, else why

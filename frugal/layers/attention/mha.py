@@ -107,5 +107,8 @@ class MhaBackend(AttentionBackend):
     def graph_capture(self, c: ModelConfig) -> str | None:
         return None
 
+    def prompt_graphs(self, c: ModelConfig) -> str | None:
+        return None
+
 
 BACKEND = MhaBackend()

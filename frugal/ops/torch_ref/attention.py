@@ -100,9 +100,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     seq_lens (GPU kernels size their grids with them). Returns [num_tokens, num_heads, head_dim]
     in q's dtype (zeros for a request with seq_len 0). kv_scales: [2, num_kv_heads] for an FP8
     cache. num_decodes: the first num_decodes requests have one new token each (kernels may run
-    them apart; the result is the same).
+    them apart; the result is the same). Rows past cu_seqlens_q[-1] (a padded step's, see
+    worker.prompt_graphs): zeros when max_query_len > 1, else left as they are.
     """
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if max_query_len == 1 else torch.zeros_like(q)
     starts = cu_seqlens_q.tolist()
     lens = seq_lens.tolist()
     num_new = [b - a for a, b in zip(starts, starts[1:])]

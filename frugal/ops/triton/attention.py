@@ -244,7 +244,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     batch = seq_lens.shape[0]
     decodes = batch if max_query_len == 1 else num_decodes
     q = q.contiguous()
-    out = torch.empty_like(q)
+    # (a prompt step's rows past the last request's tokens: zeros, see torch_ref)
+    out = torch.empty_like(q) if max_query_len == 1 else torch.zeros_like(q)
     args = (q, k_cache, v_cache, scales, k_scales, v_scales, page_table, seq_lens, cu_seqlens_q)
     # fp32 activations get exact fp32 products (no TF32), so GPU and CPU paths agree
     consts = dict(NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim,

@@ -1,0 +1,90 @@
+"""Steps with prompt tokens through worker.prompt_graphs' padded static buffers (run eagerly
+here: the graphs themselves are captured on a GPU) give the tokens and log-probabilities of
+plain steps: prompts alone and beside decodes, in chunks, after prefix-cache hits, with the
+integrity check on; the padding touches no page."""
+
+import pytest
+import torch
+
+from frugal import LLM, SamplingParams
+from frugal.config import CacheConfig, EngineConfig, SchedulerConfig
+from frugal.worker.prompt_graphs import PromptGraphs, request_sizes, token_sizes
+
+
+def test_buckets_cover_every_step_up_to_the_largest():
+    assert token_sizes(1024) == [16, 32, 64, 128, 256, 384, 512, 640, 768, 896, 1024]
+    assert token_sizes(40) == [16, 32, 40] and token_sizes(16) == [16]
+    assert request_sizes(256) == [1, 4, 16, 64, 256] and request_sizes(5) == [1, 4, 5]
+    graphs = PromptGraphs.__new__(PromptGraphs)
+    graphs.token_sizes, graphs.request_sizes = token_sizes(96), request_sizes(20)
+    pairs = set(graphs._pairs())
+    for tokens in range(2, 97):  # a step of T tokens over R <= T requests finds its graph
+        for requests in range(1, min(tokens, 20) + 1):
+            t = min(s for s in graphs.token_sizes if s >= tokens)
+            r = min(s for s in graphs.request_sizes if s >= requests)
+            assert (t, r) in pairs, (tokens, requests)
+
+
+def _check_padding(graphs: PromptGraphs, inputs) -> int:
+    """The buffers of the bucket a step ran in hold it, then padding no kernel can act on:
+    token rows of slot -1 in no request, requests with no tokens (offsets at the step's end)
+    and seq_len 0. Returns the step's token count."""
+    t, r = inputs.input_ids.shape[0], inputs.num_requests
+    tokens = min(s for s in graphs.token_sizes if s >= t)
+    requests = min(s for s in graphs.request_sizes if s >= r)
+    assert bool((graphs.slots[:t] == inputs.meta.slot_mapping).all())
+    assert bool((graphs.slots[t:tokens] == -1).all())
+    assert graphs.cu_seqlens[:requests + 1].tolist() == inputs.cu_seqlens + [t] * (requests - r)
+    assert graphs.seq_lens[:requests].tolist() == inputs.meta.seq_lens.tolist() + [0] * (
+        requests - r)
+    return t
+
+
+def _engine(check: bool, graphs: bool):
+    config = EngineConfig(dtype="float32", device="cpu",
+                          cache=CacheConfig(page_size=4, kv_cache_memory="64MiB",
+                                            kv_integrity=check),
+                          scheduler=SchedulerConfig(max_num_batched_tokens=24))
+    engine = LLM.from_config(config).engine
+    runs = []
+    if graphs:
+        runner = engine.runner
+        padded = PromptGraphs(runner.model, runner.backend, 48, 8, 512, runner.pool.page_size,
+                              runner.model_config.vocab_size, runner.dtype, "cpu",
+                              runner.pool.tags if check else None, capture=False)
+        run = padded.run
+
+        def checked(inputs):
+            result = run(inputs)
+            runs.append(_check_padding(padded, inputs))
+            return result
+        padded.run = checked
+        runner.prompt_graphs = padded
+    return engine, runs
+
+
+@pytest.mark.parametrize("check", [True, False])
+def test_padded_prompt_steps_equal_plain_ones(check):
+    shared = list(range(100, 121))  # 21 tokens: 5 full pages of 4, cached after the first
+    prompts = [shared + [7, 8], list(range(30, 41)), [5, 6, 7], shared + [9], list(range(50, 83))]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=2)
+              for n in (6, 9, 4, 5, 3)]
+    results, counts = [], []
+    for graphs in (True, False):
+        engine, runs = _engine(check, graphs)
+        ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        tokens, logprobs = {}, {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                tokens.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+                logprobs.setdefault(out.request_id, []).extend(
+                    [lp.logprob, *(v for _, v in lp.top)] for lp in out.outputs[0].logprobs or [])
+            engine.scheduler.check_integrity()
+        assert engine.scheduler.kv.num_free == engine.runner.pool.num_pages
+        results.append(([tokens[i] for i in ids], [logprobs[i] for i in ids]))
+        counts.append(runs)
+    assert results[0][0] == results[1][0]
+    torch.testing.assert_close(results[0][1], results[1][1], atol=1e-5, rtol=1e-5)
+    # chunks of 24 tokens (alone, and beside decodes), and steps of a few tokens, all padded
+    assert len(counts[0]) >= 4 and max(counts[0]) == 24 and min(counts[0]) < 16
+    assert counts[1] == []
