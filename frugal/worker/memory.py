@@ -22,8 +22,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger("frugal")
 
 
-def kv_budget(runner: ModelRunner, spec: KVSpec, config: EngineConfig, graphs: bool) -> int:
-    """Bytes for the KV pool (see CacheConfig); graphs: decode graphs will be captured."""
+def kv_budget(runner: ModelRunner, spec: KVSpec, config: EngineConfig, graphs: bool,
+              prompt_tokens: int = 0) -> int:
+    """Bytes for the KV pool (see CacheConfig); graphs: decode graphs will be captured;
+    prompt_tokens: and prompt graphs of up to that many tokens (worker.prompt_graphs)."""
     budget = config.cache.kv_cache_memory
     if isinstance(budget, float):
         return int(budget * available_memory_bytes(runner.device))
@@ -38,6 +40,10 @@ def kv_budget(runner: ModelRunner, spec: KVSpec, config: EngineConfig, graphs: b
         itemsize = torch.empty((), dtype=runner.dtype).element_size()
         graph_bytes = (config.cuda_graph_max_bs * runner.model_config.vocab_size * itemsize
                        + 2**29)
+        if prompt_tokens:  # their logits, and their own copy of a step's activations
+            requests = min(config.scheduler.max_num_seqs, prompt_tokens)
+            graph_bytes += (requests * runner.model_config.vocab_size * itemsize
+                            + activations * prompt_tokens // config.resolved_batched_tokens())
     budget = int(config.cache.gpu_memory_utilization * total) - (total - free)
     budget -= activations + graph_bytes
     logger.info("GPU memory: %.1f GiB total, %.1f GiB in use (weights), %.2f GiB peak "

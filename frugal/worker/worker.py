@@ -132,7 +132,8 @@ class Worker:
 
     def determine_num_pages(self) -> int:
         """Pages of kv_spec the KV budget holds (the same on every rank)."""
-        budget = kv_budget(self.runner, self.kv_spec, self.config, self.uses_graphs)
+        budget = kv_budget(self.runner, self.kv_spec, self.config, self.uses_graphs,
+                           self.prompt_graph_tokens if self.uses_graphs else 0)
         num_pages = self.parallel.fewest(budget // self.kv_spec.page_bytes, self.device)
         if num_pages < 1:
             raise ValueError(f"kv_cache_memory: {budget} bytes is less than one page "
@@ -162,19 +163,27 @@ class Worker:
 
     def warm_up(self) -> None:
         """Compile the prompt kernels (a compile mid-serving stalls every request), and capture
-        the decode graphs when the device, the backend and the model's attention allow them."""
+        the decode graphs (and prompt graphs, if asked for) when the device, the backend and
+        the model's attention allow them."""
         if self.device.startswith("cuda"):
             warm_up(self.runner)
         c = self.config
-        prompt_tokens = min(c.prompt_graph_max_tokens, c.resolved_batched_tokens())
-        if prompt_tokens and (why := prompt_graph_blocker(self.model_config)):
+        if c.prompt_graph_max_tokens and (why := prompt_graph_blocker(self.model_config)):
             logger.info("steps with prompt tokens run eagerly: %s", why)
-            prompt_tokens = 0
         self.runner.enable_graphs(self.uses_graphs, min(c.cuda_graph_max_bs,
                                                         c.scheduler.max_num_seqs),
-                                  self.max_model_len, prompt_tokens)
+                                  self.max_model_len, self.prompt_graph_tokens)
 
     # -- what the engine asks ----------------------------------------------------------------
+
+    @property
+    def prompt_graph_tokens(self) -> int:
+        """The most tokens of a step with prompt tokens replayed from a graph (0: none; with
+        decode graphs only, for an attention backend whose prompts allow it)."""
+        c = self.config
+        if prompt_graph_blocker(self.model_config) is not None:
+            return 0
+        return min(c.prompt_graph_max_tokens, c.resolved_batched_tokens())
 
     @property
     def uses_graphs(self) -> bool:
