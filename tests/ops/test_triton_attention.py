@@ -144,6 +144,20 @@ def test_a_padded_prompt_step_leaves_its_padding_zero(fp8):
         assert bool((out[q.shape[0]:] == 0).all())
 
 
+@pytest.mark.parametrize("requests", [15, 16, 17])
+def test_extend_work_items_cover_many_requests(requests):
+    """The extend kernel's programs are work items laid out request after request (a grid of
+    one per block of the step's tokens plus one a request): 15 to 17 prompt chunks of 1 to 9
+    tokens (around the 16 requests its table reads at once), some items past the last."""
+    num_new = [1 + (7 * i) % 9 for i in range(requests)]
+    seq_lens = [n + (5 * i) % 13 for i, n in enumerate(num_new)]
+    q, k_cache, v_cache, table, cu, lens = make_case(seq_lens, num_new, 4, 2, 16, 4,
+                                                     torch.float32, seed=requests)
+    args = (q, k_cache, v_cache, table, cu, lens, 16 ** -0.5, max(num_new), max(seq_lens))
+    torch.testing.assert_close(triton_attention.paged_attention(*args),
+                               torch_ref.paged_attention(*args), atol=2e-3, rtol=2e-3)
+
+
 @pytest.mark.parametrize("splits", [1, 3, 7])
 @pytest.mark.parametrize("min_split", [64, 256])
 def test_decode_split_counts_agree(splits, min_split, monkeypatch):

@@ -111,26 +111,44 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, scales_ptr, k_scale_ptr, v_s
     tl.store(lse_ptr + out_row, lse, mask=g_mask)
 
 
-@triton.jit(do_not_specialize=["pages_stride", "first"])
+@triton.jit
+def _work_item(cu_ptr, first, batch, item, TOKENS: tl.constexpr, R_PAD: tl.constexpr):
+    """(request, block of TOKENS of its new tokens) of work item `item`, the items laid out
+    request after request from `first` on (a request of n new tokens: cdiv(n, TOKENS) items);
+    block -1 past the last item."""
+    rs = tl.arange(0, R_PAD)
+    ok = rs < batch - first
+    lo = tl.load(cu_ptr + first + rs, mask=ok, other=0)
+    hi = tl.load(cu_ptr + first + rs + 1, mask=ok, other=0)
+    blocks = tl.where(ok, (hi - lo + TOKENS - 1) // TOKENS, 0)
+    ends = tl.cumsum(blocks, axis=0)
+    r = tl.sum((ends <= item).to(tl.int32), axis=0)
+    before = tl.sum(tl.where(rs == r, ends - blocks, 0), axis=0)
+    return first + r, tl.where(r < batch - first, item - before, -1)
+
+
+@triton.jit(do_not_specialize=["pages_stride", "first", "batch"])
 def _extend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, scales_ptr, k_scale_ptr, v_scale_ptr,
                    page_table_ptr, seq_lens_ptr, cu_ptr, out_ptr, scale, pages_stride, first,
-                   NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
-                   GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
-                   PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   DOT_F32: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
-                   K_ROW: tl.constexpr, V_ROW: tl.constexpr, K_SROW: tl.constexpr,
-                   V_SROW: tl.constexpr):
+                   batch, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
+                   FP8: tl.constexpr, K_ROW: tl.constexpr, V_ROW: tl.constexpr,
+                   K_SROW: tl.constexpr, V_SROW: tl.constexpr, R_PAD: tl.constexpr):
     """One program: BLOCK_M // GROUP_PAD new tokens of one request, for every query head of one
     KV head (row r: token r // GROUP_PAD, head r % GROUP_PAD of the group), so each K/V block is
-    loaded (FP8: and widened) once for the group. Requests from `first` on. FP8, K_ROW ..
-    V_SROW: as in _decode_kernel."""
-    b = first + tl.program_id(0)
+    loaded (FP8: and widened) once for the group. Programs are work items of requests `first` ..
+    batch - 1 (_work_item): a grid of cdiv(tokens, TOKENS) + requests items covers any step, so
+    a padded step (worker.prompt_graphs) launches no program per (request, longest prompt's
+    block). FP8, K_ROW .. V_SROW: as in _decode_kernel."""
     kv_head = tl.program_id(1)
-    block = tl.program_id(2)
     TOKENS: tl.constexpr = BLOCK_M // GROUP_PAD
+    b, block = _work_item(cu_ptr, first, batch, tl.program_id(0), TOKENS, R_PAD)
+    b = tl.minimum(b, batch - 1)  # (an item past the last, block -1: reads a real row, exits)
     start = tl.load(cu_ptr + b)
     num_new = tl.load(cu_ptr + b + 1) - start
-    if block * TOKENS < num_new:
+    if (block >= 0) & (block * TOKENS < num_new):
         seq_len = tl.load(seq_lens_ptr + b)
         r = tl.arange(0, BLOCK_M)
         i = block * TOKENS + r // GROUP_PAD  # the row's new token
@@ -259,9 +277,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if decodes < batch:
         group_pad = next_power_of_2(group)
         block_m, launch = _extend_launch(max_query_len * group_pad, group_pad, fp8)
-        grid = (batch - decodes, num_kv_heads, cdiv(max_query_len, block_m // group_pad))
-        _extend_kernel[grid](*args, out, scale, page_table.stride(0), decodes,
-                             GROUP_PAD=group_pad, BLOCK_M=block_m, **consts, **launch)
+        # work items: at most one per TOKENS of the step's tokens, plus one a request
+        items = cdiv(q.shape[0], block_m // group_pad) + batch - decodes
+        _extend_kernel[(items, num_kv_heads)](
+            *args, out, scale, page_table.stride(0), decodes, batch, GROUP_PAD=group_pad,
+            BLOCK_M=block_m, R_PAD=max(16, next_power_of_2(batch - decodes)), **consts,
+            **launch)
     return out
 
 
