@@ -148,7 +148,7 @@ def test_a_padded_prompt_step_leaves_its_padding_zero(fp8):
 def test_extend_work_items_cover_many_requests(requests):
     """The extend kernel's programs are work items laid out request after request (a grid of
     one per block of the step's tokens plus one a request): 15 to 17 prompt chunks of 1 to 9
-    tokens (around the 16 requests its table reads at once), some items past the last."""
+    tokens (around the 16 requests it reads at a time), some items past the last."""
     num_new = [1 + (7 * i) % 9 for i in range(requests)]
     seq_lens = [n + (5 * i) % 13 for i, n in enumerate(num_new)]
     q, k_cache, v_cache, table, cu, lens = make_case(seq_lens, num_new, 4, 2, 16, 4,

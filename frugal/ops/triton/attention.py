@@ -112,19 +112,27 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, scales_ptr, k_scale_ptr, v_s
 
 
 @triton.jit
-def _work_item(cu_ptr, first, batch, item, TOKENS: tl.constexpr, R_PAD: tl.constexpr):
+def _work_item(cu_ptr, first, batch, item, TOKENS: tl.constexpr):
     """(request, block of TOKENS of its new tokens) of work item `item`, the items laid out
     request after request from `first` on (a request of n new tokens: cdiv(n, TOKENS) items);
-    block -1 past the last item."""
-    rs = tl.arange(0, R_PAD)
-    ok = rs < batch - first
-    lo = tl.load(cu_ptr + first + rs, mask=ok, other=0)
-    hi = tl.load(cu_ptr + first + rs + 1, mask=ok, other=0)
-    blocks = tl.where(ok, (hi - lo + TOKENS - 1) // TOKENS, 0)
-    ends = tl.cumsum(blocks, axis=0)
-    r = tl.sum((ends <= item).to(tl.int32), axis=0)
-    before = tl.sum(tl.where(rs == r, ends - blocks, 0), axis=0)
-    return first + r, tl.where(r < batch - first, item - before, -1)
+    block -1 past the last item. Reads the offsets 16 requests at a time (no constant that
+    grows with the batch: no kernel compiled mid-serving for a bigger one)."""
+    found, block, carry = batch, -1, 0
+    for c0 in range(first, batch, 16):
+        rs = tl.arange(0, 16)
+        ok = c0 + rs < batch
+        lo = tl.load(cu_ptr + c0 + rs, mask=ok, other=0)
+        hi = tl.load(cu_ptr + c0 + rs + 1, mask=ok, other=0)
+        blocks = tl.where(ok, (hi - lo + TOKENS - 1) // TOKENS, 0)
+        ends = carry + tl.cumsum(blocks, axis=0)
+        k = tl.sum((ends <= item).to(tl.int32), axis=0)
+        total = tl.sum(blocks, axis=0)
+        inside = (item >= carry) & (item < carry + total)
+        before = tl.sum(tl.where(rs == k, ends - blocks, 0), axis=0)
+        found = tl.where(inside, c0 + k, found)
+        block = tl.where(inside, item - before, block)
+        carry += total
+    return found, block
 
 
 @triton.jit(do_not_specialize=["pages_stride", "first", "batch"])
@@ -135,7 +143,7 @@ def _extend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, scales_ptr, k_scale_ptr, v_s
                    DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
                    FP8: tl.constexpr, K_ROW: tl.constexpr, V_ROW: tl.constexpr,
-                   K_SROW: tl.constexpr, V_SROW: tl.constexpr, R_PAD: tl.constexpr):
+                   K_SROW: tl.constexpr, V_SROW: tl.constexpr):
     """One program: BLOCK_M // GROUP_PAD new tokens of one request, for every query head of one
     KV head (row r: token r // GROUP_PAD, head r % GROUP_PAD of the group), so each K/V block is
     loaded (FP8: and widened) once for the group. Programs are work items of requests `first` ..
@@ -144,7 +152,7 @@ def _extend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, scales_ptr, k_scale_ptr, v_s
     block). FP8, K_ROW .. V_SROW: as in _decode_kernel."""
     kv_head = tl.program_id(1)
     TOKENS: tl.constexpr = BLOCK_M // GROUP_PAD
-    b, block = _work_item(cu_ptr, first, batch, tl.program_id(0), TOKENS, R_PAD)
+    b, block = _work_item(cu_ptr, first, batch, tl.program_id(0), TOKENS)
     b = tl.minimum(b, batch - 1)  # (an item past the last, block -1: reads a real row, exits)
     start = tl.load(cu_ptr + b)
     num_new = tl.load(cu_ptr + b + 1) - start
@@ -281,8 +289,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         items = cdiv(q.shape[0], block_m // group_pad) + batch - decodes
         _extend_kernel[(items, num_kv_heads)](
             *args, out, scale, page_table.stride(0), decodes, batch, GROUP_PAD=group_pad,
-            BLOCK_M=block_m, R_PAD=max(16, next_power_of_2(batch - decodes)), **consts,
-            **launch)
+            BLOCK_M=block_m, **consts, **launch)
     return out
 
 
