@@ -225,3 +225,28 @@ def test_residual_joins_the_sum_on_both_paths(monkeypatch):
         got = tri.fused_moe(*args, residual=residual.to(DEVICE))
         torch.testing.assert_close(got.cpu(), ref, atol=1e-4 * ref.abs().max().item(),
                                    rtol=1e-4)
+
+
+def test_int4_groups_of_16_take_the_sorted_path(monkeypatch):
+    """The small-batch path sums INT4 products per 32 inputs: experts quantized in groups of 16
+    go to the sorted path at any batch (moe_gemv.takes), with torch_ref's result."""
+    from frugal.quant.experts import stack
+    from frugal.quant.int4 import quantize_rtn
+
+    gemv = pytest.importorskip("frugal.ops.triton.moe_gemv")
+    g = torch.Generator().manual_seed(3)
+    experts, inter, hidden = 4, 32, 64
+
+    def int4(w):
+        return stack([quantize_rtn(e, 16, symmetric=True) for e in w])
+
+    gate_up = int4(torch.randn(experts, 2 * inter, hidden, generator=g) * hidden ** -0.5)
+    down = int4(torch.randn(experts, hidden, inter, generator=g) * inter ** -0.5)
+    assert gate_up.group_size == 16 and not gemv.takes(gate_up)
+    x = torch.randn(2, hidden, generator=g)
+    weights, ids = routed(2, experts, 2, g)
+    ref = torch_ref.fused_moe(x, gate_up, down, weights, ids)
+    monkeypatch.setattr(gemv, "fused_moe_gemv", None)  # (taking it would fail)
+    got = tri.fused_moe(x.to(DEVICE), gate_up.to(DEVICE), down.to(DEVICE), weights.to(DEVICE),
+                        ids.to(DEVICE))
+    torch.testing.assert_close(got.cpu(), ref, atol=1e-4 * ref.abs().max().item(), rtol=1e-4)
