@@ -14,6 +14,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from collections.abc import Callable
 from types import ModuleType
 
 import torch
@@ -33,6 +34,42 @@ def capture_sizes(max_bs: int) -> list[int]:
     return sorted(set(sizes + [max_bs]))
 
 
+def capture_graphs(keys: list, forward: Callable, device: str) -> tuple[dict, int]:
+    """A CUDA graph of forward(*key) (or forward(key)) for each key, the largest first so the
+    others reuse its memory (one pool), each run once outside its capture to compile its
+    kernels; and the device bytes the graphs took."""
+    graphs, pool = {}, None
+    before = torch.cuda.memory_reserved(device)
+    for key in sorted(keys, reverse=True):
+        args = key if isinstance(key, tuple) else (key,)
+        forward(*args)
+        torch.cuda.synchronize(device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            forward(*args)
+        pool = graph.pool()
+        graphs[key] = graph
+    torch.cuda.synchronize(device)
+    return graphs, torch.cuda.memory_reserved(device) - before
+
+
+def checked_forward(graphs, meta: AttentionMetadata, input_ids: torch.Tensor,
+                    positions: torch.Tensor, rows: torch.Tensor | None) -> None:
+    """A graph set's step over its static buffers: the integrity check (with tags, into its
+    check_status), the model, and the logits of the hidden rows `rows` (None: all) into its
+    logits."""
+    n = meta.seq_lens.shape[0]
+    with ops.use(graphs.backend):
+        if graphs.tags is not None:
+            ops.check_kv_pages(meta.page_table, graphs.page_tags[:n], graphs.tags,
+                               meta.seq_lens, meta.cu_seqlens_q, meta.slot_mapping,
+                               graphs.page_size, status=graphs.check_status[:n])
+        hidden = graphs.model(input_ids, positions, meta)
+        if rows is not None:
+            hidden = hidden[rows]
+        graphs.logits[:n].copy_(graphs.model.compute_logits(hidden, upcast=False))
+
+
 class DecodeGraphs:
     """Captured decode graphs of one model; `run` replays the one that fits a step.
 
@@ -42,11 +79,13 @@ class DecodeGraphs:
     logits [max_bs, vocab] in the model's dtype (as the LM head computes them), the output of
     every graph; check_status [max_bs, 4] int32, the integrity status the graphs with tags
     write (allocated even without tags, so both kinds of graph set lay out memory alike).
+    capture False: no graphs, `run` runs the padded step eagerly (the padding's semantics tested
+    on any device).
     """
 
     def __init__(self, model: nn.Module, backend: ModuleType, max_bs: int, max_model_len: int,
                  page_size: int, vocab_size: int, dtype: torch.dtype, device: str,
-                 tags: torch.Tensor | None = None) -> None:
+                 tags: torch.Tensor | None = None, capture: bool = True) -> None:
         self.model, self.backend = model, backend
         self.page_size, self.tags = page_size, tags
         self.sizes = capture_sizes(max_bs)
@@ -65,34 +104,19 @@ class DecodeGraphs:
             self.logits = torch.zeros(max_bs, vocab_size, dtype=dtype)
             # static too, so a graph set with the check lays out its memory as one without
             self.check_status = torch.zeros(max_bs, STATUS_FIELDS, dtype=torch.int32)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        start, before = time.perf_counter(), torch.cuda.memory_reserved(device)
-        pool = None
-        for bs in reversed(self.sizes):  # the largest first: smaller ones reuse its memory
-            self._forward(bs)  # compiles the kernels of this shape outside the capture
-            torch.cuda.synchronize(device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._forward(bs)
-            pool = graph.pool()
-            self.graphs[bs] = graph
-        torch.cuda.synchronize(device)
-        self.num_bytes = torch.cuda.memory_reserved(device) - before
-        logger.info("captured %d decode CUDA graphs (batch 1..%d) in %.1f s, %.2f GiB",
-                    len(self.sizes), self.max_bs, time.perf_counter() - start,
-                    self.num_bytes / 2**30)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] | None = None
+        if capture:
+            start = time.perf_counter()
+            self.graphs, self.num_bytes = capture_graphs(self.sizes, self._forward, device)
+            logger.info("captured %d decode CUDA graphs (batch 1..%d) in %.1f s, %.2f GiB",
+                        len(self.sizes), self.max_bs, time.perf_counter() - start,
+                        self.num_bytes / 2**30)
 
     def _forward(self, bs: int) -> None:
         meta = AttentionMetadata(self.slots[:bs], self.page_table[:bs], self.cu_seqlens[:bs + 1],
                                  self.seq_lens[:bs], max_query_len=1, max_seq_len=self.max_seq_len,
                                  num_decodes=bs)
-        with ops.use(self.backend):
-            if self.tags is not None:
-                ops.check_kv_pages(meta.page_table, self.page_tags[:bs], self.tags,
-                                   meta.seq_lens, meta.cu_seqlens_q, meta.slot_mapping,
-                                   self.page_size, status=self.check_status[:bs])
-            hidden = self.model(self.input_ids[:bs], self.positions[:bs], meta)
-            self.logits[:bs].copy_(self.model.compute_logits(hidden, upcast=False))
+        checked_forward(self, meta, self.input_ids[:bs], self.positions[:bs], None)
 
     def fits(self, inputs: StepInputs) -> bool:
         return (inputs.decode and inputs.num_requests <= self.max_bs
@@ -117,5 +141,8 @@ class DecodeGraphs:
         if bs > b:
             self.slots[b:bs].fill_(-1)
             self.seq_lens[b:bs].zero_()
-        self.graphs[bs].replay()
+        if self.graphs is None:
+            self._forward(bs)
+        else:
+            self.graphs[bs].replay()
         return self.logits[:b], None if self.tags is None else self.check_status[:b]

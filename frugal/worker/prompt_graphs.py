@@ -26,9 +26,9 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from frugal import ops
 from frugal.layers.attention import AttentionMetadata
 from frugal.ops.torch_ref.integrity import STATUS_FIELDS
+from frugal.worker.cuda_graph import capture_graphs, checked_forward
 from frugal.worker.step_inputs import StepInputs
 
 logger = logging.getLogger("frugal")
@@ -93,19 +93,8 @@ class PromptGraphs:
                 if r <= sizes[min(bisect.bisect_left(sizes, t), len(sizes) - 1)]]
 
     def _capture(self, device: str) -> None:
-        self.graphs = {}
-        start, before = time.perf_counter(), torch.cuda.memory_reserved(device)
-        pool = None
-        for pair in sorted(self._pairs(), reverse=True):  # the largest first: the rest reuse
-            self._forward(*pair)  # compiles this shape's kernels outside the capture
-            torch.cuda.synchronize(device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._forward(*pair)
-            pool = graph.pool()
-            self.graphs[pair] = graph
-        torch.cuda.synchronize(device)
-        self.num_bytes = torch.cuda.memory_reserved(device) - before
+        start = time.perf_counter()
+        self.graphs, self.num_bytes = capture_graphs(self._pairs(), self._forward, device)
         logger.info("captured %d prompt CUDA graphs (up to %d tokens of %d requests) in %.1f s, "
                     "%.2f GiB", len(self.graphs), self.max_tokens, self.max_requests,
                     time.perf_counter() - start, self.num_bytes / 2**30)
@@ -115,14 +104,8 @@ class PromptGraphs:
                                  self.cu_seqlens[:requests + 1], self.seq_lens[:requests],
                                  max_query_len=tokens, max_seq_len=self.max_seq_len,
                                  num_decodes=0)
-        with ops.use(self.backend):
-            if self.tags is not None:
-                ops.check_kv_pages(meta.page_table, self.page_tags[:requests], self.tags,
-                                   meta.seq_lens, meta.cu_seqlens_q, meta.slot_mapping,
-                                   self.page_size, status=self.check_status[:requests])
-            hidden = self.model(self.input_ids[:tokens], self.positions[:tokens], meta)
-            self.logits[:requests].copy_(
-                self.model.compute_logits(hidden[self.rows[:requests]], upcast=False))
+        checked_forward(self, meta, self.input_ids[:tokens], self.positions[:tokens],
+                        self.rows[:requests])
 
     def fits(self, inputs: StepInputs) -> bool:
         return (not inputs.decode and inputs.input_ids.shape[0] <= self.max_tokens

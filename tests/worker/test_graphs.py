@@ -1,13 +1,15 @@
-"""Steps with prompt tokens through worker.prompt_graphs' padded static buffers (run eagerly
-here: the graphs themselves are captured on a GPU) give the tokens and log-probabilities of
-plain steps: prompts alone and beside decodes, in chunks, after prefix-cache hits, with the
-integrity check on; the padding touches no page."""
+"""Steps through the graph sets' padded static buffers (worker.cuda_graph's decode steps,
+worker.prompt_graphs' steps with prompt tokens; run eagerly here: the graphs themselves are
+captured on a GPU) give the tokens and log-probabilities of plain steps: prompts alone and
+beside decodes, in chunks, after prefix-cache hits, decode batches padded, with the integrity
+check on and off; the padding touches no page."""
 
 import pytest
 import torch
 
 from frugal import LLM, SamplingParams
 from frugal.config import CacheConfig, EngineConfig, SchedulerConfig
+from frugal.worker.cuda_graph import DecodeGraphs
 from frugal.worker.prompt_graphs import PromptGraphs, request_sizes, token_sizes
 
 
@@ -49,9 +51,9 @@ def _engine(check: bool, graphs: bool):
     runs = []
     if graphs:
         runner = engine.runner
-        padded = PromptGraphs(runner.model, runner.backend, 48, 8, 512, runner.pool.page_size,
-                              runner.model_config.vocab_size, runner.dtype, "cpu",
-                              runner.pool.tags if check else None, capture=False)
+        shape = (512, runner.pool.page_size, runner.model_config.vocab_size, runner.dtype,
+                 "cpu", runner.pool.tags if check else None)
+        padded = PromptGraphs(runner.model, runner.backend, 48, 8, *shape, capture=False)
         run = padded.run
 
         def checked(inputs):
@@ -60,15 +62,28 @@ def _engine(check: bool, graphs: bool):
             return result
         padded.run = checked
         runner.prompt_graphs = padded
+        graphs = runner.graphs = DecodeGraphs(runner.model, runner.backend, 8, *shape,
+                                              capture=False)
+        decode = graphs.run
+
+        def checked_decode(inputs):
+            result = decode(inputs)
+            b = inputs.num_requests
+            bs = min(s for s in graphs.sizes if s >= b)
+            assert bool((graphs.slots[b:bs] == -1).all()) and not graphs.seq_lens[b:bs].any()
+            runs.append(-b)
+            return result
+        graphs.run = checked_decode
     return engine, runs
 
 
 @pytest.mark.parametrize("check", [True, False])
 def test_padded_prompt_steps_equal_plain_ones(check):
     shared = list(range(100, 121))  # 21 tokens: 5 full pages of 4, cached after the first
-    prompts = [shared + [7, 8], list(range(30, 41)), [5, 6, 7], shared + [9], list(range(50, 83))]
+    prompts = [shared + [7, 8], list(range(30, 41)), [5, 6, 7], shared + [9], list(range(50, 83)),
+               [3, 4], [9, 8, 7, 6], [11]]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=2)
-              for n in (6, 9, 4, 5, 3)]
+              for n in (6, 9, 4, 5, 3, 12, 10, 11)]
     results, counts = [], []
     for graphs in (True, False):
         engine, runs = _engine(check, graphs)
@@ -85,6 +100,9 @@ def test_padded_prompt_steps_equal_plain_ones(check):
         counts.append(runs)
     assert results[0][0] == results[1][0]
     torch.testing.assert_close(results[0][1], results[1][1], atol=1e-5, rtol=1e-5)
-    # chunks of 24 tokens (alone, and beside decodes), and steps of a few tokens, all padded
-    assert len(counts[0]) >= 4 and max(counts[0]) == 24 and min(counts[0]) < 16
-    assert counts[1] == []
+    # chunks of 24 tokens (padded to 32) and a last one of 16;
+    # decode steps (-requests) shrinking as requests end: 7 padded to 8 and 3 to 4, after steps
+    # of 8 and 4 filled those rows
+    prompt_steps = [n for n in counts[0] if n > 0]
+    assert len(prompt_steps) >= 4 and max(prompt_steps) == 24 and min(prompt_steps) < 24
+    assert {-8, -7, -4, -3} <= set(counts[0]) and counts[1] == []
