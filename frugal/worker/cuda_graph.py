@@ -141,8 +141,8 @@ class DecodeGraphs:
         if bs > b:
             self.slots[b:bs].fill_(-1)
             self.seq_lens[b:bs].zero_()
-        if self.graphs is None:
+        if self.graphs is None:  # (eager: the status copied, as a GPU step copies it to the host)
             self._forward(bs)
-        else:
-            self.graphs[bs].replay()
+            return self.logits[:b], None if self.tags is None else self.check_status[:b].clone()
+        self.graphs[bs].replay()
         return self.logits[:b], None if self.tags is None else self.check_status[:b]

@@ -40,10 +40,11 @@ def kv_budget(runner: ModelRunner, spec: KVSpec, config: EngineConfig, graphs: b
         itemsize = torch.empty((), dtype=runner.dtype).element_size()
         graph_bytes = (config.cuda_graph_max_bs * runner.model_config.vocab_size * itemsize
                        + 2**29)
-        if prompt_tokens:  # their logits, and their own copy of a step's activations
+        if prompt_tokens:  # their logits, and their own copy of their largest step's peak
+            # (measured: a quantized layer's dequantized weight does not scale with tokens)
             requests = min(config.scheduler.max_num_seqs, prompt_tokens)
             graph_bytes += (requests * runner.model_config.vocab_size * itemsize
-                            + activations * prompt_tokens // config.resolved_batched_tokens())
+                            + profile_step(runner, spec, config, prompt_tokens))
     budget = int(config.cache.gpu_memory_utilization * total) - (total - free)
     budget -= activations + graph_bytes
     logger.info("GPU memory: %.1f GiB total, %.1f GiB in use (weights), %.2f GiB peak "
@@ -59,11 +60,13 @@ def kv_budget(runner: ModelRunner, spec: KVSpec, config: EngineConfig, graphs: b
 
 
 @torch.inference_mode()
-def profile_step(runner: ModelRunner, spec: KVSpec, config: EngineConfig) -> int:
-    """Peak activation bytes of the largest step: the step's token budget of new tokens of one
-    request, and logits for max_num_seqs rows. Runs against a one-page scratch cache (spec in
-    the activation dtype) with every store skipped."""
-    mc, tokens = runner.model_config, config.resolved_batched_tokens()
+def profile_step(runner: ModelRunner, spec: KVSpec, config: EngineConfig,
+                 tokens: int | None = None) -> int:
+    """Peak activation bytes of the largest step: the step's token budget (or `tokens`) of new
+    tokens of one request, and logits for max_num_seqs rows. Runs against a one-page scratch
+    cache (spec in the activation dtype) with every store skipped."""
+    mc = runner.model_config
+    tokens = tokens or config.resolved_batched_tokens()
     page_size = config.cache.page_size
     runner.bind(spec.unquantized(mc, runner.dtype).pool(1, runner.device))
     device = torch.device(runner.device)

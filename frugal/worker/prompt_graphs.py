@@ -139,8 +139,8 @@ class PromptGraphs:
             self.page_table[:r, :width].copy_(meta.page_table, non_blocking=True)
         self.rows[:n].copy_(inputs.logits_indices, non_blocking=True)
         self.rows[n:requests].zero_()
-        if self.graphs is None:
+        if self.graphs is None:  # (eager: the status copied, as a GPU step copies it to the host)
             self._forward(tokens, requests)
-        else:
-            self.graphs[tokens, requests].replay()
+            return self.logits[:n], None if self.tags is None else self.check_status[:r].clone()
+        self.graphs[tokens, requests].replay()
         return self.logits[:n], None if self.tags is None else self.check_status[:r]

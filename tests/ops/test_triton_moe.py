@@ -188,6 +188,11 @@ def test_tuned_configurations_compute_what_the_defaults_do(form, monkeypatch):
             got = tri.fused_moe(*args)
             torch.testing.assert_close(got.cpu(), ref, atol=1e-4 * ref.abs().max().item(),
                                        rtol=1e-4)
+    # a K tile the small-batch kernel cannot take (INT4: 16 inputs, not whole 32s) is ignored
+    table = {moe_configs.key("gemv", 2, inter, hidden, slots): dict(
+        zip(moe_configs.FIELDS["gemv"], (16, 16, 1)))}
+    monkeypatch.setattr(moe_configs, "_table", lambda: {"a tuned GPU": table})
+    assert moe_configs.lookup(torch.device("cpu"), "gemv", 2, inter, hidden, slots, 16) is None
 
 
 def test_committed_table_holds_valid_tiles():
@@ -208,6 +213,7 @@ def test_committed_table_holds_valid_tiles():
                        if f != "num_stages"), key
             mode, k = int(mode.split("=")[1]), int(k.split("=")[1])
             assert moe_configs.tiles_scales(mode, entry["BLOCK_K"], scale_k[mode], k), key
+            assert path != "gemv" or moe_configs.gemv_tile(mode, entry["BLOCK_K"]), key
 
 
 def test_residual_joins_the_sum_on_both_paths(monkeypatch):

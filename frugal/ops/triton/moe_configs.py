@@ -60,4 +60,12 @@ def lookup(device: torch.device, path: str, mode: int, n: int, k: int, slots: in
     entry = _table().get(name, {}).get(key(path, mode, n, k, slots)) if name else None
     if entry is None or set(entry) != set(FIELDS[path]):
         return None
+    if path == "gemv" and not gemv_tile(mode, entry["BLOCK_K"]):
+        return None
     return entry if tiles_scales(mode, entry["BLOCK_K"], scale_k, k) else None
+
+
+def gemv_tile(mode: int, block_k: int) -> bool:
+    """Whether moe_gemv takes a K tile of block_k inputs: INT4 sums per 32 inputs; the other
+    forms sum the 16 bytes a thread loads at once (16 inputs at most) before accumulating."""
+    return block_k % 32 == 0 if mode == 2 else block_k >= 16

@@ -119,13 +119,15 @@ def _gemv(a_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, route_ptr, N, K, sam, swe, swn,
             offs_k = k0 + tl.arange(0, BLOCK_K)
             a = tl.load(a_row + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
             if IN_PLACE:  # products summed in place, across threads once after the loop
-                a_up = a
+                a_up = a  # (the up half's rows, N on: read only GATED)
                 if FP8_SCALES == 1 and BLOCK_K <= S_BK:  # the scale of the inputs' block
-                    a_up = a * tl.load(s_row_up + (k0 // S_BK) * ssk)
+                    if GATED:
+                        a_up = a * tl.load(s_row_up + (k0 // S_BK) * ssk)
                     a = a * tl.load(s_row + (k0 // S_BK) * ssk)
                 elif FP8_SCALES == 1:  # the scales of the inputs' blocks, on the inputs
-                    a_up = a * tl.load(s_row_up + (offs_k // S_BK) * ssk, mask=offs_k < K,
-                                       other=0.0)
+                    if GATED:
+                        a_up = a * tl.load(s_row_up + (offs_k // S_BK) * ssk,
+                                           mask=offs_k < K, other=0.0)
                     a = a * tl.load(s_row + (offs_k // S_BK) * ssk, mask=offs_k < K, other=0.0)
                 w = _weight_tile(w_ptr, s_ptr, expert, k0, K, offs_n, n_ok, swe, swn, swk,
                                  sse, ssn, ssk, 0, S_BN, S_BK, BLOCK_K, BLOCK_N)
@@ -147,7 +149,8 @@ def _gemv(a_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, route_ptr, N, K, sam, swe, swn,
             acc_up = tl.sum(up2, axis=0)
         if FP8_SCALES == 2:  # one scale per output: after the sum
             acc *= tl.load(s_base + offs_n * ssn, mask=n_ok, other=0.0)
-            acc_up *= tl.load(s_base + (offs_n + N) * ssn, mask=n_ok, other=0.0)
+            if GATED:
+                acc_up *= tl.load(s_base + (offs_n + N) * ssn, mask=n_ok, other=0.0)
     if GATED:
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up
     else:  # routed: times the slot's routing weight
