@@ -8,12 +8,12 @@ requests in powers of four up to max_requests.
 
 Token rows past T are padding: token 0 at position 0, slot -1 (nothing stored), in no request
 (prompt attention leaves such rows zero: ops.paged_attention). Requests past R have no new
-tokens and seq_len 0 (they read nothing). The attention grid is sized for the pair
-(max_query_len = the token bucket, every request through the prompt kernel), its programs past
-a request's tokens exit at once; the LM head reads the rows the step samples (logits_indices,
-padded with row 0). Hidden states stay inside the graph: steps that score prompt tokens run
-eagerly, as do models whose attention backend sizes prompts from host values
-(layers.attention: prompt_graphs).
+tokens and seq_len 0 (they read nothing). Attention runs every request through the prompt
+kernel (max_query_len = the token bucket), whose work items cover the bucket's tokens and
+requests (ops.triton.attention) and exit at once past the step's; the LM head reads the rows the
+step samples (logits_indices, padded with row 0). Hidden states stay inside the graph: steps
+that score prompt tokens run eagerly, as do models whose attention backend sizes prompts from
+host values (layers.attention: prompt_graphs).
 """
 
 from __future__ import annotations
