@@ -11,9 +11,10 @@ Token rows past T are padding: token 0 at position 0, slot -1 (nothing stored), 
 tokens and seq_len 0 (they read nothing). Attention runs every request through the prompt
 kernel (max_query_len = the token bucket), whose work items cover the bucket's tokens and
 requests (ops.triton.attention) and exit at once past the step's; the LM head reads the rows the
-step samples (logits_indices, padded with row 0). Hidden states stay inside the graph: steps
-that score prompt tokens run eagerly, as do models whose attention backend sizes prompts from
-host values (layers.attention: prompt_graphs).
+step samples (logits_indices, padded with row 0). Steps are marked `captured`: MLA attends
+their tokens absorbed, a row a token, instead of expanding prompts to sizes read on the host.
+Hidden states stay inside the graph: steps that score prompt tokens run eagerly, as do models
+whose attention backend cannot capture prompts (layers.attention: prompt_graphs; DSA).
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ class PromptGraphs:
         meta = AttentionMetadata(self.slots[:tokens], self.page_table[:requests],
                                  self.cu_seqlens[:requests + 1], self.seq_lens[:requests],
                                  max_query_len=tokens, max_seq_len=self.max_seq_len,
-                                 num_decodes=0)
+                                 num_decodes=0, captured=True)
         checked_forward(self, meta, self.input_ids[:tokens], self.positions[:tokens],
                         self.rows[:requests])
 

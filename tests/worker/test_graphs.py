@@ -106,3 +106,46 @@ def test_padded_prompt_steps_equal_plain_ones(check):
     prompt_steps = [n for n in counts[0] if n > 0]
     assert len(prompt_steps) >= 4 and max(prompt_steps) == 24 and min(prompt_steps) < 24
     assert {-8, -7, -4, -3} <= set(counts[0]) and counts[1] == []
+
+
+@pytest.mark.parametrize("backend", ["torch_ref", "triton"])
+def test_padded_mla_prompt_steps_attend_absorbed_as_plain_steps_expanded(backend, tmp_path):
+    """An MLA model's captured prompt steps attend a row a token, absorbed (shapes from host
+    bounds only: the MLA decode kernel over each token's own context); plain steps expand their
+    prompts. Same tokens, log-probs within fp32 rounding, through the padded buffers, beside
+    decodes and after a prefix hit."""
+    from frugal.layers.attention import prompt_graph_blocker
+    from tests.models.test_mla_vs_hf import write_model
+
+    write_model("deepseek-v3-rope16", str(tmp_path))
+    prompts = [list(range(3, 40)), list(range(50, 61)), list(range(3, 30)) + [7]]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=1)
+              for n in (5, 7, 4)]
+    results, replays = [], []
+    for graphs in (True, False):
+        config = EngineConfig(model=str(tmp_path), dtype="float32", device="cpu",
+                              ops_backend=backend,
+                              cache=CacheConfig(page_size=4, kv_cache_memory="16MiB"),
+                              scheduler=SchedulerConfig(max_num_batched_tokens=16))
+        engine = LLM.from_config(config).engine
+        runner = engine.runner
+        assert prompt_graph_blocker(runner.model_config) is None
+        if graphs:
+            padded = PromptGraphs(runner.model, runner.backend, 32, 4, 256,
+                                  runner.pool.page_size, runner.model_config.vocab_size,
+                                  runner.dtype, "cpu", runner.pool.tags, capture=False)
+            run = padded.run
+            padded.run = lambda inputs, run=run: replays.append(1) or run(inputs)
+            runner.prompt_graphs = padded
+        ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        tokens, logprobs = {}, {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                tokens.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+                logprobs.setdefault(out.request_id, []).extend(
+                    lp.logprob for lp in out.outputs[0].logprobs or [])
+        assert engine.scheduler.kv.num_free == runner.pool.num_pages
+        results.append(([tokens[i] for i in ids], [logprobs[i] for i in ids]))
+    assert len(replays) >= 3
+    assert results[0][0] == results[1][0]
+    torch.testing.assert_close(results[0][1], results[1][1], atol=1e-4, rtol=1e-4)

@@ -31,6 +31,8 @@ class AttentionMetadata:
     num_decodes: how many requests at the front of the batch have one new token each;
     host_seq_lens: seq_lens on the host, where the step was built there (None in a CUDA graph
     and in the memory profile): shapes that depend on them need no device sync.
+    captured: a step with prompt tokens inside a CUDA graph (worker.prompt_graphs): no shape
+    may depend on a device value, nor on host_seq_lens.
     """
 
     slot_mapping: torch.Tensor
@@ -41,6 +43,7 @@ class AttentionMetadata:
     max_seq_len: int
     num_decodes: int = 0
     host_seq_lens: tuple[int, ...] | None = None
+    captured: bool = False
 
 
 # name -> the module defining BACKEND (an AttentionBackend), imported when first asked for

@@ -88,5 +88,8 @@ class DsaBackend(MlaBackend):
         the dense path would."""
         return None
 
+    def prompt_graphs(self, c: ModelConfig) -> str | None:
+        return "dsa prompts select their positions through host-sized top-k paths"
+
 
 BACKEND = DsaBackend()

@@ -135,6 +135,11 @@ class MlaAttention(nn.Module):
         w_uk, w_uv = w.split([m.qk_nope_head_dim, m.v_head_dim], dim=1)
         sparse = self.dsa is not None and meta.max_seq_len > self.dsa.topk
         key_dim = m.qk_nope_head_dim + m.qk_rope_head_dim  # (values padded to it)
+        if meta.captured and not sparse:  # (a CUDA-graph step with prompt tokens)
+            q_latent = torch.cat([torch.einsum("thn,hnc->thc", q_nope, w_uk), q_rope], dim=-1)
+            o = torch.einsum("thc,hvc->thv", self.rows_absorbed(q_latent, cache, positions, meta),
+                             w_uv)
+            return self.o_proj(o.reshape(-1, heads * m.v_head_dim), residual=h), None
         if (not sparse and m.v_head_dim <= key_dim
                 and mla_prefill.fits(meta, heads, key_dim, m.qk_nope_head_dim + m.v_head_dim,
                                      width, q.dtype)):
@@ -154,6 +159,22 @@ class MlaAttention(nn.Module):
                                   self.kv_scales)
         o = torch.einsum("thc,hvc->thv", o, w_uv)
         return self.o_proj(o.reshape(-1, heads * m.v_head_dim), residual=h), selection
+
+    def rows_absorbed(self, q_latent: torch.Tensor, cache: torch.Tensor,
+                      positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Every new token attended absorbed as a row of its own (shapes from host bounds only,
+        as a CUDA graph needs): its request's pages, the positions up to its own; a padded
+        token (in no request) reads nothing and gets zeros. q_latent [T, heads, latent + rope]
+        -> [T, heads, latent]."""
+        t, requests = q_latent.shape[0], meta.seq_lens.shape[0]
+        rows = torch.arange(t, dtype=meta.cu_seqlens_q.dtype, device=q_latent.device)
+        request = torch.searchsorted(meta.cu_seqlens_q[1:].contiguous(), rows, right=True)
+        seq_lens = torch.where(request < requests, positions + 1, 0).to(torch.int32)
+        page_table = meta.page_table[request.clamp(max=requests - 1)]
+        return ops.mla_attention(q_latent, cache, page_table,
+                                 torch.arange(t + 1, dtype=torch.int32, device=rows.device),
+                                 seq_lens, self.scale, 1, meta.max_seq_len,
+                                 self.mla.kv_lora_rank, t, self.kv_scales)
 
     def decodes_and_prompts(self, q_nope: torch.Tensor, q_rope: torch.Tensor,
                             cache: torch.Tensor, w: torch.Tensor, meta: AttentionMetadata
@@ -192,6 +213,9 @@ class MlaBackend(AttentionBackend):
 
     def graph_capture(self, c: ModelConfig) -> str | None:
         return None
+
+    def prompt_graphs(self, c: ModelConfig) -> str | None:
+        return None  # (captured prompt steps attend absorbed, a row a token: rows_absorbed)
 
 
 BACKEND = MlaBackend()
