@@ -87,6 +87,11 @@ def test_non_streaming_disconnect_aborts_within_a_second_without_api_key(open_se
     _abort_on_disconnect(open_server, None)
 
 
+# a /health answer while the event loop is free: well under what a blocked loop takes (reading
+# or tokenizing the bodies below: seconds), above a loaded 2-core machine's noise (0.105 s seen)
+HEALTH_BOUND_S = 0.25
+
+
 def _health_latencies(server, seconds: float) -> list[float]:
     out, end = [], time.monotonic() + seconds
     while time.monotonic() < end:
@@ -111,7 +116,7 @@ def test_a_20_mb_body_is_refused_at_once_and_health_answers(server):
     sender.join(60)
     assert b" 413 " in result["answer"].split(b"\r\n")[0]
     assert b'"request_too_large"' in result["answer"]
-    assert max(latencies) < 0.1, max(latencies)
+    assert max(latencies) < HEALTH_BOUND_S, max(latencies)
 
 
 def test_a_long_prompt_is_tokenized_off_the_event_loop(server):
@@ -129,7 +134,7 @@ def test_a_long_prompt_is_tokenized_off_the_event_loop(server):
     sender.join(120)
     status, err = result["answer"]
     assert status == 400 and err["error"]["code"] == "context_length_exceeded"
-    assert max(latencies) < 0.1, max(latencies)
+    assert max(latencies) < HEALTH_BOUND_S, max(latencies)
 
 
 def test_a_full_queue_answers_429_and_the_others_are_served(open_server):
