@@ -91,10 +91,11 @@ def k_loop(text: str) -> list[str]:
 
 
 def default_tile(path: str, mode: int, k: int, block_m: int) -> tuple:
-    """The kernels' tiles without a table entry (moe_gemv._blocks; moe._gemm's choices)."""
+    """The kernels' own tiles without a table entry (moe_gemv._blocks, moe._blocks)."""
+    s_bk = {0: 1, 1: 128, 2: 32}[mode]
     if path == "gemv":
-        return (*moe_gemv._blocks(mode, {0: 1, 1: 128, 2: 32}[mode], k), 4)
-    return (128 if mode == 2 else 32 if block_m == 16 else 64, 128 if mode else 64, 4)
+        return (*moe_gemv._blocks(mode, s_bk, k), 4)
+    return (*moe._blocks(mode, s_bk, k, block_m), 4)
 
 
 def main() -> None:

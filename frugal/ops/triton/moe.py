@@ -194,16 +194,7 @@ def _gemm(a: torch.Tensor, w: torch.Tensor | Experts, out: torch.Tensor, n: int,
         block_n, block_k = config["BLOCK_N"], config["BLOCK_K"]
         launch = {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
     else:
-        # (decode: narrower output tiles, more blocks for the GPU's SMs)
-        block_n = 32 if _INTERPRET or block_m == 16 else 64
-        block_k = 32 if _INTERPRET else 64
-        if mode == 2:  # INT4: 16 words a step (a dot per nibble), whole groups of scales;
-            block_k = 128  # wide N: ~6 instructions a weight at 128, ~7.6 at 32 (moe_sass.py)
-            block_n = block_n if _INTERPRET else 128
-        elif mode != 0 and s_bk < k:  # a tile within one scale's inputs
-            block_k = min(block_k, s_bk)
-            if s_bk % block_k:
-                raise ValueError(f"fused_moe: scales over {s_bk} inputs need a multiple of 16")
+        block_n, block_k = _blocks(mode, s_bk, k, block_m)
     grid = (block_expert.numel() * cdiv(n, block_n),)
     _kernel[grid](a, data, scales, out, sorted_slots, block_expert, total,
                   route if route is not None else out, n, k, out.shape[0], a.stride(0),
@@ -212,6 +203,21 @@ def _gemm(a: torch.Tensor, w: torch.Tensor | Experts, out: torch.Tensor, n: int,
                   S_BN=s_bn, S_BK=s_bk, GATED=gated, ROUTED=not gated,
                   F32_DOT=_INTERPRET or a.dtype == torch.float32, BLOCK_M=block_m,
                   BLOCK_N=block_n, BLOCK_K=block_k, **launch)
+
+
+def _blocks(mode: int, s_bk: int, k: int, block_m: int) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_K) of _gemm without a tuned entry."""
+    # (decode: narrower output tiles, more blocks for the GPU's SMs)
+    block_n = 32 if _INTERPRET or block_m == 16 else 64
+    block_k = 32 if _INTERPRET else 64
+    if mode == 2:  # INT4: 16 words a step (a dot per nibble), whole groups of scales;
+        block_k = 128  # wide N: ~6 instructions a weight at 128, ~7.6 at 32 (moe_sass.py)
+        block_n = block_n if _INTERPRET else 128
+    elif mode != 0 and s_bk < k:  # a tile within one scale's inputs
+        block_k = min(block_k, s_bk)
+        if s_bk % block_k:
+            raise ValueError(f"fused_moe: scales over {s_bk} inputs need a multiple of 16")
+    return block_n, block_k
 
 
 def rows_per_block(slots: int, num_experts: int) -> int:
