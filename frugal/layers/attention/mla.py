@@ -135,12 +135,7 @@ class MlaAttention(nn.Module):
         w_uk, w_uv = w.split([m.qk_nope_head_dim, m.v_head_dim], dim=1)
         sparse = self.dsa is not None and meta.max_seq_len > self.dsa.topk
         key_dim = m.qk_nope_head_dim + m.qk_rope_head_dim  # (values padded to it)
-        if meta.captured and not sparse:  # (a CUDA-graph step with prompt tokens)
-            q_latent = torch.cat([torch.einsum("thn,hnc->thc", q_nope, w_uk), q_rope], dim=-1)
-            o = torch.einsum("thc,hvc->thv", self.rows_absorbed(q_latent, cache, positions, meta),
-                             w_uv)
-            return self.o_proj(o.reshape(-1, heads * m.v_head_dim), residual=h), None
-        if (not sparse and m.v_head_dim <= key_dim
+        if (not sparse and not meta.captured and m.v_head_dim <= key_dim
                 and mla_prefill.fits(meta, heads, key_dim, m.qk_nope_head_dim + m.v_head_dim,
                                      width, q.dtype)):
             o = self.decodes_and_prompts(q_nope, q_rope, cache, w, meta)
@@ -151,6 +146,9 @@ class MlaAttention(nn.Module):
                 selection = self.indexer.select(x, q_resid, positions, index, meta)
             o = ops.sparse_mla_attention(q_latent, cache, meta.page_table, meta.cu_seqlens_q,
                                          selection, self.scale, m.kv_lora_rank, self.kv_scales)
+        elif meta.captured:  # (a CUDA-graph step with prompt tokens: no host-read sizes)
+            selection = None
+            o = self.rows_absorbed(q_latent, cache, positions, meta)
         else:
             selection = None
             o = ops.mla_attention(q_latent, cache, meta.page_table, meta.cu_seqlens_q,
