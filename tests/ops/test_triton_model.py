@@ -74,6 +74,20 @@ def test_triton_backend_runs_an_mla_model(kv, tmp_path):
             == [o.outputs[0].token_ids for o in ref.generate(prompts, params)])
 
 
+def _same_outputs(graphs: LLM, eager: LLM, seed: int) -> None:
+    """Three random prompts (7, 40, 90 tokens), 12 greedy tokens: the same tokens from both
+    engines, log-probabilities within 1e-4."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, 320, (n,), generator=g).tolist() for n in (7, 40, 90)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+    ours = [o.outputs[0] for o in graphs.generate(prompts, params)]
+    want = [o.outputs[0] for o in eager.generate(prompts, params)]
+    assert [o.token_ids for o in ours] == [o.token_ids for o in want]
+    torch.testing.assert_close(torch.tensor([[lp.logprob for lp in o.logprobs] for o in ours]),
+                               torch.tensor([[lp.logprob for lp in o.logprobs] for o in want]),
+                               atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["deepseek-v3-rope16", "glm-5"])
 def test_mla_decode_graphs_replay_as_eager(case, tmp_path):
@@ -91,15 +105,7 @@ def test_mla_decode_graphs_replay_as_eager(case, tmp_path):
     graphs = LLM(str(tmp_path), **kwargs)
     eager = LLM(str(tmp_path), enforce_eager=True, **kwargs)
     assert graphs.engine.runner.graphs is not None and eager.engine.runner.graphs is None
-    g = torch.Generator().manual_seed(6)
-    prompts = [torch.randint(0, 320, (n,), generator=g).tolist() for n in (7, 40, 90)]
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
-    ours = [o.outputs[0] for o in graphs.generate(prompts, params)]
-    want = [o.outputs[0] for o in eager.generate(prompts, params)]
-    assert [o.token_ids for o in ours] == [o.token_ids for o in want]
-    torch.testing.assert_close(torch.tensor([[lp.logprob for lp in o.logprobs] for o in ours]),
-                               torch.tensor([[lp.logprob for lp in o.logprobs] for o in want]),
-                               atol=1e-4, rtol=1e-4)
+    _same_outputs(graphs, eager, seed=6)
 
 
 @pytest.mark.gpu
@@ -119,12 +125,4 @@ def test_mla_prompt_graphs_replay_as_eager(tmp_path):
 
     graphs, eager = engine(prompt_graph_max_tokens=64), engine(enforce_eager=True)
     assert graphs.engine.runner.prompt_graphs is not None
-    g = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(0, 320, (n,), generator=g).tolist() for n in (7, 40, 90)]
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
-    ours = [o.outputs[0] for o in graphs.generate(prompts, params)]
-    want = [o.outputs[0] for o in eager.generate(prompts, params)]
-    assert [o.token_ids for o in ours] == [o.token_ids for o in want]
-    torch.testing.assert_close(torch.tensor([[lp.logprob for lp in o.logprobs] for o in ours]),
-                               torch.tensor([[lp.logprob for lp in o.logprobs] for o in want]),
-                               atol=1e-4, rtol=1e-4)
+    _same_outputs(graphs, eager, seed=7)

@@ -42,6 +42,21 @@ def _check_padding(graphs: PromptGraphs, inputs) -> int:
     return t
 
 
+def _run(engine, prompts, params) -> tuple[list, list]:
+    """Each request's tokens and, for each token, its log-prob and its top entries' (the
+    scheduler's bookkeeping checked after every step; every page back at the end)."""
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    tokens, logprobs = {}, {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+            logprobs.setdefault(out.request_id, []).extend(
+                [lp.logprob, *(v for _, v in lp.top)] for lp in out.outputs[0].logprobs or [])
+        engine.scheduler.check_integrity()
+    assert engine.scheduler.kv.num_free == engine.runner.pool.num_pages
+    return [tokens[i] for i in ids], [logprobs[i] for i in ids]
+
+
 def _engine(check: bool, graphs: bool):
     config = EngineConfig(dtype="float32", device="cpu",
                           cache=CacheConfig(page_size=4, kv_cache_memory="64MiB",
@@ -87,16 +102,7 @@ def test_padded_prompt_steps_equal_plain_ones(check):
     results, counts = [], []
     for graphs in (True, False):
         engine, runs = _engine(check, graphs)
-        ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
-        tokens, logprobs = {}, {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                tokens.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
-                logprobs.setdefault(out.request_id, []).extend(
-                    [lp.logprob, *(v for _, v in lp.top)] for lp in out.outputs[0].logprobs or [])
-            engine.scheduler.check_integrity()
-        assert engine.scheduler.kv.num_free == engine.runner.pool.num_pages
-        results.append(([tokens[i] for i in ids], [logprobs[i] for i in ids]))
+        results.append(_run(engine, prompts, params))
         counts.append(runs)
     assert results[0][0] == results[1][0]
     torch.testing.assert_close(results[0][1], results[1][1], atol=1e-5, rtol=1e-5)
@@ -137,15 +143,7 @@ def test_padded_mla_prompt_steps_attend_absorbed_as_plain_steps_expanded(backend
             run = padded.run
             padded.run = lambda inputs, run=run: replays.append(1) or run(inputs)
             runner.prompt_graphs = padded
-        ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
-        tokens, logprobs = {}, {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                tokens.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
-                logprobs.setdefault(out.request_id, []).extend(
-                    lp.logprob for lp in out.outputs[0].logprobs or [])
-        assert engine.scheduler.kv.num_free == runner.pool.num_pages
-        results.append(([tokens[i] for i in ids], [logprobs[i] for i in ids]))
+        results.append(_run(engine, prompts, params))
     assert len(replays) >= 3
     assert results[0][0] == results[1][0]
     torch.testing.assert_close(results[0][1], results[1][1], atol=1e-4, rtol=1e-4)
