@@ -133,7 +133,7 @@ class Worker:
     def determine_num_pages(self) -> int:
         """Pages of kv_spec the KV budget holds (the same on every rank)."""
         budget = kv_budget(self.runner, self.kv_spec, self.config, self.uses_graphs,
-                           self.prompt_graph_tokens if self.uses_graphs else 0)
+                           self.prompt_graph_tokens)
         num_pages = self.parallel.fewest(budget // self.kv_spec.page_bytes, self.device)
         if num_pages < 1:
             raise ValueError(f"kv_cache_memory: {budget} bytes is less than one page "
@@ -181,7 +181,7 @@ class Worker:
         """The most tokens of a step with prompt tokens replayed from a graph (0: none; with
         decode graphs only, for an attention backend whose prompts allow it)."""
         c = self.config
-        if prompt_graph_blocker(self.model_config) is not None:
+        if not self.uses_graphs or prompt_graph_blocker(self.model_config) is not None:
             return 0
         return min(c.prompt_graph_max_tokens, c.resolved_batched_tokens())
 
