@@ -69,15 +69,19 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                     cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     slot_mapping: torch.Tensor, kv_scales: torch.Tensor | None = None,
-                    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None
-                    ) -> torch.Tensor:
+                    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+                    k_out: torch.Tensor | None = None) -> torch.Tensor:
     """Rotate q and k (see apply_rotary), store the rotated k and v (see store_kv; a negative
     slot skips its token) and return the rotated q: [num_tokens, num_heads, head_dim].
     qk_norm (q's weight [head_dim], k's, eps): each head of q and k RMS-normalized first (Qwen3,
-    as its q_norm and k_norm)."""
+    as its q_norm and k_norm). k_out: None, or [num_tokens, num_kv_heads, head_dim] in q's
+    dtype, written with every token's rotated k (negative slots too), as the cache would hold
+    it unquantized (paged_attention's fresh keys)."""
     if qk_norm is not None:
         q, k = rms_norm(q, qk_norm[0], qk_norm[2]), rms_norm(k, qk_norm[1], qk_norm[2])
     q, k = apply_rotary(q, k, positions, cos_sin)
+    if k_out is not None:
+        k_out.copy_(k)
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
@@ -88,7 +92,8 @@ def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     page_table: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
                     scale: float, max_query_len: int, max_seq_len: int,
-                    kv_scales: torch.Tensor | None = None, num_decodes: int = 0) -> torch.Tensor:
+                    kv_scales: torch.Tensor | None = None, num_decodes: int = 0,
+                    fresh: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Causal attention of each request's new tokens over its whole cached context.
 
     q: [num_tokens, num_heads, head_dim], the new tokens of all requests back to back;
@@ -102,6 +107,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     cache. num_decodes: the first num_decodes requests have one new token each (kernels may run
     them apart; the result is the same). Rows past cu_seqlens_q[-1] (a padded step's, see
     worker.prompt_graphs): zeros when max_query_len > 1, else left as they are.
+
+    fresh: None, or (k, v), each [num_tokens, num_kv_heads, head_dim] in q's dtype: the step's
+    rotated keys and values as computed (row i: q row i's token). A request b with n_b > 1 new
+    tokens then reads positions < seq_lens[b] - n_b from the cache and its own new tokens from
+    fresh (unquantized: a quantized cache changes only what came before the step). Requests
+    with one new token (decodes) read the cache, as every later step reads them. Over an
+    unquantized cache the result is the same as without fresh.
     """
     out = torch.empty_like(q) if max_query_len == 1 else torch.zeros_like(q)
     starts = cu_seqlens_q.tolist()
@@ -117,17 +129,21 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     for b, n in enumerate(num_new):
         if n > 1:
             s, e = starts[b], starts[b + 1]
+            own = None if fresh is None else (fresh[0][s:e], fresh[1][s:e])
             out[s:e] = _attend(q[s:e].unsqueeze(0), k_cache, v_cache, page_table[b:b + 1],
-                               seq_lens[b:b + 1], lens[b], scale, kv_scales).squeeze(0)
+                               seq_lens[b:b + 1], lens[b], scale, kv_scales, own).squeeze(0)
     return out
 
 
 def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             page_table: torch.Tensor, seq_lens: torch.Tensor, max_len: int,
-            scale: float, kv_scales: torch.Tensor | None) -> torch.Tensor:
+            scale: float, kv_scales: torch.Tensor | None,
+            fresh: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """q: [B, n, num_heads, head_dim], every request with the same n new tokens (the last n of its
     context). Returns [B, n, num_heads, head_dim], computed in fp32; zeros for a token with
-    nothing to attend to (seq_len 0: a request masked by the integrity check)."""
+    nothing to attend to (seq_len 0: a request masked by the integrity check). fresh (B == 1,
+    seq_len max_len): the n new tokens' K and V [n, num_kv_heads, head_dim], read instead of
+    the cache's copies."""
     if max_len == 0:
         return torch.zeros_like(q)
     batch, n, num_heads, head_dim = q.shape
@@ -147,6 +163,8 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     row_scaled(cache, head_dim, kv_scales))
             .view(batch, max_len, num_kv_heads, head_dim)  # [B, L, Hkv, D] fp32
             for cache, row in ((k_cache, 0), (v_cache, 1)))
+    if fresh is not None:
+        k[0, max_len - n:], v[0, max_len - n:] = fresh[0].float(), fresh[1].float()
     q_pos = lengths - n + torch.arange(n, device=q.device)  # [B, n]
     allowed = valid[:, None, :] & (positions[None, None, :] <= q_pos[:, :, None])  # [B, n, L]
     # GQA: a KV head's whole query group becomes group * n query rows attending to that head

@@ -19,7 +19,8 @@ import triton.language as tl
 from frugal.ops.torch_ref.kv_quant import row_scaled, scale_view
 from frugal.ops.triton import fp8_decode
 from frugal.ops.triton.decode_split import merge_kernel, split_len
-from frugal.ops.triton.kv_blocks import dot_dtype, load_kv, row_scales, softmax_step
+from frugal.ops.triton.kv_blocks import attend_fresh, dot_dtype, load_kv, row_scales, softmax_step
+from frugal.ops.triton.kv_store import heads_packed
 from frugal.ops.triton.launch import enter, pdl
 from frugal.ops.triton.sizes import cdiv, next_power_of_2
 
@@ -137,19 +138,22 @@ def _work_item(cu_ptr, first, batch, item, TOKENS: tl.constexpr):
 
 @triton.jit(do_not_specialize=["pages_stride", "first", "batch"])
 def _extend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, scales_ptr, k_scale_ptr, v_scale_ptr,
-                   page_table_ptr, seq_lens_ptr, cu_ptr, out_ptr, scale, pages_stride, first,
+                   page_table_ptr, seq_lens_ptr, cu_ptr, out_ptr, fresh_k_ptr, fresh_v_ptr,
+                   fresh_k_stride, fresh_v_stride, scale, pages_stride, first,
                    batch, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                    DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
                    FP8: tl.constexpr, K_ROW: tl.constexpr, V_ROW: tl.constexpr,
-                   K_SROW: tl.constexpr, V_SROW: tl.constexpr):
+                   K_SROW: tl.constexpr, V_SROW: tl.constexpr, FRESH: tl.constexpr):
     """One program: BLOCK_M // GROUP_PAD new tokens of one request, for every query head of one
     KV head (row r: token r // GROUP_PAD, head r % GROUP_PAD of the group), so each K/V block is
     loaded (FP8: and widened) once for the group. Programs are work items of requests `first` ..
     batch - 1 (_work_item): a grid of cdiv(tokens, TOKENS) + requests items covers any step, so
     a padded step (worker.prompt_graphs) launches no program per (request, longest prompt's
-    block). FP8, K_ROW .. V_SROW: as in _decode_kernel."""
+    block). FP8, K_ROW .. V_SROW: as in _decode_kernel. FRESH: a request of several new tokens
+    reads their keys and values from fresh_k_ptr / fresh_v_ptr (kv_blocks.attend_fresh: rows
+    of the step's tokens, as q's) and only the keys before them from the cache."""
     kv_head = tl.program_id(1)
     TOKENS: tl.constexpr = BLOCK_M // GROUP_PAD
     b, block = _work_item(cu_ptr, first, batch, tl.program_id(0), TOKENS)
@@ -181,30 +185,46 @@ def _extend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, scales_ptr, k_scale_ptr, v_s
         # whole (before the first row's position) run without masks
         end = tl.minimum(seq_len, seq_len - num_new + (block + 1) * TOKENS)
         seen = (seq_len - num_new + block * TOKENS + 1) // BLOCK_N * BLOCK_N
+        cached = end  # keys read from the cache: [0, cached)
+        if FRESH:  # (a decode's one token: from the cache, as every later step reads it)
+            cached = tl.minimum(end, seq_len - tl.where(num_new > 1, num_new, 0))
+            seen = tl.minimum(seen, cached // BLOCK_N * BLOCK_N)
         if HEAD_DIM != DIM_PAD:
             seen = 0
         table = page_table_ptr + b * pages_stride
         n = tl.arange(0, BLOCK_N)
         for kv_start in range(0, seen, BLOCK_N):
             pos = tl.multiple_of(kv_start, BLOCK_N) + n
-            k, v, rows = load_kv(k_cache_ptr, v_cache_ptr, table, pos, None, end, d, d_mask,
+            k, v, rows = load_kv(k_cache_ptr, v_cache_ptr, table, pos, None, cached, d, d_mask,
                                  kv_head, q, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, DOT_F32, FP8,
                                  False, K_ROW, V_ROW, V_SROW > 0)
             ks = row_scales(k_scale_ptr, rows, None, K_SROW, False) if K_SROW > 0 else None
             vs = row_scales(v_scale_ptr, rows, None, V_SROW, False) if V_SROW > 0 else None
             m_i, l_i, acc = softmax_step(q, k, v, None, m_i, l_i, acc, qk_scale, PRECISION,
                                          False, ks, vs)
-        for kv_start in range(seen, end, BLOCK_N):
+        for kv_start in range(seen, cached, BLOCK_N):
             pos = tl.multiple_of(kv_start, BLOCK_N) + n
-            n_mask = pos < end
-            k, v, rows = load_kv(k_cache_ptr, v_cache_ptr, table, pos, n_mask, end, d, d_mask,
-                                 kv_head, q, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, DOT_F32, FP8,
-                                 True, K_ROW, V_ROW, V_SROW > 0)
+            n_mask = pos < cached
+            k, v, rows = load_kv(k_cache_ptr, v_cache_ptr, table, pos, n_mask, cached, d,
+                                 d_mask, kv_head, q, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, DOT_F32,
+                                 FP8, True, K_ROW, V_ROW, V_SROW > 0)
             ks = row_scales(k_scale_ptr, rows, n_mask, K_SROW) if K_SROW > 0 else None
             vs = row_scales(v_scale_ptr, rows, n_mask, V_SROW) if V_SROW > 0 else None
             allowed = (pos[None, :] <= q_pos[:, None]) & n_mask[None, :]
             m_i, l_i, acc = softmax_step(q, k, v, allowed, m_i, l_i, acc, qk_scale, PRECISION,
                                          True, ks, vs)
+        if FRESH:
+            # the cache's part of acc in true units (FP8: its V scale), then the fresh keys in
+            # the activation dtype, with no scales
+            acc = acc * v_scale
+            v_scale = 1.0
+            q = tl.load(q_ptr + offs, mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+            q = dot_dtype(q, DOT_F32, False)
+            m_i, l_i, acc = attend_fresh(fresh_k_ptr, fresh_v_ptr, fresh_k_stride,
+                                         fresh_v_stride, start + cached - (seq_len - num_new),
+                                         cached, end, q_pos, kv_head, d, d_mask, q, m_i, l_i,
+                                         acc, scale * 1.4426950408889634, HEAD_DIM, BLOCK_N,
+                                         DOT_F32, PRECISION)
         out = acc * (v_scale / tl.where(l_i > 0, l_i, 1.0))[:, None]
         tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty),
                  mask=row_mask[:, None] & d_mask[None, :])
@@ -252,11 +272,13 @@ def num_decode_splits(num_requests: int, num_kv_heads: int, max_seq_len: int,
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     page_table: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
                     scale: float, max_query_len: int, max_seq_len: int,
-                    kv_scales: torch.Tensor | None = None, num_decodes: int = 0) -> torch.Tensor:
+                    kv_scales: torch.Tensor | None = None, num_decodes: int = 0,
+                    fresh: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """See torch_ref.paged_attention. max_query_len / max_seq_len: host-side upper bounds of the
     new tokens and the context length of any request (they size the launch grid). The first
     num_decodes requests (all of them when max_query_len is 1) run the decode kernel, the rest
-    the extend kernel."""
+    the extend kernel; fresh K/V are read by the extend kernel only (for its requests of
+    several new tokens), as device tensors (nothing read on the host: capture-safe)."""
     num_heads, head_dim = q.shape[1:]
     k_rows, v_rows = (row_scaled(c, head_dim, kv_scales) for c in (k_cache, v_cache))
     fp8 = k_cache.dtype == torch.float8_e4m3fn and not k_rows
@@ -287,9 +309,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         block_m, launch = _extend_launch(max_query_len * group_pad, group_pad, fp8)
         # work items: at most one per TOKENS of the step's tokens, plus one a request
         items = cdiv(q.shape[0], block_m // group_pad) + batch - decodes
+        fresh_k, fresh_v = (q, q) if fresh is None else (heads_packed(x) for x in fresh)
         _extend_kernel[(items, num_kv_heads)](
-            *args, out, scale, page_table.stride(0), decodes, batch, GROUP_PAD=group_pad,
-            BLOCK_M=block_m, **consts, **launch)
+            *args, out, fresh_k, fresh_v, fresh_k.stride(0), fresh_v.stride(0), scale,
+            page_table.stride(0), decodes, batch, GROUP_PAD=group_pad, BLOCK_M=block_m,
+            FRESH=fresh is not None, **consts, **launch)
     return out
 
 

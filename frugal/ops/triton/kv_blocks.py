@@ -95,3 +95,30 @@ def softmax_step(q, k, v, allowed, m_i, l_i, acc, qk_scale, PRECISION: tl.conste
         p = p * v_scale[None, :]
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return m_new, l_i, acc
+
+
+@triton.jit
+def attend_fresh(k_ptr, v_ptr, k_stride, v_stride, first_row, first, end, q_pos, kv_head, d,
+                 d_mask, q, m_i, l_i, acc, qk_scale, HEAD_DIM: tl.constexpr,
+                 BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
+    """Online softmax (softmax_step) over the keys at positions first .. end - 1 taken from the
+    step's own K and V rows ([tokens, NUM_KV_HEADS, HEAD_DIM] in q's dtype, k_stride / v_stride
+    elements from one token to the next, heads HEAD_DIM apart), position `first` being row
+    first_row; causal: a query row at q_pos sees keys at positions <= q_pos. No scales: these
+    keys and values are the activations themselves. Returns the updated (m_i, l_i, acc)."""
+    n = tl.arange(0, BLOCK_N)
+    for kv_start in range(first, end, BLOCK_N):
+        pos = kv_start + n
+        n_mask = pos < end
+        rows = (first_row + pos - first).to(tl.int64)
+        mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_ptr + rows[:, None] * k_stride + kv_head * HEAD_DIM + d[None, :],
+                    mask=mask, other=0.0)
+        v = tl.load(v_ptr + rows[:, None] * v_stride + kv_head * HEAD_DIM + d[None, :],
+                    mask=mask, other=0.0)
+        if DOT_F32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        allowed = (pos[None, :] <= q_pos[:, None]) & n_mask[None, :]
+        m_i, l_i, acc = softmax_step(q, k, v, allowed, m_i, l_i, acc, qk_scale, PRECISION)
+    return m_i, l_i, acc

@@ -15,7 +15,7 @@ from frugal.ops.triton.sizes import next_power_of_2
 
 @triton.jit
 def _rotary_store_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, slot_ptr, q_out_ptr,
-                         k_cache_ptr, v_cache_ptr, scales_ptr, k_scale_ptr, v_scale_ptr,
+                         k_out_ptr, k_cache_ptr, v_cache_ptr, scales_ptr, k_scale_ptr, v_scale_ptr,
                          q_stride, k_stride, v_stride, qw_ptr, kw_ptr, eps,
                          QK_NORM: tl.constexpr, NUM_HEADS: tl.constexpr,
                          NUM_KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
@@ -23,7 +23,8 @@ def _rotary_store_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, slot_ptr, q_
                          DIM: tl.constexpr, PASS: tl.constexpr, PASS_PAD: tl.constexpr,
                          PAGE_SIZE: tl.constexpr, FP8: tl.constexpr, K_ROW: tl.constexpr,
                          V_ROW: tl.constexpr, K_SROW: tl.constexpr, V_SROW: tl.constexpr,
-                         K_QMAX: tl.constexpr, V_QMAX: tl.constexpr, PDL: tl.constexpr):
+                         K_QMAX: tl.constexpr, V_QMAX: tl.constexpr, K_OUT: tl.constexpr,
+                         PDL: tl.constexpr):
     """One program per token: rotate its q heads into q_out, rotate its k heads and store them
     with its v heads at its slot (unless the slot is negative). Each head's first 2 * HALF dims
     rotate, its last PASS dims (partial rotary; DIM = 2 * HALF + PASS) pass through. FP8
@@ -32,7 +33,8 @@ def _rotary_store_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, slot_ptr, q_
     from one (slot, head) row of the cache to the next. K_SROW / V_SROW > 0: K / V rows carry
     their scale (ops.torch_ref.kv_quant: amax / K_QMAX), row r's at k_scale_ptr + r * K_SROW.
     QK_NORM: every q and k head RMS-normalized first (weights qw_ptr, kw_ptr [DIM]; rounded to
-    the activation dtype as ops.rms_norm rounds)."""
+    the activation dtype as ops.rms_norm rounds). K_OUT: every token's rotated k also goes to
+    k_out_ptr ([tokens, NUM_KV_HEADS, DIM] in q's dtype), whatever its slot."""
     enter(PDL)
     t = tl.program_id(0)
     pos = tl.load(pos_ptr + t)
@@ -57,25 +59,28 @@ def _rotary_store_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, slot_ptr, q_
     if PASS > 0:
         tl.store(q_out_ptr + (t * NUM_HEADS + h) * DIM + p[None, :], xp.to(out_ty), mask=q_pass)
     slot = tl.load(slot_ptr + t)
+    if K_OUT:
+        k_rot1, k_rot2, k_pass = _rotated_k(k_ptr + t * k_stride, cos, sin, kw_ptr, i, i_mask, p,
+                                            eps, QK_NORM, NUM_KV_HEADS, KV_PAD, HALF, DIM, PASS)
+        j = tl.arange(0, KV_PAD)[:, None]
+        k_dst = k_out_ptr + (t * NUM_KV_HEADS + j) * DIM
+        kv_mask = (j < NUM_KV_HEADS) & i_mask[None, :]
+        tl.store(k_dst + i[None, :], k_rot1.to(out_ty), mask=kv_mask)
+        tl.store(k_dst + HALF + i[None, :], k_rot2.to(out_ty), mask=kv_mask)
+        if PASS > 0:
+            tl.store(k_dst + p[None, :], k_pass.to(out_ty),
+                     mask=(j < NUM_KV_HEADS) & (p[None, :] < DIM))
     if slot >= 0:  # -1 marks padding (a CUDA graph's unused rows)
         # (names differ from the q block's: Triton needs one shape per variable)
         j = tl.arange(0, KV_PAD)[:, None]
         kv_mask = (j < NUM_KV_HEADS) & i_mask[None, :]
-        k_src = k_ptr + t * k_stride + j * DIM + i[None, :]
-        k1 = tl.load(k_src, mask=kv_mask, other=0.0).to(tl.float32)
-        k2 = tl.load(k_src + HALF, mask=kv_mask, other=0.0).to(tl.float32)
         kv_pass = (j < NUM_KV_HEADS) & (p[None, :] < DIM)
-        k_pass = tl.load(k_ptr + t * k_stride + j * DIM + p[None, :], mask=kv_pass, other=0.0)
-        x_ty = k_ptr.dtype.element_ty
-        if QK_NORM:
-            k1, k2, k_pass = _head_norm(k1, k2, k_pass, kw_ptr, i, i_mask, p, eps, HALF, DIM,
-                                        PASS)
-            k_pass = k_pass.to(x_ty)
+        if not K_OUT:
+            k_rot1, k_rot2, k_pass = _rotated_k(k_ptr + t * k_stride, cos, sin, kw_ptr, i, i_mask,
+                                                p, eps, QK_NORM, NUM_KV_HEADS, KV_PAD, HALF, DIM,
+                                                PASS)
         row = slot * NUM_KV_HEADS + j  # [KV_PAD, 1]
         kv_dst = row * K_ROW + i[None, :]
-        # round to the activation dtype first, as the unfused path stores a rotated k tensor
-        k_rot1 = (k1 * cos - k2 * sin).to(x_ty)
-        k_rot2 = (k2 * cos + k1 * sin).to(x_ty)
         k_scale = tl.full([KV_PAD, 1], 1.0, tl.float32)
         v_scale = tl.full([KV_PAD, 1], 1.0, tl.float32)
         if FP8:
@@ -112,6 +117,26 @@ def _rotary_store_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, slot_ptr, q_
             else:
                 v_dst = row * V_ROW + start + d[None, :]
             store_quantized(v_cache_ptr + v_dst, x, v_scale, v_mask, FP8, V_SROW > 0)
+
+
+@triton.jit
+def _rotated_k(src, cos, sin, kw_ptr, i, i_mask, p, eps, QK_NORM: tl.constexpr,
+               NUM_KV_HEADS: tl.constexpr, KV_PAD: tl.constexpr, HALF: tl.constexpr,
+               DIM: tl.constexpr, PASS: tl.constexpr):
+    """One token's k heads (src: its first, heads DIM apart), normalized where QK_NORM and
+    rotated: (first half, second half, passing dims) [KV_PAD, *], each rounded to k's dtype
+    first, as the unfused path stores a rotated k tensor."""
+    j = tl.arange(0, KV_PAD)[:, None]
+    kv_mask = (j < NUM_KV_HEADS) & i_mask[None, :]
+    k1 = tl.load(src + j * DIM + i[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+    k2 = tl.load(src + j * DIM + HALF + i[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+    kv_pass = (j < NUM_KV_HEADS) & (p[None, :] < DIM)
+    k_pass = tl.load(src + j * DIM + p[None, :], mask=kv_pass, other=0.0)
+    x_ty = src.dtype.element_ty
+    if QK_NORM:
+        k1, k2, k_pass = _head_norm(k1, k2, k_pass, kw_ptr, i, i_mask, p, eps, HALF, DIM, PASS)
+        k_pass = k_pass.to(x_ty)
+    return (k1 * cos - k2 * sin).to(x_ty), (k2 * cos + k1 * sin).to(x_ty), k_pass
 
 
 @triton.jit
@@ -166,7 +191,7 @@ def store_quantized(ptr, x, scale, mask, FP8: tl.constexpr, ROW_SCALED: tl.const
         tl.store(ptr, x.to(ptr.dtype.element_ty), mask=mask)
 
 
-def _heads_packed(x: torch.Tensor) -> torch.Tensor:
+def heads_packed(x: torch.Tensor) -> torch.Tensor:
     """x with heads and head_dim densely packed (tokens may be strided, as in a fused qkv)."""
     return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()
 
@@ -174,10 +199,11 @@ def _heads_packed(x: torch.Tensor) -> torch.Tensor:
 def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                     cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     slot_mapping: torch.Tensor, kv_scales: torch.Tensor | None = None,
-                    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None
-                    ) -> torch.Tensor:
-    """See torch_ref.rotary_store_kv. q, k, v may be views of one fused qkv projection."""
-    q, k, v = _heads_packed(q), _heads_packed(k), _heads_packed(v)
+                    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+                    k_out: torch.Tensor | None = None) -> torch.Tensor:
+    """See torch_ref.rotary_store_kv. q, k, v may be views of one fused qkv projection; k_out
+    must be contiguous."""
+    q, k, v = heads_packed(q), heads_packed(k), heads_packed(v)
     num_tokens, num_heads, head_dim = q.shape
     k_rows, v_rows = (row_scaled(c, head_dim, kv_scales) for c in (k_cache, v_cache))
     fp8 = k_cache.dtype == torch.float8_e4m3fn and not k_rows
@@ -190,10 +216,14 @@ def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_tokens == 0:
         return out
+    if k_out is not None and (not k_out.is_contiguous() or k_out.shape != k.shape
+                              or k_out.dtype != q.dtype):
+        raise ValueError("k_out: must be a contiguous [num_tokens, num_kv_heads, head_dim] "
+                         "tensor in q's dtype")
     launch_pdl = pdl(q.device)
     _rotary_store_kernel[(num_tokens,)](
-        q, k, v, positions, cos_sin, slot_mapping, out, k_cache, v_cache,
-        kv_scales if fp8 else k_cache, k_scales, v_scales, q.stride(0),
+        q, k, v, positions, cos_sin, slot_mapping, out, out if k_out is None else k_out,
+        k_cache, v_cache, kv_scales if fp8 else k_cache, k_scales, v_scales, q.stride(0),
         k.stride(0), v.stride(0), *(qk_norm if qk_norm is not None else (q, q, 0.0)),
         QK_NORM=qk_norm is not None, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
         HEADS_PAD=next_power_of_2(num_heads), KV_PAD=next_power_of_2(num_kv_heads),
@@ -202,5 +232,5 @@ def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
         K_ROW=k_cache.stride(2), V_ROW=0 if fp8 else v_cache.stride(2),
         K_SROW=k_scales.stride(2) if k_rows else 0, V_SROW=v_scales.stride(2) if v_rows else 0,
         K_QMAX=QMAX.get(k_cache.dtype, 1.0), V_QMAX=QMAX.get(v_cache.dtype, 1.0),
-        PDL=launch_pdl, launch_pdl=launch_pdl > 0)
+        K_OUT=k_out is not None, PDL=launch_pdl, launch_pdl=launch_pdl > 0)
     return out
