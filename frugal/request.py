@@ -37,6 +37,11 @@ class SamplingParams:
     as one tensor (RequestOutput.prompt_logprobs_tensor), as KL divergence needs.
     prompt_logprobs_start: only prompt tokens from this index on are scored (those before are
     None), so that a prompt's head may come from the prefix cache (a multiple-choice context).
+    prompt_from_cache: the prompt's tokens attend to one another through the KV cache, as decode
+    steps read them, instead of to their keys and values as computed (AttentionMetadata.fresh_kv;
+    the two differ only over a quantized cache): teacher-forced scoring that should measure the
+    cache's effect at every position asks for it (eval's generation KL, the start-up KV check).
+    A step holding such a request reads every request's prompt tokens so.
     Log-probabilities are those of the model's raw distribution (before temperature/top-k/top-p).
     """
 
@@ -54,6 +59,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     prompt_logprobs_tensor: bool = False
     prompt_logprobs_start: int = 0
+    prompt_from_cache: bool = False
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):

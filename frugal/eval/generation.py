@@ -84,7 +84,9 @@ def divergence(llm: LLM, reference: LLM, prompts: list[str],
                reference_answers: list[list[int]], agree: Agreement, batch: int = 8) -> None:
     """Fill agree's KL and top-1 agreement: both configurations read each chat prompt followed by
     the reference's answer; KL(reference || llm) of the next-token distribution (fp64) and
-    top-1 agreement at the positions that predict the answer's tokens."""
+    top-1 agreement at the positions that predict the answer's tokens. Each position reads the
+    ones before it through the KV cache, as the decode step that generated it did (a quantized
+    cache's effect; prompt attention would read the answer's K/V as computed)."""
     tokenizer = llm.get_tokenizer()
     klds, agreeing = [], 0
     for start in range(0, len(prompts), batch):
@@ -92,8 +94,8 @@ def divergence(llm: LLM, reference: LLM, prompts: list[str],
                  for p in prompts[start:start + batch]]
         answers_ = reference_answers[start:start + batch]
         sequences = [c + list(a) for c, a in zip(chats, answers_)]
-        for chat, mine, ref in zip(chats, log_probs(llm, sequences),
-                                   log_probs(reference, sequences)):
+        for chat, mine, ref in zip(chats, log_probs(llm, sequences, from_cache=True),
+                                   log_probs(reference, sequences, from_cache=True)):
             mine, ref = mine[len(chat) - 1:].double(), ref[len(chat) - 1:].to(mine.device).double()
             klds.append((ref.exp() * (ref - mine)).sum(-1).clamp_min(0.0).cpu())
             agreeing += (ref.argmax(-1) == mine.argmax(-1)).sum().item()

@@ -43,9 +43,12 @@ def windows(token_ids: list[int], ctx_len: int, max_windows: int | None) -> list
     return [token_ids[i * ctx_len:(i + 1) * ctx_len] for i in range(count)]
 
 
-def log_probs(llm: LLM, batch: list[list[int]]) -> list[torch.Tensor]:
-    """Per window: [ctx_len - 1, vocab] log-probabilities of tokens 1.., on the engine's device."""
-    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs_tensor=True)
+def log_probs(llm: LLM, batch: list[list[int]], from_cache: bool = False) -> list[torch.Tensor]:
+    """Per window: [ctx_len - 1, vocab] log-probabilities of tokens 1.., on the engine's device.
+    from_cache: the window's tokens read one another through the KV cache, as decode steps do
+    (SamplingParams.prompt_from_cache)."""
+    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs_tensor=True,
+                            prompt_from_cache=from_cache)
     return [out.prompt_logprobs_tensor for out in llm.generate(batch, params)]
 
 

@@ -1,13 +1,15 @@
 """The start-up check of a quantized KV cache: how far it moves the next-token distribution.
 
 Built-in texts (TEXTS: prose, code, arithmetic, a list, a chat turn) are read teacher-forced,
-in one prefill step, into a cache in the activation dtype and into a cache of the chosen format;
-at every position, the KL divergence of the quantized cache's next-token distribution from the
-reference's, and whether their top-1 tokens agree. Prefill only: a few seconds on a CPU for a
-small model. Small models with narrow heads and outlier-heavy models feel e4m3's 3-bit mantissa
-(answers change), large ones rarely do: above WARN_KL the check says so loudly and measures the
-formats that keep more precision, naming the best; CacheConfig.kv_cache_max_kl refuses to start
-above a KL of one's choosing.
+in one prefill step, into a cache in the activation dtype and into a cache of the chosen format,
+each token reading the ones before it through the cache as decode steps do (a prompt step would
+read its own tokens' K/V as computed: SamplingParams.prompt_from_cache); at every position, the
+KL divergence of the quantized cache's next-token distribution from the reference's, and
+whether their top-1 tokens agree. Prefill only: a few seconds on a CPU for a small model. Small
+models with narrow heads and outlier-heavy models feel e4m3's 3-bit mantissa (answers change),
+large ones rarely do: above WARN_KL the check says so loudly and measures the formats that keep
+more precision, naming the best; CacheConfig.kv_cache_max_kl refuses to start above a KL of
+one's choosing.
 """
 
 from __future__ import annotations
@@ -80,8 +82,11 @@ def texts(runner: ModelRunner, tokenizer, which: list[str] = TEXTS) -> list[list
 def scratch_requests(name: str, prompts: list[list[int]], page_size: int, generate: int = 0
                      ) -> tuple[list[Request], int]:
     """A request a prompt, with room for `generate` greedy tokens after it, on consecutive
-    pages of a scratch pool from page 0: (the requests, the pages they take)."""
-    params = SamplingParams(max_tokens=max(generate, 1), temperature=0.0, ignore_eos=True)
+    pages of a scratch pool from page 0: (the requests, the pages they take). Their prompts
+    read one another through the cache (SamplingParams.prompt_from_cache), as decode steps
+    would: what the check measures (calibration's cache is unquantized: the same to it)."""
+    params = SamplingParams(max_tokens=max(generate, 1), temperature=0.0, ignore_eos=True,
+                            prompt_from_cache=True)
     requests, first = [], 0
     for i, ids in enumerate(prompts):
         n = -(-(len(ids) + generate) // page_size)

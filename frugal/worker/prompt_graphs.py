@@ -13,8 +13,10 @@ kernel (max_query_len = the token bucket), whose work items cover the bucket's t
 requests (ops.triton.attention) and exit at once past the step's; the LM head reads the rows the
 step samples (logits_indices, padded with row 0). Steps are marked `captured`: MLA attends
 their tokens absorbed, a row a token, instead of expanding prompts to sizes read on the host.
-Hidden states stay inside the graph: steps that score prompt tokens run eagerly, as do models
-whose attention backend cannot capture prompts (layers.attention: prompt_graphs; DSA).
+Hidden states stay inside the graph: steps that score prompt tokens run eagerly, as do steps
+that read prompts through the cache (AttentionMetadata.fresh_kv False; the graphs are captured
+with it on) and models whose attention backend cannot capture prompts (layers.attention:
+prompt_graphs; DSA).
 """
 
 from __future__ import annotations
@@ -109,7 +111,8 @@ class PromptGraphs:
                         self.rows[:requests])
 
     def fits(self, inputs: StepInputs) -> bool:
-        return (not inputs.decode and inputs.input_ids.shape[0] <= self.max_tokens
+        return (not inputs.decode and inputs.meta.fresh_kv  # (captured with fresh K/V)
+                and inputs.input_ids.shape[0] <= self.max_tokens
                 and inputs.num_requests <= self.max_requests
                 and inputs.meta.page_table.shape[1] <= self.max_pages)
 

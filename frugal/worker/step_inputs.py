@@ -126,6 +126,7 @@ def prepare(out: SchedulerOutput, page_size: int, device: str, pending: Pending 
         max_seq_len=max(seq_lens),
         num_decodes=num_decodes,
         host_seq_lens=tuple(seq_lens),
+        fresh_kv=not any(r.params.prompt_from_cache for r in out.requests),
     )
     input_ids = longs[ids_at:ids_at + num_tokens]
     if num_gathered:

@@ -134,17 +134,21 @@ def test_calibration_file(tmp_path, content):
 
 
 def test_fp8_logits_stay_close_to_fp32_kv(llm, fp8_llm):
-    """Next-token distributions over real text: small KL divergence, same top-1 nearly always."""
+    """Next-token distributions over real text read through the FP8 cache (as decode steps
+    read it): small KL divergence, same top-1 nearly always. Read in one prompt step, the
+    text's own K/V are taken as computed: the fp32 cache's distributions, up to float error."""
     tok = llm.get_tokenizer()
     text = ("The history of the printing press begins in the fifteenth century, when Johannes "
             "Gutenberg combined movable metal type with an oil-based ink and a screw press. "
             "Books became cheaper, and ideas travelled faster than ever before across Europe.")
     ids = tok.encode(text)
     ref = frugal_logits(llm, ids).float().log_softmax(-1)
-    got = frugal_logits(fp8_llm, ids).float().log_softmax(-1)
+    got = frugal_logits(fp8_llm, ids, from_cache=True).float().log_softmax(-1)
     kld = (ref.exp() * (ref - got)).sum(-1)
     agree = (ref.argmax(-1) == got.argmax(-1)).float().mean().item()
-    assert kld.mean().item() < 0.02 and agree >= 0.9, (kld.mean().item(), agree)
+    assert 1e-5 < kld.mean().item() < 0.02 and agree >= 0.9, (kld.mean().item(), agree)
+    fresh = frugal_logits(fp8_llm, ids).float().log_softmax(-1)
+    assert (ref.exp() * (ref - fresh)).sum(-1).abs().max().item() < 1e-6
 
 
 @pytest.mark.gpu

@@ -6,12 +6,13 @@ from frugal.request import FinishReason, Request, SamplingParams
 from tests.conftest import CHAT_PROMPTS
 
 
-def frugal_logits(llm, token_ids: list[int]) -> torch.Tensor:
-    """Logits at every position, computed through the paged KV cache in one prefill step."""
+def frugal_logits(llm, token_ids: list[int], from_cache: bool = False) -> torch.Tensor:
+    """Logits at every position, computed through the paged KV cache in one prefill step
+    (from_cache: the tokens read one another's K/V from the cache, as decode steps do)."""
     engine = llm.engine
     # (scoring every prompt token: nothing comes from the prefix cache, the whole prompt is run)
-    request = Request("logits", None, token_ids, SamplingParams(prompt_logprobs=0),
-                      len(token_ids) + 1)
+    params = SamplingParams(prompt_logprobs=0, prompt_from_cache=from_cache)
+    request = Request("logits", None, token_ids, params, len(token_ids) + 1)
     engine.scheduler.add(request)
     out = engine.scheduler.schedule()
     assert out.requests == [request] and out.num_new_tokens == [len(token_ids)]

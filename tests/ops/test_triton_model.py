@@ -12,9 +12,13 @@ pytest.importorskip("triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def test_triton_backend_matches_torch_ref(tmp_path):
+@pytest.mark.parametrize("kv", ["auto", "int8_per_token_head"])
+def test_triton_backend_matches_torch_ref(kv, tmp_path):
+    """(int8 rows: prompt steps read their own K/V as computed, the rotated k the store hands
+    back, and the context before them from the cache)"""
     write_model("qwen3-qk-norm-head-dim", tmp_path)
-    kwargs = dict(dtype="float32", device=DEVICE, kv_cache_memory="8MiB", page_size=16)
+    kwargs = dict(dtype="float32", device=DEVICE, kv_cache_memory="8MiB", page_size=16,
+                  kv_cache_dtype=kv)
     ref = LLM(str(tmp_path), ops_backend="torch_ref", **kwargs)
     tri = LLM(str(tmp_path), ops_backend="triton", **kwargs)
     ids = torch.randint(0, 320, (37,), generator=torch.Generator().manual_seed(2)).tolist()

@@ -57,10 +57,10 @@ def _run(engine, prompts, params) -> tuple[list, list]:
     return [tokens[i] for i in ids], [logprobs[i] for i in ids]
 
 
-def _engine(check: bool, graphs: bool):
+def _engine(check: bool, graphs: bool, kv_cache_dtype: str = "auto"):
     config = EngineConfig(dtype="float32", device="cpu",
                           cache=CacheConfig(page_size=4, kv_cache_memory="64MiB",
-                                            kv_integrity=check),
+                                            kv_integrity=check, kv_cache_dtype=kv_cache_dtype),
                           scheduler=SchedulerConfig(max_num_batched_tokens=24))
     engine = LLM.from_config(config).engine
     runs = []
@@ -92,17 +92,20 @@ def _engine(check: bool, graphs: bool):
     return engine, runs
 
 
+PROMPTS = [list(range(100, 121)) + [7, 8], list(range(30, 41)), [5, 6, 7],
+           list(range(100, 121)) + [9], list(range(50, 83)), [3, 4], [9, 8, 7, 6], [11]]
+MAX_TOKENS = (6, 9, 4, 5, 3, 12, 10, 11)
+
+
 @pytest.mark.parametrize("check", [True, False])
 def test_padded_prompt_steps_equal_plain_ones(check):
-    shared = list(range(100, 121))  # 21 tokens: 5 full pages of 4, cached after the first
-    prompts = [shared + [7, 8], list(range(30, 41)), [5, 6, 7], shared + [9], list(range(50, 83)),
-               [3, 4], [9, 8, 7, 6], [11]]
+    # (the first 21 tokens of prompts 0 and 3: 5 full pages of 4, cached after the first)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=2)
-              for n in (6, 9, 4, 5, 3, 12, 10, 11)]
+              for n in MAX_TOKENS]
     results, counts = [], []
     for graphs in (True, False):
         engine, runs = _engine(check, graphs)
-        results.append(_run(engine, prompts, params))
+        results.append(_run(engine, PROMPTS, params))
         counts.append(runs)
     assert results[0][0] == results[1][0]
     torch.testing.assert_close(results[0][1], results[1][1], atol=1e-5, rtol=1e-5)
@@ -112,6 +115,32 @@ def test_padded_prompt_steps_equal_plain_ones(check):
     prompt_steps = [n for n in counts[0] if n > 0]
     assert len(prompt_steps) >= 4 and max(prompt_steps) == 24 and min(prompt_steps) < 24
     assert {-8, -7, -4, -3} <= set(counts[0]) and counts[1] == []
+
+
+def test_padded_prompt_steps_over_a_quantized_cache_read_fresh_kv_as_plain_ones():
+    """fp8_v (V e4m3): prompt steps read their own tokens' K/V as computed through the padded
+    buffers as in plain steps (the tokens sampled after them: same log-probs; later ones
+    within float noise, which rounding to e4m3 amplifies); requests reading their prompts
+    through the cache (prompt_from_cache) run their prompt steps eagerly, and the tokens
+    sampled after them move."""
+    def run(graphs: bool, from_cache: bool):
+        """(tokens, log-probs, each request's first log-prob, the padded steps' sizes)"""
+        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=2,
+                                 prompt_from_cache=from_cache) for n in MAX_TOKENS]
+        engine, runs = _engine(False, graphs, "fp8_v")
+        tokens, logprobs = _run(engine, PROMPTS, params)
+        return tokens, logprobs, torch.tensor([lp[0][0] for lp in logprobs]), runs
+
+    tokens, logprobs, first, runs = run(True, False)
+    assert any(n > 0 for n in runs)
+    plain_tokens, plain_logprobs, plain_first, _ = run(False, False)
+    assert tokens == plain_tokens
+    torch.testing.assert_close(first, plain_first, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logprobs, plain_logprobs, atol=2e-2, rtol=0)
+    _, _, through, runs = run(True, True)
+    assert not any(n > 0 for n in runs)  # (decode steps only from the buffers)
+    moved = (through - plain_first).abs()  # (the last prompt, one token: nothing to move)
+    assert (moved[:-1] > 1e-3).all() and moved[-1] < 1e-5, moved
 
 
 @pytest.mark.parametrize("backend", ["torch_ref", "triton"])

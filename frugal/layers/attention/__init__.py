@@ -33,6 +33,10 @@ class AttentionMetadata:
     and in the memory profile): shapes that depend on them need no device sync.
     captured: a step with prompt tokens inside a CUDA graph (worker.prompt_graphs): no shape
     may depend on a device value, nor on host_seq_lens.
+    fresh_kv: a request's several new tokens may attend to one another's keys and values as
+    computed, in the activation dtype, rather than to their copies in the cache (multi-head
+    attention over a quantized cache: ops.paged_attention's fresh); False where a step must
+    see what decode steps see through the cache (SamplingParams.prompt_from_cache).
     """
 
     slot_mapping: torch.Tensor
@@ -44,6 +48,7 @@ class AttentionMetadata:
     num_decodes: int = 0
     host_seq_lens: tuple[int, ...] | None = None
     captured: bool = False
+    fresh_kv: bool = True
 
 
 # name -> the module defining BACKEND (an AttentionBackend), imported when first asked for

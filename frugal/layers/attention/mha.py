@@ -11,7 +11,7 @@ from torch import nn
 
 from frugal import ops
 from frugal.layers.attention import AttentionMetadata
-from frugal.layers.attention.base import AttentionBackend, KVLayout
+from frugal.layers.attention.base import STEP_FIELDS, AttentionBackend, KVLayout
 from frugal.layers.linear import Linear, MergedLinear
 from frugal.layers.norm import RMSNorm
 from frugal.layers.rotary import RotaryEmbedding
@@ -43,13 +43,22 @@ class Attention(nn.Module):
         """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
         (views of a fused projection are fine); positions: [num_tokens] int64; qk_norm: q's
         and k's RMSNorm weights [head_dim] and eps, applied per head before the rotary
-        (fused into the store)."""
+        (fused into the store).
+
+        Over an 8-bit cache (either part), a step's prompt tokens attend to one another's K/V
+        as computed (the rotated k handed back by the store, v as given) and only to the
+        context before them through the cache, unless meta.fresh_kv is off."""
+        fresh_k = None
+        if meta.fresh_kv and meta.max_query_len > 1 and (
+                self.k_cache.element_size() == 1 or self.v_cache.element_size() == 1):
+            fresh_k = torch.empty(k.shape, dtype=q.dtype, device=q.device)
         q = ops.rotary_store_kv(q, k, v, positions, self.rotary.cos_sin, self.k_cache,
-                                self.v_cache, meta.slot_mapping, self.kv_scales, qk_norm)
+                                self.v_cache, meta.slot_mapping, self.kv_scales, qk_norm,
+                                fresh_k)
         return ops.paged_attention(q, self.k_cache, self.v_cache, meta.page_table,
                                    meta.cu_seqlens_q, meta.seq_lens, self.scale,
                                    meta.max_query_len, meta.max_seq_len, self.kv_scales,
-                                   meta.num_decodes)
+                                   meta.num_decodes, None if fresh_k is None else (fresh_k, v))
 
 
 class MhaAttention(nn.Module):
@@ -94,6 +103,7 @@ class MhaAttention(nn.Module):
 
 class MhaBackend(AttentionBackend):
     name = "mha"
+    metadata_fields = (*STEP_FIELDS, "fresh_kv")
 
     def layer(self, c: ModelConfig, rotary: RotaryEmbedding, index: int,
               parallel: Parallel) -> MhaAttention:
