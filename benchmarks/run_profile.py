@@ -29,7 +29,7 @@ from frugal.request import SamplingParams
 
 # (kind, substrings of kernel names), first match wins
 KINDS = [
-    ("attention: prompt", ("_extend_kernel",)),
+    ("attention: prompt", ("extend_kernel",)),
     ("attention: decode", ("_decode_kernel",)),
     ("attention: merge", ("merge_kernel",)),
     ("matmul", ("gemm", "nvjet", "xmma", "cutlass", "_gemv_kernel", "_small_m_kernel",
