@@ -80,11 +80,13 @@ def encode_pair(tokenizer: Tokenizer, context: str, continuation: str) -> tuple[
 def engine_scorer(llm: LLM) -> Scorer:
     """Log-likelihood of seq[ctx:] given seq[:ctx], from the engine's prompt log-probabilities
     of the continuation only (so the context's full pages may come from the prefix cache: the
-    choices of an item share them)."""
+    choices of an item share them). The continuation reads its own tokens through the KV cache
+    too (SamplingParams.prompt_from_cache), as decode steps do, whether the context was a hit."""
 
     def score(sequences: list[list[int]], context_lens: list[int]) -> list[float]:
         params = [SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0,
-                                 prompt_logprobs_start=ctx) for ctx in context_lens]
+                                 prompt_logprobs_start=ctx, prompt_from_cache=True)
+                  for ctx in context_lens]
         outputs = llm.generate(sequences, params)
         return [sum(e.logprob for e in out.prompt_logprobs[ctx:])
                 for out, ctx in zip(outputs, context_lens)]

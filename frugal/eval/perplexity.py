@@ -2,7 +2,9 @@
 llama.cpp reports for quantizations: KL divergence (mean, p99, max), top-1 agreement, RMS Δp.
 
 The text is cut into back-to-back windows of ctx_len tokens; each window is one request and every
-token but its first is scored. Both configurations score the very same windows.
+token but its first is scored. Both configurations score the very same windows, each token reading
+the ones before it through the KV cache as a decode step does (SamplingParams.prompt_from_cache):
+a quantized cache's effect shows at every position, not only past a prompt chunk.
 """
 
 from __future__ import annotations
@@ -63,8 +65,9 @@ def perplexity(llm: LLM, wins: list[list[int]], reference: LLM | None = None,
     for start in range(0, len(wins), batch):
         chunk = wins[start:start + batch]
         bar.update(len(chunk))
-        mine = log_probs(llm, chunk)
-        theirs = log_probs(reference, chunk) if reference is not None else [None] * len(chunk)
+        mine = log_probs(llm, chunk, from_cache=True)
+        theirs = (log_probs(reference, chunk, from_cache=True) if reference is not None
+                  else [None] * len(chunk))
         for window, lp, ref in zip(chunk, mine, theirs):
             targets = torch.tensor(window[1:], device=lp.device)
             token_lp = lp.gather(1, targets[:, None]).squeeze(1).double()
