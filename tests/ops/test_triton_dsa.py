@@ -31,7 +31,8 @@ def to(device, *tensors):
 
 @pytest.mark.parametrize("radix", [False, True])
 @pytest.mark.parametrize("lens,new,topk", [([40, 7, 100], [1, 1, 1], 16),
-                                           ([50, 90], [1, 30], 24), ([20], [20], 32)])
+                                           ([50, 90], [1, 30], 24), ([20], [20], 32),
+                                           ([30, 12, 64, 9, 40], [3, 0, 4, 1, 0], 16)])
 def test_index_topk_matches_torch_ref(lens, new, topk, radix, monkeypatch):
     """(radix: the top-k by ops.triton.topk, which long contexts take)"""
     if radix:
@@ -56,11 +57,13 @@ def test_index_topk_matches_torch_ref(lens, new, topk, radix, monkeypatch):
 
 
 def test_index_scores_match_the_formula():
+    """(rows 6 and 7: a padded step's tokens of no request, which see no position)"""
     heads, dim = 16, 32
     g, cache, table, cu, seq_lens = batch([70, 5], [1, 5], dim)
-    q = torch.randn(6, heads, dim, generator=g)
-    w = torch.randn(6, heads, generator=g)
+    q = torch.randn(8, heads, dim, generator=g)
+    w = torch.randn(8, heads, generator=g)
     got = tri.index_scores(*to(DEVICE, q, w, cache, table, cu, seq_lens), 70).cpu()
+    assert torch.isinf(got[6:]).all()
     rows = cache.view(-1, dim)
     for t, (b, visible) in enumerate([(0, 70), (1, 1), (1, 2), (1, 3), (1, 4), (1, 5)]):
         slots = table[b].long()[torch.arange(visible) // 16] * 16 + torch.arange(visible) % 16
@@ -69,7 +72,8 @@ def test_index_scores_match_the_formula():
         assert torch.isinf(got[t, visible:]).all()
 
 
-@pytest.mark.parametrize("lens,new,k", [([40, 7, 100], [1, 1, 1], 16), ([60, 90], [3, 20], 32)])
+@pytest.mark.parametrize("lens,new,k", [([40, 7, 100], [1, 1, 1], 16), ([60, 90], [3, 20], 32),
+                                        ([33, 50, 21], [2, 0, 5], 16)])
 def test_sparse_mla_attention_matches_torch_ref(lens, new, k):
     heads, lat, rope, index = 20, 32, 16, 16
     g, cache, table, cu, seq_lens = batch(lens, new, lat + rope + index)

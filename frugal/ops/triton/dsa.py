@@ -20,6 +20,7 @@ from frugal.ops import torch_ref
 from frugal.ops.triton.mla_decode import mla_decode
 from frugal.ops.triton.mla_decode import supported as mla_supported
 from frugal.ops.triton.sizes import cdiv
+from frugal.ops.triton.token_rows import token_request
 from frugal.ops.triton.topk import top_positions
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -28,15 +29,18 @@ NUM_WARPS = 4
 RADIX_MIN = 16384  # positions from which the radix select replaces torch.topk (not yet timed)
 
 
-@triton.jit
-def _score_kernel(q_ptr, w_ptr, keys_ptr, key_scales_ptr, page_table_ptr, request_ptr,
-                  visible_ptr, out_ptr, sqt, sqh, swt, srow, sscale, spt, sot, num_cols,
+@triton.jit(do_not_specialize=["num_requests"])
+def _score_kernel(q_ptr, w_ptr, keys_ptr, key_scales_ptr, page_table_ptr, cu_ptr, seq_lens_ptr,
+                  num_requests, out_ptr, sqt, sqh, swt, srow, sscale, spt, sot, num_cols,
                   PAGE_SIZE: tl.constexpr, HEADS: tl.constexpr, DIM: tl.constexpr,
                   FP8: tl.constexpr, F32_DOT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Token t's scores over BLOCK_N positions: it sees its request's positions up to its own
+    (seq_len - (tokens after it) ...); a row past the step's tokens sees none."""
     t = tl.program_id(0)
     pos = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    b = tl.load(request_ptr + t)
-    visible = tl.load(visible_ptr + t)
+    b = token_request(cu_ptr, num_requests, t)
+    end = tl.load(cu_ptr + b + 1)
+    visible = tl.where(t < end, tl.load(seq_lens_ptr + b) - (end - t) + 1, 0)
     ok = pos < visible
     heads = tl.arange(0, HEADS)
     dims = tl.arange(0, DIM)
@@ -62,36 +66,18 @@ def supported(heads: int, dim: int) -> bool:
     return all(d >= 16 and d & (d - 1) == 0 for d in (heads, dim))
 
 
-def _requests(cu_seqlens_q: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """Each new token's request [num_tokens] int32, without a host sync."""
-    counts = cu_seqlens_q.diff()
-    return torch.repeat_interleave(torch.arange(counts.shape[0], device=counts.device,
-                                                dtype=torch.int32), counts,
-                                   output_size=num_tokens)
-
-
-def _layout(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
-            num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each new token's request and how many positions it sees (its own position + 1), both
-    [num_tokens] int32."""
-    request = _requests(cu_seqlens_q, num_tokens)
-    token = torch.arange(num_tokens, device=request.device, dtype=torch.int32)
-    visible = seq_lens[request] - (cu_seqlens_q[1:][request] - token) + 1
-    return request, visible.to(torch.int32)
-
-
 def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
                  page_table: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
                  max_seq_len: int) -> torch.Tensor:
     """[num_tokens, max_seq_len] fp32 index scores (-inf where a token sees no position)."""
     num_tokens, heads, dim = q.shape
-    request, visible = _layout(cu_seqlens_q, seq_lens, num_tokens)
     out = torch.empty(num_tokens, max_seq_len, dtype=torch.float32, device=q.device)
     fp8 = keys.element_size() == 1
     # an FP8 key's fp32 scale follows its dim bytes (torch_ref.dsa): a strided fp32 view
     key_scales = keys.view(torch.uint8)[..., dim:dim + 4].view(torch.float32) if fp8 else out
     grid = (num_tokens, cdiv(max_seq_len, BLOCK_N))
-    _score_kernel[grid](q, weights, keys, key_scales, page_table, request, visible, out,
+    _score_kernel[grid](q, weights, keys, key_scales, page_table, cu_seqlens_q, seq_lens,
+                        seq_lens.shape[0], out,
                         q.stride(0), q.stride(1), weights.stride(0), keys.stride(1),
                         key_scales.stride(1) if fp8 else 0, page_table.stride(0),
                         out.stride(0), max_seq_len, PAGE_SIZE=keys.shape[1], HEADS=heads,
@@ -124,4 +110,4 @@ def sparse_mla_attention(q: torch.Tensor, cache: torch.Tensor, page_table: torch
         return torch_ref.sparse_mla_attention(q, cache, page_table, cu_seqlens_q, selection,
                                               scale, kv_lora_rank, kv_scales)
     return mla_decode(q, cache, page_table, page_table, scale, 0, kv_lora_rank, selection,
-                      _requests(cu_seqlens_q, q.shape[0]), kv_scales)
+                      cu_seqlens_q, kv_scales)

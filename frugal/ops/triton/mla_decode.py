@@ -23,6 +23,7 @@ import triton.language as tl
 from frugal.ops import torch_ref
 from frugal.ops.torch_ref.kv_quant import row_scaled, scale_view
 from frugal.ops.triton.sizes import cdiv, next_power_of_2
+from frugal.ops.triton.token_rows import token_request
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Heads a program takes: all of them up to 64 (tl.dot needs at least 16), so each cached row is
@@ -40,10 +41,10 @@ SPLIT_PROGRAMS = (264, 132)
 NUM_STAGES: int | None = None  # None: Triton's default
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_requests"])
 def _kernel(q_ptr, cache_ptr, page_table_ptr, seq_lens_ptr, out_ptr, lse_ptr, scale,
             num_heads, keys_per_split, sqt, sqh, spt, srow, sob, sos, soh, slb, sls,
-            sel_ptr, request_ptr, num_selected, ssel, kv_scale_ptr, row_scale_ptr,
+            sel_ptr, cu_ptr, num_requests, num_selected, ssel, kv_scale_ptr, row_scale_ptr,
             PAGE_SIZE: tl.constexpr, LAT: tl.constexpr, ROPE: tl.constexpr, SPARSE: tl.constexpr,
             FP8: tl.constexpr, F32_DOT: tl.constexpr, BLOCK_H: tl.constexpr,
             BLOCK_N: tl.constexpr, SCALE_ROW: tl.constexpr):
@@ -55,7 +56,7 @@ def _kernel(q_ptr, cache_ptr, page_table_ptr, seq_lens_ptr, out_ptr, lse_ptr, sc
     h_ok = heads < num_heads
     if SPARSE:
         seq_len = num_selected
-        table_row = tl.load(request_ptr + b)
+        table_row = token_request(cu_ptr, num_requests, b)
     else:
         seq_len = tl.load(seq_lens_ptr + b)
         table_row = b
@@ -172,15 +173,16 @@ def supported(kv_lora_rank: int, rope_dim: int) -> bool:
 def mla_decode(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor,
                seq_lens: torch.Tensor, scale: float, max_seq_len: int,
                kv_lora_rank: int, selection: torch.Tensor | None = None,
-               request: torch.Tensor | None = None,
+               cu_seqlens_q: torch.Tensor | None = None,
                kv_scales: torch.Tensor | None = None) -> torch.Tensor:
     """q: [B, num_heads, kv_lora_rank + rope] absorbed queries, one token of each request;
     cache: [num_pages, page_size, 1, kv_lora_rank + rope] (a column view of wider rows is
     fine); page_table [B, max_pages] int32, seq_lens [B] int32 (the token's own row stored).
     Returns [B, num_heads, kv_lora_rank] in q's dtype (zeros for seq_len 0).
 
-    selection ([B, k] int32, see torch_ref.dsa) with request ([B] int32, each row's page_table
-    row): the B rows are new tokens of any requests attending to their selected positions;
+    selection ([B, k] int32, see torch_ref.dsa) with cu_seqlens_q ([requests + 1] int32, the
+    step's query offsets: row t's page_table row is the request holding token t): the B rows are
+    new tokens of any requests attending to their selected positions;
     seq_lens and max_seq_len are then unused. A static FP8 cache comes with kv_scales ([2, 1],
     torch_ref.mla); 8-bit rows without them carry their own scale (cache [.., width + 4])."""
     batch, num_heads, width = q.shape
@@ -203,8 +205,9 @@ def mla_decode(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor,
     _kernel[grid](q, cache, page_table, seq_lens, out, lse, scale, num_heads, keys_per_split,
                   q.stride(0), q.stride(1), page_table.stride(0), cache.stride(1),
                   out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
-                  selection if sparse else seq_lens, request if sparse else seq_lens,
-                  max_seq_len, selection.stride(0) if sparse else 0,
+                  selection if sparse else seq_lens, cu_seqlens_q if sparse else seq_lens,
+                  cu_seqlens_q.shape[0] - 1 if sparse else 0, max_seq_len,
+                  selection.stride(0) if sparse else 0,
                   seq_lens if kv_scales is None else kv_scales, row_scales, PAGE_SIZE=page_size,
                   LAT=kv_lora_rank, ROPE=width - kv_lora_rank, SPARSE=sparse,
                   FP8=cache.element_size() == 1 and not own,

@@ -13,7 +13,7 @@ where the value is -inf (torch_ref.index_topk); among equal scores at the thresh
 may pick any.
 
 Programs: (rows, cdiv(n, BLOCK)); a [rows, 3 · 2048 + 2] int32 work area holds the three
-histograms and the two place counters.
+histograms and the two place counters; a row's first program also writes its -1s.
 """
 
 from __future__ import annotations
@@ -100,13 +100,18 @@ def _select(scores_ptr, work_ptr, out_ptr, n, k, s_row, s_work, s_out, BLOCK: tl
     first = tl.atomic_add(work + 3 * 2048 + 1, tl.sum(ones, axis=0))
     rank = first + tl.cumsum(ones, axis=0) - 1
     tl.store(out + (k - need) + rank, offs, mask=at & (rank < need))
+    if tl.program_id(1) == 0:  # the places past the row's finite scores: -1
+        finite = tl.sum(tl.load(work + tl.arange(0, 2048)), axis=0)
+        places = tl.arange(0, BLOCK)
+        for c0 in range(0, k, BLOCK):
+            tl.store(out + c0 + places, -1, mask=(c0 + places < k) & (c0 + places >= finite))
 
 
 def top_positions(scores: torch.Tensor, k: int) -> torch.Tensor:
     """scores [rows, n] fp32 (-inf: not a candidate), 1 ≤ k ≤ n. Returns [rows, k] int32: the
     positions of each row's k largest finite scores in no order, -1 past a row's finite ones."""
     rows, n = scores.shape
-    out = torch.full((rows, k), -1, dtype=torch.int32, device=scores.device)
+    out = torch.empty(rows, k, dtype=torch.int32, device=scores.device)
     if rows == 0:
         return out
     work = torch.zeros(rows, WORK, dtype=torch.int32, device=scores.device)
