@@ -17,7 +17,7 @@ TORCH_INDEX ?=
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: serve serve-pd run test lint check-pins setup clean
+.PHONY: serve serve-pd run test compile-check lint check-pins setup clean
 
 setup: $(TESTING)
 
@@ -53,6 +53,12 @@ run: $(RUNTIME)
 test: $(TESTING)
 	@$(BIN)/python -m pytest -q -ra --durations=25; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+# Every Triton kernel variant the kernels' tests launch, compiled for sm_90 (H100/H200) without a
+# GPU: compile errors the CPU interpreter does not see (tests/sm90_compile.py).
+compile-check: $(TESTING)
+	TRITON_INTERPRET=0 $(BIN)/python -m pytest tests/ops -p tests.sm90_compile -p no:terminal \
+	    -p no:cacheprovider
 
 lint: $(TESTING)
 	$(BIN)/ruff check frugal tests benchmarks .ci
