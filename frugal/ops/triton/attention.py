@@ -20,7 +20,7 @@ from frugal.ops.torch_ref.kv_quant import row_scaled, scale_view
 from frugal.ops.triton import fp8_decode
 from frugal.ops.triton.decode_split import merge_kernel, split_len
 from frugal.ops.triton.extend import extend_kernel
-from frugal.ops.triton.kv_blocks import dot_dtype, load_kv, row_scales, softmax_step
+from frugal.ops.triton.kv_blocks import load_kv, row_scales, softmax_start, softmax_step
 from frugal.ops.triton.kv_store import heads_packed
 from frugal.ops.triton.launch import enter, pdl
 from frugal.ops.triton.sizes import cdiv, next_power_of_2
@@ -78,15 +78,9 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, scales_ptr, k_scale_ptr, v_s
     d_mask = d < HEAD_DIM
     q = tl.load(q_ptr + (row * NUM_HEADS + heads)[:, None] * HEAD_DIM + d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)
-    q = dot_dtype(q, DOT_F32, FP8 or K_SROW > 0)
-    qk_scale = scale * 1.4426950408889634
-    v_scale = 1.0
-    if FP8:
-        qk_scale = qk_scale * tl.load(scales_ptr + kv_head)
-        v_scale = tl.load(scales_ptr + NUM_KV_HEADS + kv_head)
-    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
+    q, qk_scale, v_scale, m_i, l_i, acc = softmax_start(q, scale, scales_ptr, kv_head, GROUP_PAD,
+                                                        DIM_PAD, NUM_KV_HEADS, DOT_F32, FP8,
+                                                        K_SROW > 0)
     n = tl.arange(0, BLOCK_N)
     for kv_start in range(first, last, BLOCK_N):  # every block holds >= 1 valid token
         pos = tl.multiple_of(kv_start, BLOCK_N) + n

@@ -6,7 +6,14 @@ from the activations and only the context before them from the cache."""
 import triton
 import triton.language as tl
 
-from frugal.ops.triton.kv_blocks import attend_fresh, dot_dtype, load_kv, row_scales, softmax_step
+from frugal.ops.triton.kv_blocks import (
+    attend_fresh,
+    dot_dtype,
+    load_kv,
+    row_scales,
+    softmax_start,
+    softmax_step,
+)
 
 
 @triton.jit
@@ -69,15 +76,9 @@ def extend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, scales_ptr, k_scale_ptr, v_sc
         q_pos = seq_len - num_new + i  # absolute position of each new token
         offs = ((start + i) * NUM_HEADS + heads)[:, None] * HEAD_DIM + d[None, :]
         q = tl.load(q_ptr + offs, mask=row_mask[:, None] & d_mask[None, :], other=0.0)
-        q = dot_dtype(q, DOT_F32, FP8 or K_SROW > 0)
-        qk_scale = scale * 1.4426950408889634
-        v_scale = 1.0
-        if FP8:
-            qk_scale = qk_scale * tl.load(scales_ptr + kv_head)
-            v_scale = tl.load(scales_ptr + NUM_KV_HEADS + kv_head)
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
+        q, qk_scale, v_scale, m_i, l_i, acc = softmax_start(q, scale, scales_ptr, kv_head, BLOCK_M,
+                                                            DIM_PAD, NUM_KV_HEADS, DOT_F32, FP8,
+                                                            K_SROW > 0)
         # keys up to the last new token of this block (causal); the blocks every row sees
         # whole (before the first row's position) run without masks
         end = tl.minimum(seq_len, seq_len - num_new + (block + 1) * TOKENS)

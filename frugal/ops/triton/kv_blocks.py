@@ -19,6 +19,26 @@ def dot_dtype(q, DOT_F32: tl.constexpr, FP8: tl.constexpr):
 
 
 @triton.jit
+def softmax_start(q, scale, scales_ptr, kv_head, ROWS: tl.constexpr, DIM_PAD: tl.constexpr,
+                  NUM_KV_HEADS: tl.constexpr, DOT_F32: tl.constexpr, FP8: tl.constexpr,
+                  ROW_SCALED: tl.constexpr):
+    """The start of online softmax over a KV head's keys for ROWS query rows q: (q in its dot
+    dtype, the log2 score scale, V's scale, the running max, sum and output). FP8 (static
+    scales, scales_ptr [2, NUM_KV_HEADS]): the head's K scale joins the score scale and its V
+    scale is returned for the output; else V's scale is 1."""
+    q = dot_dtype(q, DOT_F32, FP8 or ROW_SCALED)
+    qk_scale = scale * 1.4426950408889634
+    v_scale = 1.0
+    if FP8:
+        qk_scale = qk_scale * tl.load(scales_ptr + kv_head)
+        v_scale = tl.load(scales_ptr + NUM_KV_HEADS + kv_head)
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, DIM_PAD], tl.float32)
+    return q, qk_scale, v_scale, m_i, l_i, acc
+
+
+@triton.jit
 def load_kv(k_cache_ptr, v_cache_ptr, table_ptr, pos, n_mask, end, d, d_mask, kv_head, q,
             NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
             DOT_F32: tl.constexpr, FP8: tl.constexpr, MASKED: tl.constexpr = True,
