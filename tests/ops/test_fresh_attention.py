@@ -56,7 +56,9 @@ def test_fresh_attention_matches_torch_ref(index, dtype, fmt):
     ref = torch_ref.paged_attention(*args, scales, decodes, fresh)
     ours = triton_attention.paged_attention(*args, scales, decodes, fresh)
     assert torch.isfinite(ours).all()
-    torch.testing.assert_close(ours.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    # (over an 8-bit cache the GPU kernels take q·k in fp16 whatever q's dtype: bf16's bound)
+    tol = TOL[dtype if fmt == "auto" or DEVICE == "cpu" else torch.bfloat16]
+    torch.testing.assert_close(ours.float(), ref.float(), atol=tol, rtol=tol)
     # (fresh was read: every prompt row moved, every decode row stayed)
     seq_lens, num_new = CASES[index][:2]
     cu = [0, *torch.tensor(num_new).cumsum(0).tolist()]
@@ -91,7 +93,7 @@ def test_fresh_over_an_unquantized_cache_changes_nothing(index, dtype):
     plain = triton_attention.paged_attention(*args, None, decodes)
     ours = triton_attention.paged_attention(*args, None, decodes, fresh)
     tol = 1e-5 if dtype == torch.float32 else 8e-3  # (bf16: one rounding step)
-    torch.testing.assert_close(ours.float(), plain.float(), atol=1e-5, rtol=tol)
+    torch.testing.assert_close(ours.float(), plain.float(), atol=tol, rtol=tol)
 
 
 def quantized_prompts(fmt, num_new, heads, kv_heads, dim, page_size, seed):

@@ -108,7 +108,8 @@ def test_triton_attention_reads_row_scales_as_torch_ref(case, dtype, fmt):
     ours = triton_attention.paged_attention(*args)
     ref = torch_ref.paged_attention(*args)
     assert torch.isfinite(ours).all()
-    tol = 2e-3 if dtype == torch.float32 else 3e-2
+    # (the GPU kernels take q·k over 8-bit rows in fp16 whatever q's dtype: bf16's bound there)
+    tol = 2e-3 if dtype == torch.float32 and DEVICE == "cpu" else 3e-2
     torch.testing.assert_close(ours.float(), ref.float(), atol=tol, rtol=tol)
 
 
