@@ -34,8 +34,9 @@ def _score_kernel(q_ptr, w_ptr, keys_ptr, key_scales_ptr, page_table_ptr, cu_ptr
                   num_requests, out_ptr, sqt, sqh, swt, srow, sscale, spt, sot, num_cols,
                   PAGE_SIZE: tl.constexpr, HEADS: tl.constexpr, DIM: tl.constexpr,
                   FP8: tl.constexpr, F32_DOT: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Token t's scores over BLOCK_N positions: it sees its request's positions up to its own
-    (seq_len - (tokens after it) ...); a row past the step's tokens sees none."""
+    """Token t's scores over BLOCK_N positions. Token t of request b (token_request) sees the
+    positions before seq_lens[b] - (cu[b + 1] - t) and its own; a row past the step's tokens
+    (cu[num_requests] and on) sees none."""
     t = tl.program_id(0)
     pos = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     b = token_request(cu_ptr, num_requests, t)
