@@ -27,6 +27,16 @@ _TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
           torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1", torch.float8_e4m3fn: "fp8e4nv"}
 _OPTIONS = ("num_warps", "num_stages", "num_ctas")
 _results: dict[tuple, str | None] = {}  # variant -> None (compiled) or the error
+PTX: dict[tuple, str] = {}
+
+
+def _aligned(value, param) -> bool:
+    """Triton's specialization: a pointer or integer divisible by 16 is compiled as such."""
+    if param.do_not_specialize:
+        return False
+    if isinstance(value, torch.Tensor):
+        return value.data_ptr() % 16 == 0
+    return isinstance(value, int) and not isinstance(value, bool) and value % 16 == 0
 
 
 def _type(value) -> str:
@@ -43,19 +53,24 @@ def _compile(self: JITFunction, *args, grid, warmup, **kwargs) -> None:
     options = {k: kwargs.pop(k) for k in _OPTIONS if k in kwargs}
     kwargs.pop("launch_pdl", None)
     bound = {**dict(zip(self.arg_names, args)), **kwargs}
-    signature, constants = {}, {}
-    for param in self.params:
+    signature, constants, attrs = {}, {}, {}
+    for i, param in enumerate(self.params):
         value = bound.get(param.name, param.default)
         if param.is_constexpr or value is None:
             signature[param.name] = "constexpr"
             constants[param.name] = value
         else:
             signature[param.name] = _type(value)
+            if _aligned(value, param):
+                attrs[(i,)] = [["tt.divisibility", 16]]
     variant = (self.fn.__module__, self.fn.__qualname__, tuple(signature.items()),
-               tuple((k, repr(v)) for k, v in constants.items()), tuple(options.items()))
+               tuple((k, repr(v)) for k, v in constants.items()), tuple(options.items()),
+               tuple(sorted(attrs)))
     if variant not in _results:
         try:
-            triton.compile(ASTSource(self, signature, constants), target=TARGET, options=options)
+            kernel = triton.compile(ASTSource(self, signature, constants, attrs), target=TARGET,
+                                    options=options)
+            PTX[variant] = kernel.asm["ptx"]
             _results[variant] = None
         except Exception as e:  # (any compiler error is the finding, with what caused it)
             chain = [e.__cause__ or e.__context__, e]

@@ -20,7 +20,7 @@ from frugal.ops import torch_ref
 from frugal.ops.triton.mla_decode import mla_decode
 from frugal.ops.triton.mla_decode import supported as mla_supported
 from frugal.ops.triton.sizes import cdiv
-from frugal.ops.triton.token_rows import token_request
+from frugal.ops.triton.token_rows import page_slot, token_request
 from frugal.ops.triton.topk import top_positions
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -46,7 +46,7 @@ def _score_kernel(q_ptr, w_ptr, keys_ptr, key_scales_ptr, page_table_ptr, cu_ptr
     heads = tl.arange(0, HEADS)
     dims = tl.arange(0, DIM)
     page = tl.load(page_table_ptr + b * spt + pos // PAGE_SIZE, mask=ok, other=0)
-    slot = page.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE
+    slot = page_slot(page.to(tl.int64), pos, PAGE_SIZE)
     k = tl.load(keys_ptr + slot[:, None] * srow + dims[None, :], mask=ok[:, None], other=0.0)
     q = tl.load(q_ptr + t * sqt + heads[:, None] * sqh + dims[None, :])
     if FP8:

@@ -5,6 +5,8 @@ rows' own scales where they carry them) and one step of online softmax over it."
 import triton
 import triton.language as tl
 
+from frugal.ops.triton.token_rows import page_slot
+
 
 @triton.jit
 def dot_dtype(q, DOT_F32: tl.constexpr, FP8: tl.constexpr):
@@ -60,7 +62,7 @@ def load_kv(k_cache_ptr, v_cache_ptr, table_ptr, pos, n_mask, end, d, d_mask, kv
     other = 0.0 if MASKED else None
     page = tl.load(table_ptr + pos // PAGE_SIZE, mask=n_mask if MASKED else None,
                    other=0 if MASKED else None).to(tl.int64)
-    slot = page * PAGE_SIZE + pos % PAGE_SIZE
+    slot = page_slot(page, pos, PAGE_SIZE)
     rows_kv = slot * NUM_KV_HEADS + kv_head
     KR: tl.constexpr = K_ROW if K_ROW > 0 else HEAD_DIM
     VR: tl.constexpr = V_ROW if V_ROW > 0 else HEAD_DIM

@@ -23,7 +23,7 @@ import triton.language as tl
 from frugal.ops import torch_ref
 from frugal.ops.torch_ref.kv_quant import row_scaled, scale_view
 from frugal.ops.triton.sizes import cdiv, next_power_of_2
-from frugal.ops.triton.token_rows import token_request
+from frugal.ops.triton.token_rows import page_slot, token_request
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Heads a program takes: all of them up to 64 (tl.dot needs at least 16), so each cached row is
@@ -83,7 +83,7 @@ def _kernel(q_ptr, cache_ptr, page_table_ptr, seq_lens_ptr, out_ptr, lse_ptr, sc
             pos = tl.load(sel_ptr + b * ssel + pos, mask=ok, other=-1)
             ok = pos >= 0
         page = tl.load(page_table_ptr + table_row * spt + pos // PAGE_SIZE, mask=ok, other=0)
-        slot = page.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE
+        slot = page_slot(page.to(tl.int64), pos, PAGE_SIZE)
         row = cache_ptr + slot[:, None] * srow
         c = tl.load(row + lat[None, :], mask=ok[:, None], other=0.0)  # [BLOCK_N, LAT]
         k_rope = tl.load(row + LAT + rope[None, :], mask=ok[:, None], other=0.0)
