@@ -62,8 +62,8 @@ def main() -> None:
              "int4": (quantize_experts(gate_up, "int4"), quantize_experts(down, "int4"))}
     bytes_per = {"bf16": 2.0, "fp8": 1.0, "int4": 0.5}
     rows = []
-    print(f"{args.model}: {e} experts, top {m.top_k}, hidden {h}, expert inter {i}; H200 us per "
-          "layer (CUDA graph)")
+    print(f"{args.model}: {e} experts, top {m.top_k}, hidden {h}, expert inter {i}; us per layer "
+          f"(CUDA graph) on {torch.cuda.get_device_name()}")
     print("| tokens | experts hit | torch_ref bf16 | frugal bf16 | frugal FP8 | frugal INT4 | "
           "TB/s bf16 / FP8 / INT4 | route: torch ops / kernel |")
     print("|---|---|---|---|---|---|---|---|")
