@@ -89,6 +89,7 @@ def test_gpu_bf16_differs_only_within_rounding(llm, cpu_tokens):
     assert all(0 <= m < 0.02 for m in margins), margins
 
 
+@pytest.mark.gpu_alone
 def test_gpu_memory_utilization_sizes_the_pool():
     total = torch.cuda.mem_get_info()[1]
     llm = LLM(dtype="bfloat16", device="cuda", gpu_memory_utilization=0.3)

@@ -100,6 +100,7 @@ def test_greedy_tokens_match_transformers_gpu(tmp_path, prompt_len):
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_alone  # (~57 GB of weights)
 @pytest.mark.parametrize("kv_cache_dtype,row", [("auto", 704), ("fp8", 720)])
 def test_glm5_real_shapes_gpu(kv_cache_dtype, row):
     """GLM-5's shapes, 4 layers of random weights (3 dense, 1 MoE): prompts of 3,000 tokens

@@ -140,7 +140,8 @@ def test_fp8_cache_reads_back_the_rounded_rows(case, device, tmp_path, monkeypat
         # top-k boundary may change sides (seen once on the H200: one position of 150 off by
         # 4.7e-4). Such a position attends over one other key; every other one must match.
         off = ~torch.isclose(got.cpu(), want.cpu(), atol=1e-4, rtol=1e-4).all(-1)
-        assert int(off.sum()) <= 2, off.nonzero().flatten().tolist()
+        gaps = (got.cpu() - want.cpu()).abs().amax(-1)[off]
+        assert int(off.sum()) <= 2, list(zip(off.nonzero().flatten().tolist(), gaps.tolist()))
         torch.testing.assert_close(got.cpu(), want.cpu(), atol=1e-2, rtol=1e-2)
         return
     torch.testing.assert_close(got.cpu(), want.cpu(), atol=1e-4, rtol=1e-4)
