@@ -17,7 +17,7 @@ TORCH_INDEX ?=
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: serve serve-pd run test compile-check lint check-pins setup clean
+.PHONY: serve serve-pd run test compile-check align-check lint check-pins setup clean
 
 setup: $(TESTING)
 
@@ -59,6 +59,14 @@ test: $(TESTING)
 compile-check: $(TESTING)
 	TRITON_INTERPRET=0 $(BIN)/python -m pytest tests/ops -p tests.sm90_compile -p no:terminal \
 	    -p no:cacheprovider
+
+# vector loads and stores the sm_90 code would make from misaligned addresses, found on the CPU
+# (tests/sm90_align.py: compile, then interpret); the GPU's Triton (3.6) is the one to trust
+align-check: $(TESTING)
+	SM90_WIDTHS=$(VENV)/sm90_widths.json TRITON_INTERPRET=0 $(BIN)/python -m pytest tests/ops \
+	    -p tests.sm90_compile -p no:terminal -p no:cacheprovider
+	SM90_WIDTHS=$(VENV)/sm90_widths.json TRITON_INTERPRET=1 $(BIN)/python -m pytest -q tests/ops \
+	    -p tests.sm90_align -p no:cacheprovider
 
 lint: $(TESTING)
 	$(BIN)/ruff check frugal tests benchmarks .ci

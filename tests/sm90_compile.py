@@ -12,6 +12,10 @@ with its Linux wheels); no driver.
 
 from __future__ import annotations
 
+import json
+import os
+import pathlib
+import re
 import traceback
 
 import pytest
@@ -27,12 +31,34 @@ _TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
           torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1", torch.float8_e4m3fn: "fp8e4nv"}
 _OPTIONS = ("num_warps", "num_stages", "num_ctas")
 _results: dict[tuple, str | None] = {}  # variant -> None (compiled) or the error
-PTX: dict[tuple, str] = {}
+WIDTHS: dict[str, dict[str, int]] = {}  # repr(variant) -> "file:line" -> widest access, bytes
+_LOC = re.compile(r"\.loc\s+(\d+)\s+(\d+)\s+\d+")
+_FILE = re.compile(r'\.file\s+(\d+)\s+"([^"]+)"')
+_VEC = re.compile(r"\b(?:ld|st)\.global\S*?(?:\.v(\d))?\.[bfsu](\d+)\s")
+_ASYNC = re.compile(r"cp\.async\.c[ag]\.shared\.global\s.*?,\s*(0x[0-9a-f]+|\d+)")
 
 
-def _aligned(value, param) -> bool:
+def widths(ptx: str) -> dict[str, int]:
+    """"file:line" -> the widest global load or store (bytes) the PTX makes for that line."""
+    files = dict(_FILE.findall(ptx))
+    out: dict[str, int] = {}
+    where = None
+    for line in ptx.splitlines():
+        loc = _LOC.search(line)
+        if loc:
+            where = f"{files.get(loc.group(1), '?')}:{loc.group(2)}"
+            continue
+        vec, size = _VEC.search(line), _ASYNC.search(line)
+        width = (int(vec.group(1) or 1) * int(vec.group(2)) // 8 if vec
+                 else int(size.group(1), 0) if size else 0)
+        if width and where:
+            out[where] = max(out.get(where, 0), width)
+    return out
+
+
+def _aligned(value, skip: bool) -> bool:
     """Triton's specialization: a pointer or integer divisible by 16 is compiled as such."""
-    if param.do_not_specialize:
+    if skip:
         return False
     if isinstance(value, torch.Tensor):
         return value.data_ptr() % 16 == 0
@@ -49,37 +75,48 @@ def _type(value) -> str:
     return "fp32"
 
 
-def _compile(self: JITFunction, *args, grid, warmup, **kwargs) -> None:
+def variant(fn, params, args, kwargs) -> tuple:
+    """(variant, signature, constants, attrs, options) of a launch of the Python function fn
+    with params [(name, is_constexpr, default, do_not_specialize)]: what Triton compiles."""
     options = {k: kwargs.pop(k) for k in _OPTIONS if k in kwargs}
     kwargs.pop("launch_pdl", None)
-    bound = {**dict(zip(self.arg_names, args)), **kwargs}
+    bound = {**dict(zip([p[0] for p in params], args)), **kwargs}
     signature, constants, attrs = {}, {}, {}
-    for i, param in enumerate(self.params):
-        value = bound.get(param.name, param.default)
-        if param.is_constexpr or value is None:
-            signature[param.name] = "constexpr"
-            constants[param.name] = value
+    for i, (name, is_constexpr, default, skip) in enumerate(params):
+        value = bound.get(name, default)
+        if is_constexpr or value is None:
+            signature[name] = "constexpr"
+            constants[name] = value
         else:
-            signature[param.name] = _type(value)
-            if _aligned(value, param):
+            signature[name] = _type(value)
+            if _aligned(value, skip):
                 attrs[(i,)] = [["tt.divisibility", 16]]
-    variant = (self.fn.__module__, self.fn.__qualname__, tuple(signature.items()),
-               tuple((k, repr(v)) for k, v in constants.items()), tuple(options.items()),
-               tuple(sorted(attrs)))
-    if variant not in _results:
+    key = (fn.__module__, fn.__qualname__, tuple(signature.items()),
+           tuple((k, repr(v)) for k, v in constants.items()), tuple(options.items()),
+           tuple(sorted(attrs)))
+    return key, signature, constants, attrs, options
+
+
+def _compile(self: JITFunction, *args, grid, warmup, **kwargs) -> None:
+    params = [(p.name, p.is_constexpr, p.default, p.do_not_specialize) for p in self.params]
+    variant_, signature, constants, attrs, options = variant(self.fn, params, args, kwargs)
+    if variant_ not in _results:
         try:
             kernel = triton.compile(ASTSource(self, signature, constants, attrs), target=TARGET,
                                     options=options)
-            PTX[variant] = kernel.asm["ptx"]
-            _results[variant] = None
+            WIDTHS[repr(variant_)] = widths(kernel.asm["ptx"])
+            _results[variant_] = None
         except Exception as e:  # (any compiler error is the finding, with what caused it)
             chain = [e.__cause__ or e.__context__, e]
-            _results[variant] = "".join(line for x in chain if x is not None
+            _results[variant_] = "".join(line for x in chain if x is not None
                                         for line in traceback.format_exception_only(x))[-2000:]
 
 
 def pytest_configure(config) -> None:
     JITFunction.run = _compile
+    # launches return nothing to compare: without this a test would stop at its first
+    # comparison, and the launches after it would not compile
+    torch.testing.assert_close = lambda *args, **kwargs: None
 
 
 @pytest.hookimpl(trylast=True)
@@ -88,7 +125,9 @@ def pytest_sessionfinish(session, exitstatus) -> None:
     kernels = {v[:2] for v in _results}
     print(f"\nsm_90: {len(_results)} variants of {len(kernels)} kernels compiled, "
           f"{len(failed)} failed")
-    for (module, name, _, constants, _), error in failed.items():
+    for (module, name, _, constants, *_), error in failed.items():
         flags = {k: v for k, v in constants if k.isupper()}
         print(f"FAILED {module}.{name} {flags}\n{error}")
     session.exitstatus = 1 if failed or not _results else 0
+    if os.environ.get("SM90_WIDTHS"):  # (for tests.sm90_align)
+        pathlib.Path(os.environ["SM90_WIDTHS"]).write_text(json.dumps(WIDTHS))

@@ -1,0 +1,142 @@
+"""A pytest plugin that checks, on the CPU, that no Triton kernel the tests launch would read or
+write a misaligned vector on an H100/H200. Triton vectorizes a load or store from what its
+alignment analysis proves; where the proof is wrong the GPU faults with "misaligned address"
+(sticky: the process's CUDA context is lost), while the CPU interpreter, which reads element by
+element, does not. Two passes (`make align-check`):
+
+    SM90_WIDTHS=w.json TRITON_INTERPRET=0 python -m pytest tests/ops -p tests.sm90_compile
+    SM90_WIDTHS=w.json TRITON_INTERPRET=1 python -m pytest tests/ops -p tests.sm90_align
+
+The first compiles every launch for sm_90 with the specialization a GPU launch gets and notes
+the widest global access of each source line of its PTX; the second runs the same launches in
+the interpreter and checks every load's and store's addresses against that width (a vector of
+W bytes starts at a multiple of W), where they run contiguously along a dimension. The kernels'
+wrappers choose their GPU configurations in both passes (their interpreter flags are turned
+off here), so the launches are the same; what the tests assert is not checked in the second
+(the interpreter's bf16 dot is wrong). The verdict is only as good as the Triton that compiles:
+the GPU's (3.6 with torch 2.11) is the one to run it with. Exit status 1 when any access was
+misaligned; the report names its line and width.
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib
+import inspect
+import json
+import os
+import pathlib
+import pkgutil
+import sys
+
+import numpy as np
+import pytest
+import torch
+from triton.runtime import interpreter
+
+from tests.sm90_compile import variant
+
+_widths: dict[str, dict[str, int]] = {}
+_current: list[dict[str, int] | None] = []  # the widths of the launch running
+_missing: set[str] = set()  # kernels launched here the first pass did not compile
+_checked: collections.Counter = collections.Counter()
+bad: collections.Counter = collections.Counter()  # (line, width, element) -> misaligned vectors
+
+
+def _params(fn: interpreter.InterpretedFunction) -> list[tuple]:
+    skip = fn.kwargs.get("do_not_specialize") or ()
+    out = []
+    for i, p in enumerate(inspect.signature(fn.fn).parameters.values()):
+        constexpr = "constexpr" in str(p.annotation)
+        default = None if p.default is inspect.Parameter.empty else p.default
+        out.append((p.name, constexpr, default, p.name in skip or i in skip))
+    return out
+
+
+def _source_line() -> str | None:
+    frame = sys._getframe(3)
+    while frame is not None:
+        if "/frugal/ops/triton/" in frame.f_code.co_filename:
+            return f"{frame.f_code.co_filename}:{frame.f_lineno}"
+        frame = frame.f_back
+    return None
+
+
+def _check(ptrs, mask) -> None:
+    if not _current or _current[-1] is None:
+        return
+    where = _source_line()
+    width = _current[-1].get(where, 0) if where else 0
+    size = np.dtype(interpreter._get_np_dtype(ptrs.get_element_ty())).itemsize
+    addr = np.atleast_1d(ptrs.data.astype(np.int64))
+    live = np.broadcast_to(np.atleast_1d(mask.data.astype(bool)), addr.shape)
+    if width <= size or not live.any():
+        return
+    run = width // size
+    for dim in range(addr.ndim):  # the dimension Triton vectorizes: addresses one element apart
+        if addr.shape[dim] < run or not (np.diff(addr, axis=dim) == size).all():
+            continue
+        starts = np.moveaxis(addr, dim, -1)
+        used = np.moveaxis(live, dim, -1)
+        whole = starts.shape[-1] // run * run
+        starts = starts[..., :whole:run]
+        used = used[..., :whole].reshape(*used.shape[:-1], -1, run).any(-1)
+        _checked[where] += 1
+        misaligned = int(((starts % width != 0) & used).sum())
+        if misaligned:
+            bad[(where.split("frugal/")[-1], width, size)] += misaligned
+        return
+
+
+def _gpu_configurations() -> None:
+    """The kernels' wrappers as on a GPU: their interpreter flags off."""
+    import frugal.ops.triton as package
+    for info in pkgutil.iter_modules(package.__path__):
+        module = importlib.import_module(f"frugal.ops.triton.{info.name}")
+        for flag in ("_INTERPRET", "_DOT_F32"):
+            if getattr(module, flag, None) is True:
+                setattr(module, flag, False)
+
+
+def pytest_configure(config) -> None:
+    path = os.environ.get("SM90_WIDTHS")
+    if not path:
+        raise pytest.UsageError("tests.sm90_align: SM90_WIDTHS names the first pass's file")
+    _widths.update(json.loads(pathlib.Path(path).read_text()))
+    _gpu_configurations()
+    torch.testing.assert_close = lambda *args, **kwargs: None  # (as in the first pass)
+    run = interpreter.InterpretedFunction.run
+    load = interpreter.InterpreterBuilder.create_masked_load
+    store = interpreter.InterpreterBuilder.create_masked_store
+
+    def checked_run(self, *args, grid, warmup, **kwargs):
+        key = repr(variant(self.fn, _params(self), args, dict(kwargs))[0])
+        if key not in _widths:
+            _missing.add(f"{self.fn.__module__}.{self.fn.__qualname__}")
+        _current.append(_widths.get(key))
+        try:
+            return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+        finally:
+            _current.pop()
+
+    def checked_load(self, ptrs, mask, *rest):
+        _check(ptrs, mask)
+        return load(self, ptrs, mask, *rest)
+
+    def checked_store(self, ptrs, value, mask, *rest):
+        _check(ptrs, mask)
+        return store(self, ptrs, value, mask, *rest)
+
+    interpreter.InterpretedFunction.run = checked_run
+    interpreter.InterpreterBuilder.create_masked_load = checked_load
+    interpreter.InterpreterBuilder.create_masked_store = checked_store
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session, exitstatus) -> None:
+    print(f"\nsm_90 alignment: {len(_checked)} vectorized lines checked "
+          f"({sum(_checked.values())} accesses), {len(bad)} misaligned; kernels the first pass "
+          f"did not see: {sorted(_missing) or 'none'}")
+    for (line, width, size), count in sorted(bad.items()):
+        print(f"MISALIGNED {line}: {width}-byte vectors of {size}-byte elements ({count})")
+    session.exitstatus = 1 if bad else 0
