@@ -172,8 +172,8 @@ def store_quantized(ptr, x, scale, mask, FP8: tl.constexpr, ROW_SCALED: tl.const
     """Store x in the cache's dtype; FP8 (static): x / scale, saturated to ±448, NaN stored as
     0 (an FP8 pool never holds NaN: the attention kernels read whole last pages). ROW_SCALED:
     x / its row's scale (0 for a row of zeros) rounded to e4m3 or int8 (half away from zero)."""
-    if FP8:
-        y = x.to(tl.float32) / scale
+    if FP8:  # (div_rn: IEEE division, torch_ref's bits; `/` is approximate on the GPU)
+        y = tl.math.div_rn(x.to(tl.float32), scale)
         y = tl.clamp(tl.where(y == y, y, 0.0), -448.0, 448.0)
         tl.store(ptr, y.to(ptr.dtype.element_ty), mask=mask)
     elif ROW_SCALED:
