@@ -1,13 +1,16 @@
 """Time one MoE layer's experts (ops.triton.fused_moe) at a real model's shapes, by tokens per
 step, float / FP8-block / INT4 experts, against the per-expert PyTorch loop (torch_ref), and
-print a table: microseconds per call, CUDA-graph replayed, and the weight bytes read per
-microsecond (the experts a step touches, each read once: TB/s). Up to moe_gemv.MAX_SLOTS slots
+print a table: microseconds per call and the weight bytes read per microsecond (the experts a
+step touches, each read once: TB/s). A time is that of --calls calls replayed from one CUDA
+graph, each routing the tokens to other experts (the routing permuted), as consecutive layers
+read other weights: neither a graph launch nor weights still in L2 from the call before count
+(FP8 and INT4 experts of one Qwen3 step fit the L2). Up to moe_gemv.MAX_SLOTS slots
 fused_moe takes the small-batch path (each slot reads its expert, no sort); --sorted times the
 sorted grouped GEMMs there too, and the routing kernel (ops.triton.moe_route) against the torch
 ops it replaces is timed beside them.
 
     python benchmarks/moe_layer.py [--model qwen3-30b-a3b] [--tokens 1,8,32,64,256,2048]
-        [--experts N]
+        [--experts N] [--calls 16]
 --model: a preset (qwen3-30b-a3b, glm-4.5-air) or a directory with a config.json
 (.peer/models/kimi-k2-4l); --experts: stack only N experts (the time depends on the experts a
 step touches, not on how many there are: Kimi K2's 384 in bf16 are 34 GB).
@@ -37,9 +40,9 @@ def model_config(name: str) -> ModelConfig:
     return ModelConfig.from_hf(json.loads(path.read_text()) if path.is_file() else PRESETS[name])
 
 
-def timed(fn) -> float:
-    """Microseconds per call of fn replayed from a CUDA graph (timing.graph_time's median)."""
-    return graph_time([fn]) * 1000
+def timed(fns: list) -> float:
+    """Microseconds per call of fns replayed in one CUDA graph (timing.graph_time's median)."""
+    return graph_time(fns) * 1000
 
 
 def main() -> None:
@@ -48,6 +51,8 @@ def main() -> None:
     p.add_argument("--tokens", default="1,8,32,64,256,2048")
     p.add_argument("--experts", type=int, default=None)
     p.add_argument("--json", default=None, help="also write the rows here")
+    p.add_argument("--calls", type=int, default=16,
+                   help="calls a timing replays, each with its own routing")
     p.add_argument("--sorted", action="store_true",
                    help="also time the sorted path where the small-batch path runs")
     args = p.parse_args()
@@ -73,6 +78,8 @@ def main() -> None:
         router = torch.randn(t, e, device="cuda", generator=g)
         weights, ids = router.softmax(-1).topk(m.top_k, dim=-1)
         hit = int(ids.unique().numel())
+        perms = [torch.randperm(e, device="cuda", generator=g) for _ in range(args.calls)]
+        routings = [(weights, perm[ids]) for perm in perms]
         row = {"tokens": t, "experts_hit": hit}
         if t <= 64:  # (the loop's .unique() and nonzero sync: time it eagerly)
             torch.cuda.synchronize()
@@ -84,18 +91,18 @@ def main() -> None:
             torch.cuda.synchronize()
             row["torch_ref_bf16_us"] = ev0.elapsed_time(ev1) * 1000 / 5
         for name, (gu, dn) in forms.items():
-            args_ = (x, gu, dn, weights, ids)
-            row[f"{name}_us"] = timed(lambda a=args_: fused_moe(*a))
+            calls = [lambda a=(x, gu, dn, w, i): fused_moe(*a) for w, i in routings]
+            row[f"{name}_us"] = timed(calls)
             row[f"{name}_tbs"] = hit * 3 * h * i * bytes_per[name] / row[f"{name}_us"] / 1e6
             if args.sorted and t * m.top_k <= moe_gemv.MAX_SLOTS:
                 limit, moe_gemv.MAX_SLOTS = moe_gemv.MAX_SLOTS, 0
-                row[f"{name}_sorted_us"] = timed(lambda a=args_: fused_moe(*a))
+                row[f"{name}_sorted_us"] = timed(calls)
                 moe_gemv.MAX_SLOTS = limit
         bias = torch.zeros(e, device="cuda") if m.correction_bias else None
         route = (x, router_w, bias, m.top_k, m.scoring, m.norm_topk_prob, m.n_group,
                  m.topk_group, m.routed_scaling_factor)
-        row["route_torch_us"] = timed(lambda r=route: torch_ref.route_experts(*r))
-        row["route_kernel_us"] = timed(lambda r=route: route_experts(*r))
+        row["route_torch_us"] = timed([lambda r=route: torch_ref.route_experts(*r)] * args.calls)
+        row["route_kernel_us"] = timed([lambda r=route: route_experts(*r)] * args.calls)
         rows.append(row)
         ref = row.get("torch_ref_bf16_us")
         sorted_ = "".join(f" (sorted {row[k + '_sorted_us']:.1f})" if k + "_sorted_us" in row
@@ -106,7 +113,7 @@ def main() -> None:
               f"{row['route_torch_us']:.1f} / {row['route_kernel_us']:.1f} |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": args.model, "rows": rows}, f, indent=1)
+            json.dump({"model": args.model, "calls": args.calls, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

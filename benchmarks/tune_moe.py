@@ -4,12 +4,14 @@
 For each expert matrix of a model (gate_up, gated; down, routed), each weight form (bf16, FP8
 128x128 blocks, INT4 group 32) and each number of slots (tokens x top_k, powers of two): every
 candidate configuration of the path fused_moe takes at that many slots (the small-batch GEMV up
-to moe_gemv.MAX_SLOTS, the sorted grouped GEMM past it) is timed from a CUDA graph, checked
-against the default configuration's output, and the fastest kept. Prints a table of the default
+to moe_gemv.MAX_SLOTS, the sorted grouped GEMM past it) is timed from a CUDA graph of --calls
+launches, each routing to other experts (as moe_layer.py times), checked against the default
+configuration's output, and the fastest kept. Prints a table of the default
 and tuned microseconds.
 
     python benchmarks/tune_moe.py --model qwen3-30b-a3b [--tokens 1,2,4,8,16,32,64,128,256]
         [--forms bf16,fp8,int4] [--output frugal/ops/triton/moe_configs.json] [--experts N]
+        [--calls 16]
 --model and --experts as in moe_layer.py (a config directory: .peer/models/kimi-k2-4l).
 """
 
@@ -50,10 +52,12 @@ def runner(w, n: int, x: torch.Tensor, ids: torch.Tensor, route: torch.Tensor | 
                                          route, a_div, block_m, c) or out
 
 
-def tune(path: str, run, mode: int, scale_k: int, k: int) -> tuple[dict, float, float]:
-    """(best config, its us, the default's us) among the valid candidates."""
+def tune(path: str, runs: list, mode: int, scale_k: int, k: int) -> tuple[dict, float, float]:
+    """(best config, its us, the default's us) among the valid candidates; runs: one launch
+    function (runner's) per routing."""
+    run = runs[0]
     want = run(None).clone()
-    default = timed(lambda: run(None))
+    default = timed([lambda r=r: r(None) for r in runs])
     best, best_us = None, float("inf")
     for config in GEMV if path == "gemv" else SORTED:
         if not moe_configs.tiles_scales(mode, config["BLOCK_K"], scale_k, k):
@@ -62,7 +66,7 @@ def tune(path: str, run, mode: int, scale_k: int, k: int) -> tuple[dict, float, 
             got = run(config)
             if not torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2):
                 continue
-            us = timed(lambda c=config: run(c))
+            us = timed([lambda r=r, c=config: r(c) for r in runs])
         except Exception:  # (out of shared memory or registers at this shape)
             continue
         if us < best_us:
@@ -78,6 +82,7 @@ def main() -> None:
     p.add_argument("--tokens", default="1,2,4,8,16,32,64,128,256")
     p.add_argument("--forms", default="bf16,fp8,int4")
     p.add_argument("--output", default=str(moe_configs.TABLE))
+    p.add_argument("--calls", type=int, default=16)
     args = p.parse_args()
     c = model_config(args.model)
     m, h = c.moe, c.hidden_size
@@ -103,11 +108,13 @@ def main() -> None:
             weights, ids = torch.randn(t, e, device="cuda", generator=g).softmax(-1).topk(m.top_k)
             act = torch.randn(t * m.top_k, i, device="cuda", generator=g).bfloat16()
             route = weights.reshape(-1).float().contiguous()
+            perms = [torch.randperm(e, device="cuda", generator=g) for _ in range(args.calls)]
             for name, w, n, a, rt, div in (("gate_up", mats[0], i, x, None, m.top_k),
                                             ("down", mats[1], h, act, route, 1)):
                 _, _, mode, _, scale_k, k = moe._operand(w)
-                path, run = runner(w, n, a, ids, rt, div)
-                best, us, default = tune(path, run, mode, scale_k, k)
+                runs = [runner(w, n, a, perm[ids], rt, div) for perm in perms]
+                path = runs[0][0]
+                best, us, default = tune(path, [r for _, r in runs], mode, scale_k, k)
                 if best is not None and us < default:
                     entries[moe_configs.key(path, mode, n, k, t * m.top_k)] = best
                 print(f"| {form} | {name} | {t} | {path} | {default:.1f} | {us:.1f} | "
@@ -115,7 +122,7 @@ def main() -> None:
         with open(args.output, "w") as f:  # after each form: a cut-off run keeps what it found
             json.dump(table, f, indent=1, sort_keys=True)
     print(f"command: python benchmarks/tune_moe.py --model {args.model} --tokens {args.tokens} "
-          f"--forms {args.forms}")
+          f"--forms {args.forms} --calls {args.calls}")
 
 
 if __name__ == "__main__":
