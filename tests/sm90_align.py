@@ -10,7 +10,10 @@ element, does not. Two passes (`make align-check`):
 The first compiles every launch for sm_90 with the specialization a GPU launch gets and notes
 the widest global access of each source line of its PTX; the second runs the same launches in
 the interpreter and checks every load's and store's addresses against that width (a vector of
-W bytes starts at a multiple of W), where they run contiguously along a dimension. The kernels'
+W bytes starts at a multiple of W), wherever W / element bytes of them run contiguously. A
+line's width is its widest access (a helper inlined at several places counts all of them);
+launches the first pass does not reach (a test stops at a plain assert on the outputs it
+never computed) are listed as not checked; Gluon kernels are not interpreted. The kernels'
 wrappers choose their GPU configurations in both passes (their interpreter flags are turned
 off here), so the launches are the same; what the tests assert is not checked in the second
 (the interpreter's bf16 dot is wrong). The verdict is only as good as the Triton that compiles:
@@ -57,12 +60,14 @@ def _source_line() -> str | None:
     frame = sys._getframe(3)
     while frame is not None:
         if "/frugal/ops/triton/" in frame.f_code.co_filename:
-            return f"{frame.f_code.co_filename}:{frame.f_lineno}"
+            return f"{frame.f_code.co_filename.rsplit('/frugal/', 1)[-1]}:{frame.f_lineno}"
         frame = frame.f_back
     return None
 
 
 def _check(ptrs, mask) -> None:
+    """Runs of width / element consecutive addresses with a live lane, along the dimension that
+    has the most of them (the one Triton vectorizes), must start at a multiple of the width."""
     if not _current or _current[-1] is None:
         return
     where = _source_line()
@@ -73,19 +78,25 @@ def _check(ptrs, mask) -> None:
     if width <= size or not live.any():
         return
     run = width // size
-    for dim in range(addr.ndim):  # the dimension Triton vectorizes: addresses one element apart
-        if addr.shape[dim] < run or not (np.diff(addr, axis=dim) == size).all():
+    best = None
+    for dim in range(addr.ndim):
+        whole = addr.shape[dim] // run * run
+        if whole == 0:
             continue
-        starts = np.moveaxis(addr, dim, -1)
-        used = np.moveaxis(live, dim, -1)
-        whole = starts.shape[-1] // run * run
-        starts = starts[..., :whole:run]
-        used = used[..., :whole].reshape(*used.shape[:-1], -1, run).any(-1)
-        _checked[where] += 1
-        misaligned = int(((starts % width != 0) & used).sum())
-        if misaligned:
-            bad[(where.split("frugal/")[-1], width, size)] += misaligned
+        groups = np.moveaxis(addr, dim, -1)[..., :whole]
+        groups = groups.reshape(*groups.shape[:-1], -1, run)
+        used = np.moveaxis(live, dim, -1)[..., :whole]
+        used = used.reshape(*used.shape[:-1], -1, run).any(-1)
+        runs = (np.diff(groups, axis=-1) == size).all(-1) & used
+        if best is None or runs.sum() > best[0].sum():
+            best = runs, groups[..., 0]
+    if best is None or not best[0].any():
         return
+    runs, starts = best
+    _checked[where] += int(runs.sum())
+    misaligned = int((runs & (starts % width != 0)).sum())
+    if misaligned:
+        bad[(where, width, size)] += misaligned
 
 
 def _gpu_configurations() -> None:
@@ -135,8 +146,9 @@ def pytest_configure(config) -> None:
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session, exitstatus) -> None:
     print(f"\nsm_90 alignment: {len(_checked)} vectorized lines checked "
-          f"({sum(_checked.values())} accesses), {len(bad)} misaligned; kernels the first pass "
-          f"did not see: {sorted(_missing) or 'none'}")
+          f"({sum(_checked.values())} vectors), {len(bad)} misaligned")
+    if _missing:  # (pass 1 stops a test at a plain assert on outputs it never computed)
+        print(f"NOT CHECKED, launches the first pass did not reach: {sorted(_missing)}")
     for (line, width, size), count in sorted(bad.items()):
         print(f"MISALIGNED {line}: {width}-byte vectors of {size}-byte elements ({count})")
-    session.exitstatus = 1 if bad else 0
+    session.exitstatus = 1 if bad or not _checked else 0

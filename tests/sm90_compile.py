@@ -21,14 +21,11 @@ import traceback
 import pytest
 import torch
 import triton
-from triton.backends.compiler import GPUTarget
+from triton.backends.compiler import BaseBackend, GPUTarget
 from triton.compiler import ASTSource
-from triton.runtime.jit import JITFunction
+from triton.runtime.jit import JITFunction, native_specialize_impl
 
 TARGET = GPUTarget("cuda", 90, 32)
-_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
-          torch.float64: "fp64", torch.int64: "i64", torch.int32: "i32", torch.int16: "i16",
-          torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1", torch.float8_e4m3fn: "fp8e4nv"}
 _OPTIONS = ("num_warps", "num_stages", "num_ctas")
 _results: dict[tuple, str | None] = {}  # variant -> None (compiled) or the error
 WIDTHS: dict[str, dict[str, int]] = {}  # repr(variant) -> "file:line" -> widest access, bytes
@@ -39,14 +36,16 @@ _ASYNC = re.compile(r"cp\.async\.c[ag]\.shared\.global\s.*?,\s*(0x[0-9a-f]+|\d+)
 
 
 def widths(ptx: str) -> dict[str, int]:
-    """"file:line" -> the widest global load or store (bytes) the PTX makes for that line."""
+    """"path:line" -> the widest global load or store (bytes) the PTX makes for that source line
+    (path from the package down, ops/triton/x.py: Triton's cache keeps the path a kernel was
+    first compiled from)."""
     files = dict(_FILE.findall(ptx))
     out: dict[str, int] = {}
     where = None
     for line in ptx.splitlines():
         loc = _LOC.search(line)
         if loc:
-            where = f"{files.get(loc.group(1), '?')}:{loc.group(2)}"
+            where = f"{files.get(loc.group(1), '?').rsplit('/frugal/', 1)[-1]}:{loc.group(2)}"
             continue
         vec, size = _VEC.search(line), _ASYNC.search(line)
         width = (int(vec.group(1) or 1) * int(vec.group(2)) // 8 if vec
@@ -56,41 +55,24 @@ def widths(ptx: str) -> dict[str, int]:
     return out
 
 
-def _aligned(value, skip: bool) -> bool:
-    """Triton's specialization: a pointer or integer divisible by 16 is compiled as such."""
-    if skip:
-        return False
-    if isinstance(value, torch.Tensor):
-        return value.data_ptr() % 16 == 0
-    return isinstance(value, int) and not isinstance(value, bool) and value % 16 == 0
-
-
-def _type(value) -> str:
-    if isinstance(value, torch.Tensor):
-        return "*" + _TYPES[value.dtype]
-    if isinstance(value, bool):
-        return "i1"
-    if isinstance(value, int):
-        return "i64" if abs(value) >= 2 ** 31 else "i32"
-    return "fp32"
-
-
 def variant(fn, params, args, kwargs) -> tuple:
     """(variant, signature, constants, attrs, options) of a launch of the Python function fn
-    with params [(name, is_constexpr, default, do_not_specialize)]: what Triton compiles."""
+    with params [(name, is_constexpr, default, do_not_specialize)]: what Triton compiles, by its
+    own specialization rules (an integer 1 becomes a constant; pointers and integers divisible
+    by 16 are compiled as such)."""
     options = {k: kwargs.pop(k) for k in _OPTIONS if k in kwargs}
     kwargs.pop("launch_pdl", None)
     bound = {**dict(zip([p[0] for p in params], args)), **kwargs}
     signature, constants, attrs = {}, {}, {}
     for i, (name, is_constexpr, default, skip) in enumerate(params):
         value = bound.get(name, default)
-        if is_constexpr or value is None:
-            signature[name] = "constexpr"
+        kind, spec = ("constexpr", None) if is_constexpr or value is None else \
+            native_specialize_impl(BaseBackend, value, False, not skip, True)
+        signature[name] = kind
+        if kind == "constexpr":
             constants[name] = value
-        else:
-            signature[name] = _type(value)
-            if _aligned(value, skip):
-                attrs[(i,)] = [["tt.divisibility", 16]]
+        elif spec and "D" in spec:
+            attrs[(i,)] = [["tt.divisibility", 16]]
     key = (fn.__module__, fn.__qualname__, tuple(signature.items()),
            tuple((k, repr(v)) for k, v in constants.items()), tuple(options.items()),
            tuple(sorted(attrs)))
