@@ -123,7 +123,8 @@ def pytest_configure(config) -> None:
     def checked_run(self, *args, grid, warmup, **kwargs):
         key = repr(variant(self.fn, _params(self), args, dict(kwargs))[0])
         if key not in _widths:
-            _missing.add(f"{self.fn.__module__}.{self.fn.__qualname__}")
+            test = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
+            _missing.add(f"{self.fn.__module__}.{self.fn.__qualname__} in {test}")
         _current.append(_widths.get(key))
         try:
             return run(self, *args, grid=grid, warmup=warmup, **kwargs)
