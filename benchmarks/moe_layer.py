@@ -91,7 +91,7 @@ def main() -> None:
             torch.cuda.synchronize()
             row["torch_ref_bf16_us"] = ev0.elapsed_time(ev1) * 1000 / 5
         for name, (gu, dn) in forms.items():
-            calls = [lambda a=(x, gu, dn, w, i): fused_moe(*a) for w, i in routings]
+            calls = [lambda a=(x, gu, dn, wts, eids): fused_moe(*a) for wts, eids in routings]
             row[f"{name}_us"] = timed(calls)
             row[f"{name}_tbs"] = hit * 3 * h * i * bytes_per[name] / row[f"{name}_us"] / 1e6
             if args.sorted and t * m.top_k <= moe_gemv.MAX_SLOTS:

@@ -13,6 +13,14 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 2e-3, torch.bfloat16: 3e-2}
 
 
+def tol_8bit(dtype: torch.dtype) -> float:
+    """The bound for attention over a cache of 8-bit rows: on a GPU the kernels take q·k (and
+    p·v over rows with their own scale) in fp16 or bf16 whatever q's dtype (kv_blocks.dot_dtype),
+    so fp32 takes bf16's there (fp32 q rounded to fp16 alone moves outputs of magnitude 10 by
+    up to 0.02: torch_ref on the rounded q, on the CPU)."""
+    return TOL[torch.bfloat16 if DEVICE == "cuda" else dtype]
+
+
 FP8 = torch.float8_e4m3fn
 
 
@@ -95,10 +103,7 @@ def test_paged_attention_fp8_cache_matches_torch_ref(case, dtype):
     ours = triton_attention.paged_attention(*args, scales.to(DEVICE))
     ref = torch_ref.paged_attention(*args, scales.to(DEVICE))
     assert torch.isfinite(ours).all()
-    # On a GPU q·k over FP8 keys runs in fp16 whatever q's dtype (kv_blocks.dot_dtype): fp32 q
-    # rounded to fp16 alone moves outputs of magnitude 10 by up to 0.02 here (torch_ref on the
-    # rounded q, on the CPU, puts cases 2-5 past fp32's bound), so fp32 takes bf16's there.
-    tol = TOL[torch.bfloat16 if DEVICE == "cuda" else dtype]
+    tol = tol_8bit(dtype)
     torch.testing.assert_close(ours.float(), ref.float(), atol=tol, rtol=tol)
     with pytest.raises(ValueError, match="kv_scales"):
         triton_attention.paged_attention(*args)
