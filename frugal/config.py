@@ -204,6 +204,9 @@ class EngineConfig:
     # a decode worker refuses hand-offs from a peer whose probe read (disagg.probe) went over
     # TCP or through host memory
     kv_require_fast_path: bool = False
+    # "auto": a peer on this host whose pool maps here (CUDA IPC, a CPU pool's memory file) is
+    # read by this worker's own page copy (disagg.direct), any other over NIXL; "nixl": NIXL
+    kv_transport: str = "auto"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -238,6 +241,8 @@ class EngineConfig:
             raise ValueError(f"kv_role: unsupported {self.kv_role!r} (prefill, decode, both)")
         if not self.kv_lease_s > 0 or not self.kv_transfer_timeout_s > 0:
             raise ValueError("kv_lease_s / kv_transfer_timeout_s: must be > 0")
+        if self.kv_transport not in ("auto", "nixl"):
+            raise ValueError(f"kv_transport: unsupported {self.kv_transport!r} (auto, nixl)")
         if self.kv_role is not None and not self.kv_secret:
             raise ValueError("kv_secret: prefill/decode workers need the deployment's shared "
                              "secret (--kv-secret or $FRUGAL_KV_SECRET; `frugal serve-pd` makes "

@@ -76,6 +76,10 @@ class Metrics:
             "frugal_kv_transfer_leases_expired",
             "Prefills whose pages were freed unread when their lease ran out")
         self.kv_bytes = counter("frugal_kv_transfer_bytes", "KV bytes read from prefill workers")
+        self.kv_mapped_loads = counter(
+            "frugal_kv_transfer_mapped_loads",
+            "Of the KV loads, those copied from a prefill worker's pool mapped into this worker "
+            "(one host: CUDA IPC or shared memory) rather than read over NIXL")
         self.kv_slow_routes = counter(
             "frugal_kv_transfer_slow_routes",
             "Prefill workers whose hand-offs go over TCP or through host memory (their probe "
@@ -123,6 +127,7 @@ class Metrics:
                 ("num_kv_leases_expired", self.kv_leases_expired),
                 ("kv_bytes_loaded", self.kv_bytes),
                 ("num_kv_slow_routes", self.kv_slow_routes),
+                ("num_kv_mapped_loads", self.kv_mapped_loads),
                 ("prefix_cache_queries", self.cache_queries),
                 ("prefix_cache_hits", self.cache_hits)]
 

@@ -77,6 +77,10 @@ def add_serve_parser(subparsers) -> None:
                    help="a decode worker refuses (503) hand-offs from a prefill worker whose "
                         "probe read went over TCP or through host memory, or failed (default: "
                         "a warning)")
+    g.add_argument("--kv-transport", default="auto", choices=["auto", "nixl"],
+                   help="auto: a prefill worker on this host whose KV pool maps into this one's "
+                        "address space (one GPU through CUDA IPC, or host memory) is read by "
+                        "a page copy of this worker's, any other over NIXL; nixl: NIXL always")
     p.set_defaults(func=run_serve)
 
 
@@ -111,7 +115,8 @@ def run_serve(args: argparse.Namespace) -> int:
                                      kv_secret=args.kv_secret if args.kv_role else None,
                                      kv_address=kv_address(args) if args.kv_role else None,
                                      kv_max_held_fraction=args.kv_max_held_fraction,
-                                     kv_require_fast_path=args.kv_require_fast_path)
+                                     kv_require_fast_path=args.kv_require_fast_path,
+                                     kv_transport=args.kv_transport)
     engine = AsyncEngine(LLMEngine(engine_cfg), metrics, args.step_timeout)
     app = build_app(engine, name, args.api_key, metrics, args.max_request_bytes,
                     args.max_queued_requests, kv_peers, metrics_public=args.metrics_public)

@@ -38,6 +38,7 @@ class Loaded:
 @dataclass
 class TransferStats:
     num_loads: int = 0  # prompts whose KV came from another worker
+    num_mapped_loads: int = 0  # of those, copied from its pool mapped here (disagg.direct)
     num_load_failures: int = 0  # loads that failed, timed out or failed their checksum
     num_leases_expired: int = 0  # pages held for a peer that never read them
     bytes_loaded: int = 0

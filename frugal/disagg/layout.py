@@ -6,6 +6,8 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
+import numpy as np
+
 from frugal.worker.kv_pool import KVPool
 
 
@@ -51,3 +53,28 @@ def page_runs(local_pages: list[int], remote_pages: list[int]) -> list[tuple[int
         else:
             runs.append((here, there, 1))
     return runs
+
+
+def descriptors(base: int, num_pages: int, firsts, lengths, device_id: int, chunks: int,
+                chunk_bytes: int) -> np.ndarray:
+    """NIXL descriptors [n, 3] (address, bytes, device) of runs of pages (first page, pages)
+    in a pool of num_pages at base, chunk-major (KVPool.storage): row c * len(firsts) + i is
+    chunk c of run i, lengths[i] pages long."""
+    size = np.uint64(chunk_bytes)
+    firsts = np.asarray(firsts, dtype=np.uint64)
+    lengths = np.asarray(lengths, dtype=np.uint64)
+    offsets = np.arange(chunks, dtype=np.uint64)[:, None] * np.uint64(num_pages)
+    descs = np.empty((chunks * len(firsts), 3), dtype=np.uint64)
+    descs[:, 0] = np.uint64(base) + (offsets + firsts[None, :]).reshape(-1) * size
+    descs[:, 1] = np.tile(lengths, chunks) * size
+    descs[:, 2] = device_id
+    return descs
+
+
+def meta_int(meta: dict, name: str, low: int = 0, high: int = 1 << 64) -> int:
+    """An integer field of a peer's metadata in [low, high), else ValueError naming it."""
+    value = meta.get(name)
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value < high:
+        raise ValueError(f"the prefill worker's metadata: {name} is not an integer in "
+                         f"[{low}, {high})")
+    return value

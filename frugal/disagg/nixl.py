@@ -1,4 +1,5 @@
-"""KV pages between workers over NIXL: one agent per engine, its whole pool registered once.
+"""KV pages between workers over NIXL: one agent per engine, its whole pool registered once;
+between workers on one host, through the peer's pool mapped here (disagg.direct) where it can be.
 
 A page is num_layers * parts chunks (KVPool.storage, chunk-major: chunk c of page p at
 c * num_pages + p), so consecutive pages of one chunk are contiguous. Each read describes both
@@ -9,6 +10,13 @@ side READs from the prefill side (pull, as vLLM's NixlConnector does), and the R
 notification tells the prefill side which request's pages it may free. Memory is DRAM for a CPU
 pool, VRAM for a CUDA one (UCX moves both). Beside the pool each agent registers a probe buffer:
 random bytes a peer reads once (disagg.probe), then the place such a read lands.
+
+With map_peers (--kv-transport auto) the metadata also describes the pool and the probe buffer
+for a peer on this host to map (disagg.direct.offer), and a peer whose pool maps here is read
+by a page copy of this worker's (direct.Copies) instead of NIXL; a copy that ended well sends
+the notification a NIXL READ's end would. Other peers go over NIXL. A mapped peer whose
+process ended is unmapped (checked at each connect and every LIVENESS_S while reads are
+polled): its later reads go over NIXL and fail as a dead peer's do.
 """
 
 from __future__ import annotations
@@ -19,10 +27,8 @@ import os
 import time
 from dataclasses import dataclass
 
-import numpy as np
-
-from frugal.disagg import probe, ucx_log
-from frugal.disagg.layout import KVLayout, page_runs
+from frugal.disagg import direct, mapping, probe, ucx_log
+from frugal.disagg.layout import KVLayout, descriptors, meta_int, page_runs
 from frugal.worker.kv_pool import KVPool
 
 logger = logging.getLogger("frugal")
@@ -41,6 +47,7 @@ def import_nixl():
 
 MAX_REMOTE_PAGES = 1 << 24  # no pool has more: a claim of more is refused unread
 MEM_TYPES = ("DRAM", "VRAM")
+LIVENESS_S = 5.0  # how often polls look for mapped peers that ended
 
 
 @dataclass
@@ -52,6 +59,8 @@ class _Remote:
     mem_type: str
     probe_addr: int | None
     probe_sha256: str | None
+    where: str
+    mapping: direct.Mapping | None = None  # its pool mapped here (disagg.direct)
 
 
 @dataclass
@@ -61,19 +70,11 @@ class _Read:
     started: float
 
 
-def _int(meta: dict, name: str, low: int = 0, high: int = 1 << 64) -> int:
-    value = meta.get(name)
-    if not isinstance(value, int) or isinstance(value, bool) or not low <= value < high:
-        raise ValueError(f"the prefill worker's metadata: {name} is not an integer in "
-                         f"[{low}, {high})")
-    return value
-
-
 class NixlTransfer:
     """One NIXL agent (named engine_id) over one pool. Not thread-safe: the engine thread
     alone calls it."""
 
-    def __init__(self, pool: KVPool, engine_id: str) -> None:
+    def __init__(self, pool: KVPool, engine_id: str, map_peers: bool = True) -> None:
         nixl = import_nixl()
         self.pool, self.engine_id = pool, engine_id
         self.layout = KVLayout.of(pool)
@@ -95,24 +96,12 @@ class NixlTransfer:
         self.agent.create_backend("UCX", {"ucx_error_handling_mode": mode})
         self._registered = self.agent.register_memory(storage)
         self.prober = probe.Prober(self.agent, engine_id, storage.device, self.mem_type,
-                                   self.device_id, self.ucx_log)
+                                   self.device_id, self.ucx_log, shareable=map_peers)
+        self.copies = direct.Copies(pool) if map_peers else None
         self._chunks = self.layout.num_layers * self.layout.parts
         self._remotes: dict[str, _Remote] = {}
+        self._next_liveness = 0.0  # when to look again for mapped peers that ended
         self._reads: dict[str, _Read] = {}
-
-    def _descs(self, base: int, num_pages: int, firsts, lengths, device_id: int) -> np.ndarray:
-        """NIXL descriptors [n, 3] (address, bytes, device) of runs of pages (first page,
-        pages) in a pool of num_pages, chunk-major: row c * len(firsts) + i is chunk c of run
-        i, lengths[i] pages long."""
-        size = np.uint64(self.pool.chunk_bytes)
-        firsts = np.asarray(firsts, dtype=np.uint64)
-        lengths = np.asarray(lengths, dtype=np.uint64)
-        chunks = np.arange(self._chunks, dtype=np.uint64)[:, None] * np.uint64(num_pages)
-        descs = np.empty((self._chunks * len(firsts), 3), dtype=np.uint64)
-        descs[:, 0] = np.uint64(base) + (chunks + firsts[None, :]).reshape(-1) * size
-        descs[:, 1] = np.tile(lengths, self._chunks) * size
-        descs[:, 2] = device_id
-        return descs
 
     def metadata(self) -> dict:
         """What a peer needs to read this pool (served on the prefill worker's side channel)."""
@@ -121,7 +110,9 @@ class NixlTransfer:
                 "base_addr": self.pool.storage.data_ptr(), "num_pages": self.pool.num_pages,
                 "mem_type": self.mem_type, "device_id": self.device_id,
                 "chunk_bytes": self.pool.chunk_bytes, "probe_addr": self.prober.address,
-                "probe_sha256": self.prober.sha256}
+                "probe_sha256": self.prober.sha256,
+                "mapped": None if self.copies is None else direct.offer(
+                    self.pool, self.prober.buffer[:probe.PROBE_BYTES], self.prober.memfd)}
 
     def connect(self, meta: dict, where: str) -> None:
         """Know the peer described by `meta` (its metadata()); ValueError if its pool's layout
@@ -132,6 +123,7 @@ class NixlTransfer:
         if not isinstance(engine_id, str):
             raise ValueError(f"the prefill worker at {where} sent no engine_id")
         if engine_id in self._remotes:
+            self._forget_ended()
             return
         layout = meta.get("layout")
         try:
@@ -143,11 +135,11 @@ class NixlTransfer:
             raise ValueError(f"kv_transfer_params: the prefill worker at {where} has pages of "
                              f"{meta.get('chunk_bytes')!r} bytes a chunk, this one "
                              f"{self.pool.chunk_bytes}")
-        num_pages = _int(meta, "num_pages", 1, MAX_REMOTE_PAGES + 1)
-        base_addr = _int(meta, "base_addr")
-        device_id = _int(meta, "device_id", 0, 1 << 16)
+        num_pages = meta_int(meta, "num_pages", 1, MAX_REMOTE_PAGES + 1)
+        base_addr = meta_int(meta, "base_addr")
+        device_id = meta_int(meta, "device_id", 0, 1 << 16)
         # (a prefill worker of an earlier frugal offers no probe: its route stays unknown)
-        probe_addr = None if "probe_addr" not in meta else _int(meta, "probe_addr")
+        probe_addr = None if "probe_addr" not in meta else meta_int(meta, "probe_addr")
         mem_type = meta.get("mem_type")
         agent = meta.get("agent_metadata")
         if mem_type not in MEM_TYPES or not isinstance(agent, str):
@@ -156,17 +148,39 @@ class NixlTransfer:
         if probe_addr is not None and not isinstance(probe_sha256, str):
             raise ValueError(f"the prefill worker at {where} sent a probe without its sha256")
         name = self.agent.add_remote_agent(base64.b64decode(agent, validate=True))
-        self._remotes[engine_id] = _Remote(name, base_addr, num_pages, device_id, mem_type,
-                                           probe_addr, probe_sha256)
+        remote = _Remote(name, base_addr, num_pages, device_id, mem_type, probe_addr,
+                         probe_sha256, where)
+        if self.copies is not None and isinstance(meta.get("mapped"), dict):
+            remote.mapping = direct.map_peer(meta["mapped"], num_pages * self._chunks *
+                                            self.pool.chunk_bytes, self.pool.storage.device,
+                                            where)
+        self._remotes[engine_id] = remote
+
+    def _forget_ended(self) -> None:
+        """Unmap the pools of peers whose process ended (a mapping would keep a dead worker's
+        pool in memory); their hand-offs go over NIXL then, and fail as a dead peer's do."""
+        self._next_liveness = time.monotonic() + LIVENESS_S
+        for remote in self._remotes.values():
+            if remote.mapping is not None and not mapping.alive(remote.mapping.desc):
+                logger.warning("the prefill worker at %s has ended: its pool is unmapped",
+                               remote.where)
+                remote.mapping = None
 
     def start_probe(self, engine_id: str, where: str) -> None:
         """Start the probe read of a known peer (disagg.probe; self.prober.result ends it)."""
         r = self._remotes[engine_id]
-        if r.probe_addr is None:
+        m = r.mapping
+        if m is not None and m.probe is not None and r.probe_sha256 is not None:
+            self.prober.start_mapped(engine_id, where, m.probe, m.transport, r.probe_sha256)
+        elif r.probe_addr is None:
             self.prober.fail(engine_id, where, "it offers no probe buffer (an earlier frugal)")
         else:
             self.prober.start(engine_id, where, r.name, r.probe_addr, r.device_id, r.mem_type,
                               r.probe_sha256)
+
+    def maps(self, engine_id: str) -> bool:
+        """Whether reads from that peer copy from its pool mapped here (now)."""
+        return self._remotes[engine_id].mapping is not None
 
     def num_remote_pages(self, engine_id: str) -> int:
         return self._remotes[engine_id].num_pages
@@ -181,14 +195,19 @@ class NixlTransfer:
         if bad:
             raise ValueError(f"kv_transfer_params: remote_block_ids: page {bad[0]} is not in "
                              f"[0, {remote.num_pages})")
+        if remote.mapping is not None:
+            self.copies.start(key, local_pages, remote.mapping.pool, remote_pages,
+                              lambda: self.notify(engine_id, notif))
+            return
         runs = page_runs(local_pages, remote_pages)
         here, there, lengths = (list(x) for x in zip(*runs)) if runs else ([], [], [])
-        lists = (self.agent.prep_xfer_dlist(
-                     "", self._descs(self.pool.storage.data_ptr(), self.pool.num_pages, here,
-                                     lengths, self.device_id), self.mem_type),
-                 self.agent.prep_xfer_dlist(
-                     remote.name, self._descs(remote.base_addr, remote.num_pages, there,
-                                              lengths, remote.device_id), remote.mem_type))
+        size = self.pool.chunk_bytes
+        lists = (self.agent.prep_xfer_dlist("", descriptors(
+                     self.pool.storage.data_ptr(), self.pool.num_pages, here, lengths,
+                     self.device_id, self._chunks, size), self.mem_type),
+                 self.agent.prep_xfer_dlist(remote.name, descriptors(
+                     remote.base_addr, remote.num_pages, there, lengths, remote.device_id,
+                     self._chunks, size), remote.mem_type))
         index = list(range(self._chunks * len(runs)))
         handle = None
         try:
@@ -207,7 +226,9 @@ class NixlTransfer:
     def done(self, min_age: float = 0.0) -> list[tuple[str, str | None]]:
         """Reads that ended since the last call: (key, None) or (key, what went wrong); a read
         younger than min_age seconds is not looked at yet."""
-        ended, now = [], time.monotonic()
+        ended, now = [] if self.copies is None else self.copies.done(min_age), time.monotonic()
+        if now >= self._next_liveness:
+            self._forget_ended()
         for key, read in list(self._reads.items()):
             if now - read.started < min_age:
                 continue
@@ -228,6 +249,8 @@ class NixlTransfer:
     def cancel(self, key: str) -> bool:
         """Give up the read under key: True once it can no longer write the local pages (NIXL
         cancelled it, or it had ended), False while NIXL cannot cancel it yet (ask again)."""
+        if self.copies is not None and key in self.copies:
+            return self.copies.cancel(key)
         if key not in self._reads:
             return True
         try:
@@ -253,6 +276,8 @@ class NixlTransfer:
 
     def in_flight(self, key: str) -> float | None:
         """Seconds since the read under key started, None if it is not in flight."""
+        if self.copies is not None and key in self.copies:
+            return self.copies.in_flight(key)
         read = self._reads.get(key)
         return None if read is None else time.monotonic() - read.started
 

@@ -63,7 +63,7 @@ class NixlConnector(KVConnector):
         self.max_held_pages = int(config.kv_max_held_fraction * pool.num_pages)
         self.require_fast_path = config.kv_require_fast_path
         self.signer = Signer(config.kv_secret)
-        self.transfer = NixlTransfer(pool, engine_id)
+        self.transfer = NixlTransfer(pool, engine_id, map_peers=config.kv_transport == "auto")
         self.metadata = self.signer.sign(self.transfer.metadata())  # (the side channel's)
         self.faults = faults.from_env()
         self._replays = Replays()
@@ -215,6 +215,7 @@ class NixlConnector(KVConnector):
             error = error or self._verify(request)
             if error is None:
                 self._stats.num_loads += 1
+                self._stats.num_mapped_loads += self._pending[request_id].mapped
                 loaded.append(self._loaded(request))
             else:
                 self._fail(request, error)
@@ -266,6 +267,7 @@ class NixlConnector(KVConnector):
         for request in requests:
             load = self._pending[request.request_id]
             load.first_page = request.num_computed_tokens // self.pool.page_size
+            load.mapped = self.transfer.maps(load.engine_id)
             try:
                 self.transfer.read(request.request_id, list(request.page_table.ids)[
                                    load.first_page:], load.engine_id,

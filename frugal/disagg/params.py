@@ -29,6 +29,7 @@ class KVLoad:
     first_logprob: TokenLogprob | None
     where: str
     first_page: int = 0  # pages before this one came from the decode side's prefix cache
+    mapped: bool = False  # its read copies from the prefill pool mapped here (disagg.direct)
 
 
 LOGPROB_FLOOR = -9999.0  # a non-finite log-probability as JSON carries it (as vLLM clamps)

@@ -2,7 +2,8 @@
 
 A decode worker READs a small buffer (PROBE_BYTES) that a prefill worker registered beside its
 pool, the first time it meets that worker, and reports the route UCX chose for the read and
-the bandwidth it got. UCX tells its choice only in its log (disagg.ucx_log).
+the bandwidth it got. UCX tells its choice only in its log (disagg.ucx_log). A peer whose pool
+maps here (disagg.direct) is probed by copying its buffer through the mapping.
 
 A route through TCP or through host memory (VRAM pools) is slow: a loud warning, a metric,
 and with --kv-require-fast-path a refusal of the peer's hand-offs.
@@ -12,25 +13,30 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import time
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from frugal.disagg.ucx_log import PROBE_BYTES, flush, log_size, transports
+from frugal.worker.kv_pool import host_shared_zeros
 
 logger = logging.getLogger("frugal")
 
 SPIN_S = 0.05  # how long starting a probe waits for its end (8 MiB at 0.17 GB/s or more)
 SLOW_VRAM_GB_PER_S = 10.0  # below this a VRAM route UCX did not name counts as slow
-_SHARED_MEMORY = ("cma", "sysv", "posix", "xpmem", "knem", "self")
+_SHARED_MEMORY = ("cma", "sysv", "posix", "xpmem", "knem", "self", "memfd")
 
 @dataclass(frozen=True)
 class Route:
     """A probe's finding: the peer's engine_id and where it is, transports UCX named (empty:
-    it named none), the local pool's memory ("DRAM" / "VRAM"), GB/s of the probe read (0 if
-    it did not end), whether its bytes arrived as sent, what went wrong (None: it ended)."""
+    it named none; a mapped peer's: "cuda_ipc" or "memfd"), the local pool's memory ("DRAM" /
+    "VRAM"), GB/s of the probe read (0 if it did not end), whether its bytes arrived as sent,
+    what went wrong (None: it ended), whether the peer's pool is mapped here (disagg.direct:
+    this worker copies its pages) rather than read through NIXL."""
 
     engine_id: str
     where: str
@@ -39,6 +45,7 @@ class Route:
     gb_per_s: float
     intact: bool
     error: str | None = None
+    mapped: bool = False
 
     @property
     def kind(self) -> str:
@@ -68,7 +75,8 @@ class Route:
             return f"KV hand-offs from {self.where}: the probe read failed ({self.error})"
         what = "" if self.intact else ", its bytes arrived changed"
         named = f" ({', '.join(sorted(self.transports))})" if self.transports else ""
-        return (f"KV hand-offs from {self.where} go over {self.kind}{named}: "
+        by = ", its pool mapped here" if self.mapped else ", through NIXL"
+        return (f"KV hand-offs from {self.where} go over {self.kind}{named}{by}: "
                 f"{self.gb_per_s:.2f} GB/s for a {PROBE_BYTES >> 20} MiB probe{what}")
 
 
@@ -83,6 +91,8 @@ class _Flight:
     log_offset: int  # of the UCX log when it started
     error: str | None
     ended: float | None = None  # when it was seen done
+    through: str | None = None  # a mapped peer's transport (start_mapped): no NIXL read
+    events: tuple = ()  # a GPU copy's (begin, end) CUDA events
 
 
 def sha256(data: torch.Tensor) -> str:
@@ -94,14 +104,21 @@ class Prober:
     agent: [0, PROBE_BYTES) random bytes peers read (address, sha256 in its metadata), the
     rest the place this agent's own probe reads land. One probe read at a time, and none while
     a read given up is not yet released (it could still land there). Never raises: what goes
-    wrong is the Route's error."""
+    wrong is the Route's error. shareable: on a CPU, the buffer lives in a memory file (memfd)
+    that peers on this host may map (disagg.direct)."""
 
     def __init__(self, agent, name: str, device: torch.device, mem_type: str, device_id: int,
-                 ucx_log: str | None) -> None:
+                 ucx_log: str | None, shareable: bool = False) -> None:
         self.agent, self.name, self.ucx_log = agent, name, ucx_log
         self.mem_type, self.device_id = mem_type, device_id
-        self.buffer = torch.randint(0, 256, (2 * PROBE_BYTES,), dtype=torch.uint8,
-                                    device=device)
+        self.memfd: int | None = None
+        if shareable and device.type == "cpu":
+            self.memfd, self.buffer = host_shared_zeros(2 * PROBE_BYTES)
+            weakref.finalize(self, os.close, self.memfd)
+            self.buffer.random_(0, 256)
+        else:
+            self.buffer = torch.randint(0, 256, (2 * PROBE_BYTES,), dtype=torch.uint8,
+                                        device=device)
         self.sha256 = sha256(self.buffer[:PROBE_BYTES])
         self._registered = agent.register_memory(self.buffer)
         self._flight: _Flight | None = None
@@ -142,6 +159,29 @@ class Prober:
         except Exception as e:  # (a peer gone, memory it never registered: NIXL raises)
             f.error = str(e) or type(e).__name__
 
+    def start_mapped(self, engine_id: str, where: str, memory: torch.Tensor, transport: str,
+                     sent_sha256: str) -> None:
+        """The probe of a peer whose probe buffer is mapped here (memory: its PROBE_BYTES,
+        disagg.mapping.attach): a copy on the device, timed to its end (on a GPU, by CUDA
+        events on a stream of its own, beside the steps)."""
+        if self.busy:
+            raise RuntimeError("a probe read is in flight")
+        f = _Flight(engine_id, where, sent_sha256, None, [], time.perf_counter(), 0, None,
+                    through=transport)
+        self._flight = f
+        try:
+            if memory.is_cuda:
+                f.events = tuple(torch.cuda.Event(enable_timing=True) for _ in range(2))
+                with torch.cuda.stream(torch.cuda.Stream(memory.device)):
+                    f.events[0].record()
+                    self.buffer[PROBE_BYTES:].copy_(memory)
+                    f.events[1].record()
+            else:
+                self.buffer[PROBE_BYTES:].copy_(memory)
+                f.ended = time.perf_counter()
+        except Exception as e:
+            f.error, f.ended = str(e) or type(e).__name__, time.perf_counter()
+
     def fail(self, engine_id: str, where: str, error: str) -> None:
         """A probe that cannot start (result reports the error)."""
         if self.busy:
@@ -153,6 +193,12 @@ class Prober:
         """NIXL's state of the read ("PROC", "DONE", "ERR" or an error), noting its end."""
         if f.error:
             return "ERR"
+        if f.through:
+            if f.ended is None and not f.events[1].query():
+                return "PROC"
+            if f.ended is None:
+                f.ended = f.started + f.events[0].elapsed_time(f.events[1]) / 1e3
+            return "DONE"
         try:
             state = self.agent.check_xfer_state(f.handle)
         except Exception as e:  # (NIXL raises for a failed read)
@@ -181,10 +227,11 @@ class Prober:
         intact = error is None and sha256(self.buffer[PROBE_BYTES:]) == f.sha256
         if error is None and not intact:
             error = "its bytes arrived changed"
-        found = transports(self.ucx_log, f.log_offset, self.name)
+        found = {f.through} if f.through else transports(self.ucx_log, f.log_offset, self.name)
         seconds = (f.ended or time.perf_counter()) - f.started
         return Route(f.engine_id, f.where, frozenset(found), self.mem_type,
-                     0.0 if error else PROBE_BYTES / max(seconds, 1e-9) / 1e9, intact, error)
+                     0.0 if error else PROBE_BYTES / max(seconds, 1e-9) / 1e9, intact, error,
+                     f.through is not None)
 
     def _release(self, f: _Flight) -> bool:
         """Give NIXL back the read and its lists; False while it cannot cancel the read yet."""

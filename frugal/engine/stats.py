@@ -31,6 +31,7 @@ class EngineStats:
     kv_check_kl: float | None = None  # a quantized cache's start-up check (worker.kv_check)
     kv_check_top1: float | None = None
     num_kv_slow_routes: int = 0  # prefill workers whose probe read was slow (disagg.probe)
+    num_kv_mapped_loads: int = 0  # KV loads copied from a pool mapped here (disagg.direct)
 
 
 def snapshot(engine) -> EngineStats:
@@ -44,4 +45,5 @@ def snapshot(engine) -> EngineStats:
         engine.num_bookkeeping_errors + (cache.num_stale if cache else 0), kv.num_held,
         t.num_loads, t.num_load_failures, t.num_leases_expired, t.bytes_loaded,
         cache.num_cached if cache else 0, kv.num_cache_queries, kv.num_cache_hits,
-        checked and checked.kl_mean, checked and checked.top1_agree, t.num_slow_routes)
+        checked and checked.kl_mean, checked and checked.top1_agree, t.num_slow_routes,
+        t.num_mapped_loads)

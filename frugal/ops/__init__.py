@@ -27,7 +27,8 @@ from frugal.ops import torch_ref
 
 OPS = ("linear", "rms_norm", "silu_and_mul", "rotary_store_kv", "paged_attention",
        "check_kv_pages", "route_experts", "fused_moe", "apply_rotary", "apply_rotary_pairs",
-       "store_latent", "mla_attention", "store_index_key", "index_topk", "sparse_mla_attention")
+       "store_latent", "mla_attention", "store_index_key", "index_topk", "sparse_mla_attention",
+       "copy_pages")
 BACKENDS = {"torch_ref": "frugal.ops.torch_ref", "triton": "frugal.ops.triton"}
 
 _backend: ContextVar[ModuleType] = ContextVar("frugal.ops.backend", default=torch_ref)
@@ -83,3 +84,4 @@ mla_attention = _dispatch("mla_attention")
 store_index_key = _dispatch("store_index_key")
 index_topk = _dispatch("index_topk")
 sparse_mla_attention = _dispatch("sparse_mla_attention")
+copy_pages = _dispatch("copy_pages")

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import fcntl
 import logging
+import os
+import weakref
 
 import torch
 
@@ -20,6 +23,9 @@ class KVPool:
     token's slot is page_id * page_size + offset; `k[layer].view(-1, num_kv_heads,
     head_dim)[slot]` is its key. The pool starts zeroed, and FP8 stores saturate
     (NaN included), so no page ever holds a NaN: kernels may read a whole last page.
+    shareable: a CPU pool lives in an anonymous memory file (memfd: host_shared_zeros) that a
+    worker of the same user on this host may map (disagg.direct; a CUDA pool is shareable as it
+    is, through CUDA IPC).
     A static FP8 pool also has scales: [num_layers, 2, num_kv_heads] fp32 (K, V), set by its
     owner before use, and scales_source saying where they came from. A row_scaled pool's 8-bit
     rows carry their scales (ops.torch_ref.kv_quant; V not key-minor). k_split (K's dtype,
@@ -31,14 +37,23 @@ class KVPool:
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: str, parts: int = 2,
                  name: str | None = None, row_scaled: bool = False,
-                 k_split: tuple[torch.dtype, int] | None = None) -> None:
+                 k_split: tuple[torch.dtype, int] | None = None,
+                 shareable: bool = False) -> None:
         self.num_pages = num_pages
         self.page_size = page_size
         shape = (num_layers, parts, num_pages, page_size, num_kv_heads, head_dim)
         # Zeroed, so every page's memory is taken now (a server's footprint does not creep up
         # as pages are first written), and GPU kernels, which load whole pages under masks,
         # never meet a stale NaN.
-        self._storage = torch.zeros(shape, dtype=dtype, device=device)
+        self.memfd: int | None = None  # (a shareable CPU pool's memory file)
+        if shareable and torch.device(device).type == "cpu":
+            nbytes = dtype.itemsize * num_layers * parts * num_pages * page_size * \
+                num_kv_heads * head_dim
+            self.memfd, memory = host_shared_zeros(nbytes)
+            weakref.finalize(self, os.close, self.memfd)
+            self._storage = memory.view(dtype).view(shape)
+        else:
+            self._storage = torch.zeros(shape, dtype=dtype, device=device)
         self.k = [self._storage[i, 0] for i in range(num_layers)]
         v_shape = ((num_pages, num_kv_heads, head_dim, page_size)
                    if v_key_minor(dtype) and not row_scaled else shape[2:])
@@ -107,3 +122,31 @@ class KVPool:
         """Bytes one page takes across all layers, K and V (parts 1: MLA's latent alone)."""
         itemsize = torch.empty((), dtype=dtype).element_size()
         return num_layers * parts * page_size * num_kv_heads * head_dim * itemsize
+
+
+F_SEAL_FUTURE_WRITE = 0x10  # (Linux 5.1; not in Python's fcntl module)
+
+
+def host_shared_zeros(nbytes: int) -> tuple[int, torch.Tensor]:
+    """(fd, uint8 [nbytes]): zeroed host memory in an anonymous memory file that this process
+    keeps open (close-on-exec: no child inherits it) and maps shared, then seals: its size can
+    no longer change (a peer's mapping never loses pages under it) and, from Linux 5.1, nobody
+    can open it for writing or map it writable again, this process's mapping excepted. A
+    process of the same user on this host maps it read-only by opening /proc/<pid>/fd/<fd>
+    (disagg.mapping). The memory is taken now, and is freed once the fd is closed and no
+    mapping is left."""
+    fd = os.memfd_create("frugal-kv", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, nbytes)
+        memory = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=nbytes,
+                                 dtype=torch.uint8)
+        memory.zero_()
+        seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+        try:
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals | F_SEAL_FUTURE_WRITE)
+        except OSError:  # (a kernel before 5.1)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, memory

@@ -78,8 +78,8 @@ class KVSpec:
         return KVPool.page_bytes(self.num_layers, self.page_size, self.num_kv_heads, self.width,
                                  self.dtype, self.parts)
 
-    def pool(self, num_pages: int, device: str) -> KVPool:
+    def pool(self, num_pages: int, device: str, shareable: bool = False) -> KVPool:
         return KVPool(self.num_layers, num_pages, self.page_size, self.num_kv_heads, self.width,
                       self.dtype, device, self.parts,
                       None if self.name == "auto" else self.name, self.row_scaled,
-                      self.k_split)
+                      self.k_split, shareable)

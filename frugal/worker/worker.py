@@ -142,7 +142,9 @@ class Worker:
 
     def init_cache(self, num_pages: int, scales: KVScales | None) -> None:
         mc, cache = self.model_config, self.config.cache
-        self.pool = self.kv_spec.pool(num_pages, self.device)
+        # (a disaggregated worker's pool: other workers on this host may map it, disagg.direct)
+        self.pool = self.kv_spec.pool(num_pages, self.device, shareable=(
+            self.config.kv_role is not None and self.config.kv_transport == "auto"))
         if scales is not None:
             self.pool.scales = scales.values.to(self.device)
             self.pool.scales_source = scales.source

@@ -23,7 +23,7 @@ def test_decode_of_a_remote_prefill_matches_colocated(engines, llm):
     reference = drain(llm.engine)
     params = prefill(p, PROMPTS)
     assert p.stats().num_pages_held == sum(len(v["remote_block_ids"]) for v in params.values())
-    loads = d.stats().num_kv_loads
+    loads, mapped = d.stats().num_kv_loads, d.stats().num_kv_mapped_loads
     for i, prompt in enumerate(PROMPTS):
         d.add_request(prompt, GREEDY, f"d{i}", params[f"p{i}"])
     out = drain(d, p)
@@ -34,6 +34,9 @@ def test_decode_of_a_remote_prefill_matches_colocated(engines, llm):
             [lp.logprob for lp in want.logprobs], abs=1e-5)
         assert [t for t, _ in got.logprobs[0].top] == [t for t, _ in want.logprobs[0].top]
     assert d.stats().num_kv_loads == loads + len(PROMPTS)
+    # the pool maps here (one process, a CPU pool in a memory file) unless NIXL is asked for
+    assert d.stats().num_kv_mapped_loads == mapped + (
+        len(PROMPTS) if d.connector.transfer.copies is not None else 0)
     settle(p, d)
 
 

@@ -125,7 +125,7 @@ def test_a_stalled_read_is_given_up_and_its_pages_freed(engines, monkeypatch):
         deadline = time.monotonic() + 5
         while d.connector.busy and time.monotonic() < deadline:
             d.poll_transfers()
-        assert len(refusals) == 4 and not d.connector.transfer._reads
+        assert len(refusals) == 4 and d.connector.transfer.in_flight("stall") is None
         assert d.stats().num_pages_used == 0 and d.stats().num_pages_held == 0
     finally:
         d.connector.faults = faults.Faults()
@@ -137,6 +137,8 @@ def test_a_prefill_worker_that_died_fails_only_its_requests(engines, monkeypatch
     """NIXL raises for a peer that is gone (a read, a notification): those requests fail alone,
     the engine goes on."""
     p, d = engines
+    if d.connector.transfer.copies is not None:
+        pytest.skip("NIXL's disconnect; a mapped peer that died: test_pd_attacks")
     params = prefill(p, PROMPTS[:2])
     agent = d.connector.transfer.agent
 

@@ -77,7 +77,7 @@ SCRIPT = textwrap.dedent("""
     logging.basicConfig(level=logging.INFO)
 
     p = LLMEngine(config(kv_role="prefill"))
-    d = LLMEngine(config(kv_role="decode", kv_require_fast_path=True))
+    d = LLMEngine(config(kv_role="decode", kv_require_fast_path=True, kv_transport="nixl"))
     params = prefill(p, ["The capital of France is"])["p0"]
     stop = threading.Event()
 
@@ -98,6 +98,15 @@ SCRIPT = textwrap.dedent("""
     assert d.stats().num_kv_slow_routes == 1
     assert not d.has_unfinished_requests() and d.scheduler.kv.num_free == d.worker.pool.num_pages
     print("refused")
+    # the same prefill worker's pool mapped here: a fast route, the hand-off taken
+    m = LLMEngine(config(kv_role="decode", kv_require_fast_path=True))
+    m.add_request("The capital of France is", GREEDY, "m0", params)
+    while m.has_unfinished_requests():
+        m.step()
+        p.poll_transfers()
+    assert m.stats().num_kv_loads == m.stats().num_kv_mapped_loads == 1
+    assert m.stats().num_kv_slow_routes == 0
+    print("mapped")
 """)
 
 
@@ -109,7 +118,8 @@ def test_a_tcp_route_is_reported_and_refused_with_require_fast_path():
     done = subprocess.run([sys.executable, "-c", SCRIPT], cwd=root, env=env, timeout=300,
                           capture_output=True, text=True)
     assert done.returncode == 0 and "refused" in done.stdout, done.stderr[-3000:]
-    assert "go over TCP (tcp)" in done.stderr and "SLOW" in done.stderr
+    assert "go over TCP (tcp), through NIXL" in done.stderr and "SLOW" in done.stderr
+    assert "mapped" in done.stdout and "shared memory (memfd), its pool mapped" in done.stderr
 
 
 def test_a_probe_that_cannot_read_fails_alone_and_the_next_one_works():

@@ -46,6 +46,10 @@ def test_router_outputs_match_colocated(system):
     assert chats(router) == chats(colocated)
     loads = sum(wmetrics(d)["frugal_kv_transfer_loads_total"] for d in system["decode"])
     assert loads >= 2 * len(PROMPTS)
+    # workers of one host: every hand-off copied from the prefill pool mapped into the decode
+    # worker (disagg.direct), none over NIXL
+    assert sum(wmetrics(d)["frugal_kv_transfer_mapped_loads_total"]
+               for d in system["decode"]) == loads
     assert wait_empty(system["prefill"], *system["decode"])
 
 
