@@ -8,6 +8,11 @@ inter-token latency (ITL: the gaps between streamed chunks) and time per output 
 first (TPOT), and the share of prompt tokens the server's prefix cache held (from its /metrics:
 frugal's or vLLM's counters). Works against any server that takes token-id prompts (frugal,
 vLLM, SGLang).
+
+A mixed workload: --long-input-len L --long-rate R sends, while each concurrency's requests
+run, prompts of L random tokens (one output token each) at R a second, evenly spaced: what
+long prompts arriving at a decoding server do to its inter-token latency (the ITL columns are
+the measured requests' alone; the long prompts' TTFT is reported beside them).
 """
 
 from __future__ import annotations
@@ -49,6 +54,9 @@ class ServeResult:
     itl_ms: tuple[float, float, float]
     tpot_ms: tuple[float, float, float]
     prefix_hit_rate: float | None = None  # prompt tokens found in the prefix cache / looked up
+    long_completed: int = 0  # long prompts (--long-input-len) answered while these ran
+    long_failed: int = 0
+    long_ttft_ms: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
 
 def add_serve_parser(sub) -> None:
@@ -65,6 +73,10 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--token-range", default="1000,10000",
                    help="prompt token ids are drawn from [LO, HI)")
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--long-input-len", type=int, default=0,
+                   help="a mixed workload: prompts of this many tokens (1 output token) sent "
+                        "at --long-rate while the measured requests run")
+    s.add_argument("--long-rate", type=float, default=0.0, help="long prompts a second")
     s.add_argument("--output", default=None, help="write results as JSON")
     s.set_defaults(func=run_serve)
 
@@ -101,7 +113,10 @@ async def _one(client, model: str, prompt: list[int], output_len: int) -> Reques
 
 
 async def measure(client, model: str, prompts: list[list[int]], concurrency: int,
-                  output_len: int, bar: tqdm) -> ServeResult:
+                  output_len: int, bar: tqdm, long_prompts: list[list[int]] | None = None,
+                  long_rate: float = 0.0) -> ServeResult:
+    """prompts at most `concurrency` at a time; long_prompts (cycled), one every 1 / long_rate
+    s from the start until the last of prompts has ended, each with one output token."""
     gate = asyncio.Semaphore(concurrency)
 
     async def limited(prompt: list[int]) -> RequestTrace:
@@ -110,9 +125,19 @@ async def measure(client, model: str, prompts: list[list[int]], concurrency: int
             bar.update(1)
             return trace
 
-    start = time.perf_counter()
+    async def arrivals(sent: list[asyncio.Task]) -> None:
+        for i in range(1 << 62):
+            sent.append(asyncio.create_task(_one(client, model,
+                                                 long_prompts[i % len(long_prompts)], 1)))
+            await asyncio.sleep(1.0 / long_rate)
+
+    start, sent = time.perf_counter(), []
+    feeder = asyncio.create_task(arrivals(sent)) if long_prompts else None
     traces = await asyncio.gather(*(limited(p) for p in prompts))
     duration = time.perf_counter() - start
+    if feeder is not None:
+        feeder.cancel()
+    longs = list(await asyncio.gather(*sent))
     ok = [t for t in traces if t.error is None]
     for t in traces:
         if t.error is not None:
@@ -123,7 +148,10 @@ async def measure(client, model: str, prompts: list[list[int]], concurrency: int
         concurrency=concurrency, completed=len(ok), failed=len(traces) - len(ok),
         duration_s=duration, request_s=len(ok) / duration,
         output_tok_s=sum(t.output_tokens for t in ok) / duration,
-        ttft_ms=_stats([t.ttft for t in ok]), itl_ms=_stats(itls), tpot_ms=_stats(tpots))
+        ttft_ms=_stats([t.ttft for t in ok]), itl_ms=_stats(itls), tpot_ms=_stats(tpots),
+        long_completed=sum(t.error is None for t in longs),
+        long_failed=sum(t.error is not None for t in longs),
+        long_ttft_ms=_stats([t.ttft for t in longs if t.error is None]))
 
 
 # (queries, hits) counters of prefix caches, as frugal and vLLM name them in /metrics
@@ -188,6 +216,8 @@ async def _main(args: argparse.Namespace) -> list[ServeResult]:
     prefix = [rng.randrange(lo, hi) for _ in range(args.prefix_len)]
     prompts = [prefix + [rng.randrange(lo, hi) for _ in range(args.input_len)]
                for _ in range(args.num_prompts)]
+    longs = [[rng.randrange(lo, hi) for _ in range(args.long_input_len)] for _ in range(4)
+             ] if args.long_input_len else None
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     results = []
     await _one(client, model, prompts[0], 4)  # warm-up
@@ -195,7 +225,8 @@ async def _main(args: argparse.Namespace) -> list[ServeResult]:
               desc="bench serve") as bar:
         for c in concurrencies:
             before = await asyncio.to_thread(cache_counters, args.url, args.api_key)
-            results.append(await measure(client, model, prompts, c, args.output_len, bar))
+            results.append(await measure(client, model, prompts, c, args.output_len, bar,
+                                         longs, args.long_rate))
             results[-1].prefix_hit_rate = hit_rate(
                 before, await asyncio.to_thread(cache_counters, args.url, args.api_key))
     await client.close()
@@ -217,6 +248,13 @@ def format_table(results: list[ServeResult], args: argparse.Namespace) -> str:
         lines.append(f"| {r.concurrency} | {r.completed} | {r.failed} | {r.request_s:.2f} "
                      f"| {r.output_tok_s:.1f} | {trio(r.ttft_ms)} | {trio(r.itl_ms)} "
                      f"| {trio(r.tpot_ms)} | {hits} |")
+    if args.long_input_len:
+        lines += ["", f"long prompts ({args.long_input_len} in / 1 out, {args.long_rate:g} a "
+                  "second, beside the requests above):", "",
+                  "| concurrency | completed | failed | TTFT mean | median | p99 |",
+                  "|---|---|---|---|---|---|"]
+        lines += [f"| {r.concurrency} | {r.long_completed} | {r.long_failed} "
+                  f"| {trio(r.long_ttft_ms)} |" for r in results]
     lines += ["", "(latencies in ms)", f"command: {command_line()}"]
     return "\n".join(lines)
 
@@ -230,6 +268,8 @@ def run_serve(args: argparse.Namespace) -> int:
             raise ValueError(f"{name}: must be >= 1, got {getattr(args, name)}")
     if args.prefix_len < 0:
         raise ValueError(f"prefix_len: must be >= 0, got {args.prefix_len}")
+    if args.long_input_len < 0 or (args.long_input_len > 0) != (args.long_rate > 0):
+        raise ValueError("long_input_len / long_rate: both > 0 for a mixed workload, or neither")
     if any(int(c) < 1 for c in args.concurrency.split(",")):
         raise ValueError(f"concurrency: each must be >= 1, got {args.concurrency!r}")
     results = asyncio.run(_main(args))
