@@ -124,3 +124,27 @@ def test_cuda_ipc_pages_from_another_process():
     finally:
         here.send("done")
         child.join(10)
+
+
+@pytest.mark.gpu
+def test_a_gpu_pool_whose_process_died_reads_without_a_fault():
+    """The prefill process killed after its pool was mapped: the decode process keeps running
+    (a copy from the mapping neither faults nor hangs), and the liveness check says it ended."""
+    ctx = mp.get_context("spawn")
+    here, there = ctx.Pipe()
+    child = ctx.Process(target=_serve_cuda_pool, args=(there,), daemon=True)
+    child.start()
+    desc, sums = here.recv()
+    pool = KVPool(*SHAPE[:-1], "cuda")
+    remote = mapping.attach(desc, pool.num_bytes, pool.storage.device)
+    child.kill()
+    child.join(10)
+    assert not mapping.alive(desc)
+    copies = direct.Copies(pool)
+    copies.start("dead", [0, 1], remote, [2, 3], lambda: None)
+    deadline = time.monotonic() + 10
+    while not (done := copies.done()) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert done == [("dead", None)]
+    torch.cuda.synchronize()
+    pool.checksums([0, 1])  # (whatever the bytes: the process and its context are intact)
