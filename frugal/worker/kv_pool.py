@@ -47,9 +47,8 @@ class KVPool:
         # never meet a stale NaN.
         self.memfd: int | None = None  # (a shareable CPU pool's memory file)
         if shareable and torch.device(device).type == "cpu":
-            nbytes = dtype.itemsize * num_layers * parts * num_pages * page_size * \
-                num_kv_heads * head_dim
-            self.memfd, memory = host_shared_zeros(nbytes)
+            self.memfd, memory = host_shared_zeros(num_pages * self.page_bytes(
+                num_layers, page_size, num_kv_heads, head_dim, dtype, parts))
             weakref.finalize(self, os.close, self.memfd)
             self._storage = memory.view(dtype).view(shape)
         else:
