@@ -95,7 +95,8 @@ class CacheConfig:
     scale (nothing calibrated); fp8_v keeps K in the activation dtype and V as such FP8 rows.
     Any quantized format is checked at start-up against a cache in the activation dtype (KL of
     the next-token distribution on built-in texts, worker.kv_check); kv_cache_max_kl refuses
-    to start above that KL.
+    to start above that KL; kv_cache_check False skips the check (a deployment that measured
+    its model and format already).
 
     kv_integrity: before every step, check on the device that each request's pages still carry
     the tags they had when it got them, and abort only the requests whose pages do not.
@@ -111,6 +112,7 @@ class CacheConfig:
     kv_scales_path: str | None = None
     calibration_file: str | None = None
     kv_cache_max_kl: float | None = None
+    kv_cache_check: bool = True
     kv_integrity: bool = True
     enable_prefix_caching: bool = True
 
@@ -131,6 +133,8 @@ class CacheConfig:
                 self.quantized and self.kv_cache_max_kl >= 0):
             raise ValueError("kv_cache_max_kl: a KL >= 0, with a quantized kv_cache_dtype "
                              f"({', '.join(KV_FORMATS)})")
+        if self.kv_cache_max_kl is not None and not self.kv_cache_check:
+            raise ValueError("kv_cache_max_kl: needs the start-up check (kv_cache_check)")
         if not self.fp8 and (self.kv_scales_path or self.calibration_file):
             raise ValueError("kv_scales_path / calibration_file: only with kv_cache_dtype "
                              "fp8_e4m3")

@@ -60,7 +60,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-max-kl", type=float, default=None,
                    help="refuse to start when the quantized KV cache moves the next-token "
                         "distribution of built-in texts by more than this mean KL (the "
-                        "start-up check always logs it)")
+                        "start-up check logs it)")
+    g.add_argument("--kv-cache-check", default="on", choices=["on", "off"],
+                   help="the start-up check of a quantized KV cache (off: skip it, for a "
+                        "model and format measured already)")
     g.add_argument("--kv-scales-path", default=None,
                    help="FP8 KV scales from `frugal calibrate-kv` (default: the checkpoint's, "
                         "else calibrated at start-up)")
@@ -97,6 +100,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                           kv_scales_path=args.kv_scales_path,
                           calibration_file=args.calibration_file,
                           kv_cache_max_kl=args.kv_cache_max_kl,
+                          kv_cache_check=args.kv_cache_check == "on",
                           kv_integrity=args.kv_integrity == "on",
                           enable_prefix_caching=args.enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,

@@ -122,10 +122,10 @@ class Worker:
                                  checkpoint.tokenizer)
 
     def check_kv_cache(self, checkpoint: Checkpoint, scales: KVScales | None) -> KVCheck | None:
-        """Quantized caches only: how far the format moves the next-token distribution (see
-        worker.kv_check; raises ValueError above --kv-cache-max-kl)."""
+        """Quantized caches only, unless skipped: how far the format moves the next-token
+        distribution (see worker.kv_check; raises ValueError above --kv-cache-max-kl)."""
         cache = self.config.cache
-        if not cache.quantized:
+        if not cache.quantized or not cache.kv_cache_check:
             return None
         return kv_check.check(self.runner, self.kv_spec, checkpoint.tokenizer,
                               None if scales is None else scales.values, cache.kv_cache_max_kl)

@@ -23,6 +23,8 @@ def test_config_names_formats_and_checks_the_kl_bound():
         CacheConfig(kv_cache_max_kl=0.01)  # a bf16 cache has nothing to check
     with pytest.raises(ValueError, match="kv_cache_max_kl"):
         CacheConfig(kv_cache_dtype="fp8_v", kv_cache_max_kl=-1.0)
+    with pytest.raises(ValueError, match="kv_cache_max_kl: needs the start-up check"):
+        CacheConfig(kv_cache_dtype="fp8_v", kv_cache_max_kl=0.01, kv_cache_check=False)
 
 
 def llama(head_dim: int = 128, mla: bool = False) -> ModelConfig:
@@ -112,3 +114,7 @@ def test_startup_check_measures_warns_and_refuses(caplog):
     with pytest.raises(ValueError, match="kv_cache_max_kl: int8_per_token_head: mean KL"):
         LLM(device="cpu", kv_cache_dtype="int8_per_token_head", kv_cache_memory="64MiB",
             kv_cache_max_kl=1e-6)
+    skipped = LLM(device="cpu", kv_cache_dtype="int8_per_token_head", kv_cache_memory="64MiB",
+                  kv_cache_check=False)
+    assert skipped.engine.worker.kv_check is None
+    assert skipped.engine.stats().kv_check_kl is None
