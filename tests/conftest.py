@@ -32,8 +32,10 @@ def llm() -> LLM:
 
 @pytest.fixture(scope="session")
 def fp8_llm() -> LLM:
-    """The default model with an FP8 cache, scales calibrated at start-up."""
-    return LLM(dtype="float32", device="cpu", kv_cache_memory="256MiB", kv_cache_dtype="fp8")
+    """The default model with an FP8 cache, scales calibrated at start-up (the start-up check
+    skipped: tests/engine/test_kv_formats.py)."""
+    return LLM(dtype="float32", device="cpu", kv_cache_memory="256MiB", kv_cache_dtype="fp8",
+               kv_cache_check=False)
 
 
 @pytest.fixture(scope="session")

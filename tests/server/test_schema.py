@@ -16,7 +16,7 @@ pytest.importorskip("schemathesis")
 
 def test_schemathesis_finds_no_server_error_and_no_undocumented_answer(tmp_path):
     s = start_server(tmp_path / "serve.log", "--dtype", "float32", "--kv-cache-memory", "64MiB",
-                     "--max-model-len", "64", "--log-level", "WARNING")
+                     "--max-model-len", "32", "--log-level", "WARNING")
     try:
         status, schema = s.request("GET", "/openapi.json")
         assert status == 200
@@ -29,7 +29,7 @@ def test_schemathesis_finds_no_server_error_and_no_undocumented_answer(tmp_path)
             [sys.executable, "-c", "from schemathesis.cli import schemathesis; schemathesis()",
              "run", s.url + "/openapi.json", "--max-examples", "20", "--seed", "1",
              "--exclude-checks", "positive_data_acceptance", "--no-color",
-             "--request-timeout", "60"],  # (a generation to the 64-token context on 2 busy cores)
+             "--request-timeout", "60"],  # (a generation to the 32-token context on 2 busy cores)
             capture_output=True, text=True, timeout=1200, cwd=tmp_path)
         assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
         assert "passed" in r.stdout and "failures" not in r.stdout.split("SUMMARY")[-1]
