@@ -32,8 +32,9 @@ def test_small_multiple_choice_run_is_sane_and_deterministic(llm, items):
     assert [s.pred for s in first] == [s.pred for s in again]
     # the same batches over the same prefix cache: bit-identical (a first run, its prompts not
     # cached yet, computes them in other chunks, so it agrees only up to rounding)
-    third = mc.score_items(items, tok, mc.engine_scorer(llm), batch=16)
-    assert third == mc.score_items(items, tok, mc.engine_scorer(llm), batch=16)
+    some = items[:8] + items[20:28]
+    third = mc.score_items(some, tok, mc.engine_scorer(llm), batch=16)
+    assert third == mc.score_items(some, tok, mc.engine_scorer(llm), batch=16)
 
 
 def test_engine_scores_equal_transformers(llm, hf, items):
