@@ -10,6 +10,8 @@ torch's copy of the same pages within the decode pool (index_copy). --processes 
 default) puts the prefill pool in a second process, as deployed (CUDA IPC maps only another
 process's memory). First each transfer's probe says which route it takes (disagg.probe).
 Prints a table and the command; --json writes its rows (model, tokens, transport, gb_per_s).
+Without NIXL installed, the mapped copy alone (mapping.attach + direct.Copies, as the decode
+worker runs it; no probe) beside the device copy.
    python benchmarks/pd_transfer.py --device cuda --layers 32 --kv-heads 8 --head-dim 128
 """
 
@@ -24,7 +26,8 @@ import time
 
 import torch
 
-from frugal.disagg.nixl import NixlTransfer
+from frugal.disagg import direct, mapping
+from frugal.disagg.nixl import NixlTransfer, import_nixl
 from frugal.worker.kv_pool import KVPool
 
 
@@ -51,7 +54,11 @@ def main() -> None:
     shape = (args.layers, num_pages, args.page_size, args.kv_heads, args.head_dim,
              getattr(torch, args.dtype), args.device, args.parts)
     decode_pool = KVPool(*shape)
-    transfers = {"NIXL": NixlTransfer(decode_pool, "bench-decode", mapped=False),
+    try:
+        import_nixl()
+    except RuntimeError:
+        return _mapped_only(args, shape, lengths, decode_pool)
+    transfers = {"NIXL": NixlTransfer(decode_pool, "bench-decode", map_peers=False),
                  "mapped": NixlTransfer(decode_pool, "bench-decode-mapped")}
     if args.processes == 1:
         prefill_pool = KVPool(*shape, shareable=True)
@@ -76,7 +83,7 @@ def main() -> None:
     routes = {}
     for name, transfer in list(transfers.items()):
         transfer.connect(meta, "local")
-        if name == "mapped" and transfer._remotes["bench-prefill"].mapped is None:
+        if name == "mapped" and not transfer.maps("bench-prefill"):
             del transfers[name]
             print("the prefill pool does not map here (CUDA IPC maps another process's "
                   "memory: --processes 2); NIXL alone")
@@ -92,11 +99,7 @@ def main() -> None:
     print("|---|---|" + "---|---|" * len(names) + "---|---|")
     rows = []
     for n in lengths:
-        count = -(-n // args.page_size)
-        if args.pages == "scattered":
-            src, dst = list(range(1, 2 * count, 2)), list(range(0, 2 * count, 2))
-        else:
-            src, dst = list(range(count)), list(range(count, 2 * count))
+        src, dst, count = _pages(args, n)
         nbytes = count * decode_pool.chunk_bytes * args.layers * args.parts
         times, ok = {name: [] for name in names}, True
         want = remote_sums(src)
@@ -111,16 +114,8 @@ def main() -> None:
                 _sync(args.device)
                 times[name].append(time.perf_counter() - start)
                 ok = ok and decode_pool.checksums(dst) == want
-        copies = []
-        s, d = (torch.tensor(x, device=args.device) for x in (src, dst))
-        for _ in range(args.repeats + 1):
-            _sync(args.device)
-            start = time.perf_counter()
-            decode_pool.storage.index_copy_(2, d, decode_pool.storage.index_select(2, s))
-            _sync(args.device)
-            copies.append(time.perf_counter() - start)
         took = {name: statistics.median(t[1:]) for name, t in times.items()}
-        copy = statistics.median(copies[1:])
+        copy = _device_copy(args, decode_pool, src, dst)
         print(f"| {n} | {nbytes / 2**20:.1f} | " + " | ".join(
             f"{took[x] * 1e3:.2f} | {nbytes / took[x] / 1e9:.1f}" for x in names)
             + f" | {nbytes / copy / 1e9:.1f} | {ok} |")
@@ -131,11 +126,92 @@ def main() -> None:
                   "checksums_equal": ok} for x in names]
         rows.append({"model": args.model, "tokens": n, "transport": "device copy",
                      "gb_per_s": nbytes / copy / 1e9})
+    _write(args, {x: r.describe() for x, r in routes.items()}, rows)
+
+
+def _pages(args, n: int) -> tuple[list[int], list[int], int]:
+    """(source pages, destination pages, bytes) of an n-token prompt."""
+    count = -(-n // args.page_size)
+    if args.pages == "scattered":
+        return list(range(1, 2 * count, 2)), list(range(0, 2 * count, 2)), count
+    return list(range(count)), list(range(count, 2 * count)), count
+
+
+def _device_copy(args, pool: KVPool, src: list[int], dst: list[int]) -> float:
+    """Median seconds of torch's copy of src pages to dst pages within pool."""
+    copies = []
+    s, d = (torch.tensor(x, device=args.device) for x in (src, dst))
+    for _ in range(args.repeats + 1):
+        _sync(args.device)
+        start = time.perf_counter()
+        pool.storage.index_copy_(2, d, pool.storage.index_select(2, s))
+        _sync(args.device)
+        copies.append(time.perf_counter() - start)
+    return statistics.median(copies[1:])
+
+
+def _mapped_only(args, shape, lengths: list[int], decode_pool: KVPool) -> None:
+    """No NIXL here: the prefill pool (a second process) mapped and copied from as the decode
+    worker does (direct.Copies), beside the device copy."""
+    here, there = mp.get_context("spawn").Pipe()
+    child = mp.get_context("spawn").Process(target=_serve_mapped, args=(shape, there),
+                                            daemon=True)
+    child.start()
+    desc = here.recv()
+    remote = mapping.attach(desc, decode_pool.num_bytes, decode_pool.storage.device)
+    copies = direct.Copies(decode_pool)
+    print(f"$ python {' '.join(sys.argv)}\nNIXL is not installed: the mapped copy alone")
+    print("\n| tokens | MiB | mapped ms | mapped GB/s | device copy GB/s | checksums equal |")
+    print("|---|---|---|---|---|---|")
+    rows = []
+    for n in lengths:
+        src, dst, count = _pages(args, n)
+        nbytes = count * decode_pool.chunk_bytes * args.layers * args.parts
+        here.send(src)
+        want, times, ok = here.recv(), [], True
+        for r in range(args.repeats + 1):
+            decode_pool.storage.zero_()
+            _sync(args.device)
+            start = time.perf_counter()
+            copies.start(f"r{n}-{r}", dst, remote, src, lambda: None)
+            while not copies.done():
+                pass
+            _sync(args.device)
+            times.append(time.perf_counter() - start)
+            ok = ok and decode_pool.checksums(dst) == want
+        took, copy = statistics.median(times[1:]), _device_copy(args, decode_pool, src, dst)
+        print(f"| {n} | {nbytes / 2**20:.1f} | {took * 1e3:.2f} | {nbytes / took / 1e9:.1f} | "
+              f"{nbytes / copy / 1e9:.1f} | {ok} |")
+        rows += [{"model": args.model, "tokens": n, "transport": "mapped: "
+                  + ("cuda_ipc" if args.device.startswith("cuda") else "memfd"),
+                  "gb_per_s": nbytes / took / 1e9, "checksums_equal": ok},
+                 {"model": args.model, "tokens": n, "transport": "device copy",
+                  "gb_per_s": nbytes / copy / 1e9}]
+    here.close()
+    child.join(10)
+    _write(args, {"mapped": "the prefill pool mapped here (no probe: NIXL not installed)"},
+           rows)
+
+
+def _serve_mapped(shape, pipe) -> None:
+    """The prefill side without NIXL: a random pool described for mapping, then its checksums
+    on request."""
+    pool = KVPool(*shape, shareable=True)
+    pool.storage.view(torch.uint8).random_()
+    _sync(shape[6])
+    pipe.send(mapping.describe(pool.storage, pool.memfd))
+    try:
+        while True:
+            pipe.send(pool.checksums(pipe.recv()))
+    except EOFError:
+        return
+
+
+def _write(args, routes: dict, rows: list[dict]) -> None:
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"command": " ".join(sys.argv),
-                       "routes": {x: r.describe() for x, r in routes.items()}, "rows": rows},
-                      f, indent=1)
+            json.dump({"command": " ".join(sys.argv), "routes": routes, "rows": rows}, f,
+                      indent=1)
 
 
 def _serve_pool(shape, pipe) -> None:

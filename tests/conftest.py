@@ -9,6 +9,52 @@ import torch
 if not torch.cuda.is_available():  # Triton kernels run in its interpreter on CPU (tiny shapes)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+
+def _patch_triton_language_once_per_launch() -> None:
+    """Triton's interpreter patches triton.language at each kernel launch (undone after it) and
+    again at every call of a @triton.jit helper inside the kernel, for every program: a walk
+    over the language modules with inspect.getmembers each time (a third to two fifths of an
+    interpreted model test). Inside a launch, a helper whose language modules (triton.language,
+    triton.language.core: those its globals name) are patched already skips the walk. Only
+    where the interpreter has the shape this was written against (triton 3.6-3.7): otherwise
+    nothing changes."""
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    patch = getattr(interpreter, "_patch_lang", None)
+    executor = getattr(interpreter, "GridExecutor", None)
+    scope = getattr(interpreter, "_LangPatchScope", None)
+    if patch is None or executor is None or scope is None:
+        return
+    launch = executor.__call__
+    state = {"launching": False, "patched": frozenset()}
+
+    def patch_once(fn):
+        langs = frozenset(id(v) for v in fn.__globals__.values() if v is tl or v is tl.core)
+        if state["launching"] and langs <= state["patched"]:
+            return scope()
+        result = patch(fn)
+        if state["launching"]:
+            state["patched"] = state["patched"] | langs
+        return result
+
+    def launch_patching_once(self, *args, **kwargs):
+        outer = dict(state)
+        state.update(launching=True, patched=frozenset())
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            state.update(outer)
+
+    interpreter._patch_lang = patch_once
+    interpreter.GridExecutor.__call__ = launch_patching_once
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _patch_triton_language_once_per_launch()
+
 import pytest  # noqa: E402
 
 from frugal import LLM  # noqa: E402
