@@ -25,6 +25,8 @@ import warnings
 
 import torch
 
+from frugal.disagg.layout import meta_int
+
 logger = logging.getLogger("frugal")
 
 IPC_REF_COUNTERS = 10000  # int64 counters in one of torch's CUDA IPC reference-counter files
@@ -97,10 +99,11 @@ def describe(memory: torch.Tensor, memfd: int | None) -> dict | None:
 
 
 def _int(desc: dict, name: str, high: int = 1 << 63) -> int:
-    value = desc.get(name)
-    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < high:
-        raise Unmappable(f"its description's {name} is not an integer in [0, {high})")
-    return value
+    """layout.meta_int's check, failing as Unmappable (the peer stays on NIXL)."""
+    try:
+        return meta_int(desc, name, 0, high)
+    except ValueError:
+        raise Unmappable(f"its description's {name} is not an integer in [0, {high})") from None
 
 
 def _bytes(desc: dict, name: str, sizes: range) -> bytes:
