@@ -71,6 +71,7 @@ def main() -> None:
         child = mp.get_context("spawn").Process(target=_serve_pool, args=(shape, there),
                                                 daemon=True)
         child.start()
+        there.close()  # (a child that dies before it answers: EOFError here, not a hang)
         meta = here.recv()
 
         def remote_sums(pages):
@@ -157,6 +158,7 @@ def _mapped_only(args, shape, lengths: list[int], decode_pool: KVPool) -> None:
     child = mp.get_context("spawn").Process(target=_serve_mapped, args=(shape, there),
                                             daemon=True)
     child.start()
+    there.close()
     desc = here.recv()
     remote = mapping.attach(desc, decode_pool.num_bytes, decode_pool.storage.device)
     copies = direct.Copies(decode_pool)
@@ -174,8 +176,10 @@ def _mapped_only(args, shape, lengths: list[int], decode_pool: KVPool) -> None:
             _sync(args.device)
             start = time.perf_counter()
             copies.start(f"r{n}-{r}", dst, remote, src, lambda: None)
-            while not copies.done():
+            while not (ended := copies.done()):
                 pass
+            if ended[0][1] is not None:
+                raise RuntimeError(f"the mapped copy failed: {ended[0][1]}")
             _sync(args.device)
             times.append(time.perf_counter() - start)
             ok = ok and decode_pool.checksums(dst) == want
@@ -187,6 +191,8 @@ def _mapped_only(args, shape, lengths: list[int], decode_pool: KVPool) -> None:
                   "gb_per_s": nbytes / took / 1e9, "checksums_equal": ok},
                  {"model": args.model, "tokens": n, "transport": "device copy",
                   "gb_per_s": nbytes / copy / 1e9}]
+    del remote, copies  # (the mapping let go before its owner ends)
+    _sync(args.device)
     here.close()
     child.join(10)
     _write(args, {"mapped": "the prefill pool mapped here (no probe: NIXL not installed)"},

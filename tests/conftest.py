@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 
 import torch
 
@@ -19,9 +20,12 @@ def _patch_triton_language_once_per_launch() -> None:
     where the interpreter has the shape this was written against (triton 3.6-3.7): otherwise
     nothing changes."""
     try:
+        import triton
         import triton.language as tl
         from triton.runtime import interpreter
     except ImportError:
+        return
+    if not triton.__version__.startswith(("3.6.", "3.7.")):
         return
     patch = getattr(interpreter, "_patch_lang", None)
     executor = getattr(interpreter, "GridExecutor", None)
@@ -29,24 +33,25 @@ def _patch_triton_language_once_per_launch() -> None:
     if patch is None or executor is None or scope is None:
         return
     launch = executor.__call__
-    state = {"launching": False, "patched": frozenset()}
+    state = threading.local()  # (per thread: launching, and the modules patched in it)
 
     def patch_once(fn):
         langs = frozenset(id(v) for v in fn.__globals__.values() if v is tl or v is tl.core)
-        if state["launching"] and langs <= state["patched"]:
+        launching = getattr(state, "launching", False)
+        if launching and langs <= state.patched:
             return scope()
         result = patch(fn)
-        if state["launching"]:
-            state["patched"] = state["patched"] | langs
+        if launching:
+            state.patched = state.patched | langs
         return result
 
     def launch_patching_once(self, *args, **kwargs):
-        outer = dict(state)
-        state.update(launching=True, patched=frozenset())
+        outer = getattr(state, "launching", False), getattr(state, "patched", frozenset())
+        state.launching, state.patched = True, frozenset()
         try:
             return launch(self, *args, **kwargs)
         finally:
-            state.update(outer)
+            state.launching, state.patched = outer
 
     interpreter._patch_lang = patch_once
     interpreter.GridExecutor.__call__ = launch_patching_once
