@@ -56,11 +56,10 @@ def main() -> None:
     decode_pool = KVPool(*shape)
     try:
         import_nixl()
+        nixl = True
     except RuntimeError:
-        return _mapped_only(args, shape, lengths, decode_pool)
-    transfers = {"NIXL": NixlTransfer(decode_pool, "bench-decode", map_peers=False),
-                 "mapped": NixlTransfer(decode_pool, "bench-decode-mapped")}
-    if args.processes == 1:
+        nixl = False
+    if args.processes == 1 and nixl:
         prefill_pool = KVPool(*shape, shareable=True)
         prefill_pool.storage.view(torch.uint8).random_()
         prefill = NixlTransfer(prefill_pool, "bench-prefill")
@@ -68,7 +67,7 @@ def main() -> None:
             prefill.notifications
     else:
         here, there = mp.get_context("spawn").Pipe()
-        child = mp.get_context("spawn").Process(target=_serve_pool, args=(shape, there),
+        child = mp.get_context("spawn").Process(target=_serve_pool, args=(shape, there, nixl),
                                                 daemon=True)
         child.start()
         there.close()  # (a child that dies before it answers: EOFError here, not a hang)
@@ -81,20 +80,13 @@ def main() -> None:
         def progress():
             return None
     print(f"$ python {' '.join(sys.argv)}")
-    routes = {}
-    for name, transfer in list(transfers.items()):
-        transfer.connect(meta, "local")
-        if name == "mapped" and not transfer.maps("bench-prefill"):
-            del transfers[name]
-            print("the prefill pool does not map here (CUDA IPC maps another process's "
-                  "memory: --processes 2); NIXL alone")
-            continue
-        transfer.start_probe("bench-prefill", "local")
-        while (route := transfer.prober.result(30.0)) is None:
-            progress()
-        routes[name] = route
-        print(route.describe() + (" (slow)" if route.slow else ""))
-    names = list(transfers)
+    if nixl:
+        movers, routes = _nixl_movers(decode_pool, meta, progress)
+    else:
+        print("NIXL is not installed: the mapped copy alone (no probe)")
+        movers, routes = _mapped_mover(decode_pool, meta, args.device), {
+            "mapped": "the prefill pool mapped here (no probe: NIXL not installed)"}
+    names = list(movers)
     print("\n| tokens | MiB | " + " | ".join(f"{n} ms | {n} GB/s" for n in names)
           + " | device copy GB/s | checksums equal |")
     print("|---|---|" + "---|---|" * len(names) + "---|---|")
@@ -104,13 +96,13 @@ def main() -> None:
         nbytes = count * decode_pool.chunk_bytes * args.layers * args.parts
         times, ok = {name: [] for name in names}, True
         want = remote_sums(src)
-        for name, transfer in transfers.items():
+        for name, (start_move, finished, _) in movers.items():
             for r in range(args.repeats + 1):
                 decode_pool.storage.zero_()
                 _sync(args.device)
                 start = time.perf_counter()
-                transfer.read(f"r{n}-{r}", dst, "bench-prefill", src, b"done")
-                while not transfer.done():
+                start_move(f"r{n}-{r}", dst, src)
+                while not finished():
                     progress()
                 _sync(args.device)
                 times[name].append(time.perf_counter() - start)
@@ -121,17 +113,63 @@ def main() -> None:
             f"{took[x] * 1e3:.2f} | {nbytes / took[x] / 1e9:.1f}" for x in names)
             + f" | {nbytes / copy / 1e9:.1f} | {ok} |")
         rows += [{"model": args.model, "tokens": n, "gb_per_s": nbytes / took[x] / 1e9,
-                  "transport": ("NIXL: " if x == "NIXL" else "mapped: ") + routes[x].kind
-                  + (f" ({', '.join(sorted(routes[x].transports))})"
-                     if routes[x].transports else ""),
-                  "checksums_equal": ok} for x in names]
+                  "transport": movers[x][2], "checksums_equal": ok} for x in names]
         rows.append({"model": args.model, "tokens": n, "transport": "device copy",
                      "gb_per_s": nbytes / copy / 1e9})
-    _write(args, {x: r.describe() for x, r in routes.items()}, rows)
+    movers.clear()  # (a mapping let go before the prefill process ends)
+    _sync(args.device)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"command": " ".join(sys.argv), "routes": routes, "rows": rows}, f,
+                      indent=1)
+
+
+def _nixl_movers(pool: KVPool, meta: dict, progress) -> tuple[dict, dict]:
+    """{name: (start(key, dst, src), finished(), label)} of a NIXL read and of a read through
+    the prefill pool mapped here (where it maps), and each one's route as its probe found it."""
+    transfers = {"NIXL": NixlTransfer(pool, "bench-decode", map_peers=False),
+                 "mapped": NixlTransfer(pool, "bench-decode-mapped")}
+    movers, routes = {}, {}
+    for name, transfer in transfers.items():
+        transfer.connect(meta, "local")
+        if name == "mapped" and not transfer.maps("bench-prefill"):
+            print("the prefill pool does not map here (CUDA IPC maps another process's "
+                  "memory: --processes 2); NIXL alone")
+            continue
+        transfer.start_probe("bench-prefill", "local")
+        while (route := transfer.prober.result(30.0)) is None:
+            progress()
+        print(route.describe() + (" (slow)" if route.slow else ""))
+        routes[name] = route.describe()
+        label = f"{name}: {route.kind}" + (f" ({', '.join(sorted(route.transports))})"
+                                           if route.transports else "")
+        movers[name] = (lambda key, dst, src, t=transfer: t.read(key, dst, "bench-prefill",
+                                                                 src, b"done"),
+                        transfer.done, label)
+    return movers, routes
+
+
+def _mapped_mover(pool: KVPool, desc: dict, device: str) -> dict:
+    """{"mapped": (start, finished, label)}: the prefill pool (described by mapping.describe)
+    mapped here and copied from as the decode worker does (direct.Copies); a failed copy
+    raises."""
+    remote = mapping.attach(desc, pool.num_bytes, pool.storage.device)
+    copies = direct.Copies(pool)
+
+    def finished() -> bool:
+        ended = copies.done()
+        for _, error in ended:
+            if error is not None:
+                raise RuntimeError(f"the mapped copy failed: {error}")
+        return bool(ended)
+
+    label = "mapped: " + ("cuda_ipc" if device.startswith("cuda") else "memfd")
+    return {"mapped": (lambda key, dst, src: copies.start(key, dst, remote, src, lambda: None),
+                       finished, label)}
 
 
 def _pages(args, n: int) -> tuple[list[int], list[int], int]:
-    """(source pages, destination pages, bytes) of an n-token prompt."""
+    """(source pages, destination pages, how many) of an n-token prompt."""
     count = -(-n // args.page_size)
     if args.pages == "scattered":
         return list(range(1, 2 * count, 2)), list(range(0, 2 * count, 2)), count
@@ -151,85 +189,19 @@ def _device_copy(args, pool: KVPool, src: list[int], dst: list[int]) -> float:
     return statistics.median(copies[1:])
 
 
-def _mapped_only(args, shape, lengths: list[int], decode_pool: KVPool) -> None:
-    """No NIXL here: the prefill pool (a second process) mapped and copied from as the decode
-    worker does (direct.Copies), beside the device copy."""
-    here, there = mp.get_context("spawn").Pipe()
-    child = mp.get_context("spawn").Process(target=_serve_mapped, args=(shape, there),
-                                            daemon=True)
-    child.start()
-    there.close()
-    desc = here.recv()
-    remote = mapping.attach(desc, decode_pool.num_bytes, decode_pool.storage.device)
-    copies = direct.Copies(decode_pool)
-    print(f"$ python {' '.join(sys.argv)}\nNIXL is not installed: the mapped copy alone")
-    print("\n| tokens | MiB | mapped ms | mapped GB/s | device copy GB/s | checksums equal |")
-    print("|---|---|---|---|---|---|")
-    rows = []
-    for n in lengths:
-        src, dst, count = _pages(args, n)
-        nbytes = count * decode_pool.chunk_bytes * args.layers * args.parts
-        here.send(src)
-        want, times, ok = here.recv(), [], True
-        for r in range(args.repeats + 1):
-            decode_pool.storage.zero_()
-            _sync(args.device)
-            start = time.perf_counter()
-            copies.start(f"r{n}-{r}", dst, remote, src, lambda: None)
-            while not (ended := copies.done()):
-                pass
-            if ended[0][1] is not None:
-                raise RuntimeError(f"the mapped copy failed: {ended[0][1]}")
-            _sync(args.device)
-            times.append(time.perf_counter() - start)
-            ok = ok and decode_pool.checksums(dst) == want
-        took, copy = statistics.median(times[1:]), _device_copy(args, decode_pool, src, dst)
-        print(f"| {n} | {nbytes / 2**20:.1f} | {took * 1e3:.2f} | {nbytes / took / 1e9:.1f} | "
-              f"{nbytes / copy / 1e9:.1f} | {ok} |")
-        rows += [{"model": args.model, "tokens": n, "transport": "mapped: "
-                  + ("cuda_ipc" if args.device.startswith("cuda") else "memfd"),
-                  "gb_per_s": nbytes / took / 1e9, "checksums_equal": ok},
-                 {"model": args.model, "tokens": n, "transport": "device copy",
-                  "gb_per_s": nbytes / copy / 1e9}]
-    del remote, copies  # (the mapping let go before its owner ends)
-    _sync(args.device)
-    here.close()
-    child.join(10)
-    _write(args, {"mapped": "the prefill pool mapped here (no probe: NIXL not installed)"},
-           rows)
-
-
-def _serve_mapped(shape, pipe) -> None:
-    """The prefill side without NIXL: a random pool described for mapping, then its checksums
-    on request."""
+def _serve_pool(shape, pipe, nixl: bool) -> None:
+    """The prefill side in its own process: a random pool, its NIXL metadata (else its
+    mapping.describe) sent, then its checksums on request while its agent is polled (a NIXL
+    read needs this side's progress)."""
     pool = KVPool(*shape, shareable=True)
     pool.storage.view(torch.uint8).random_()
     _sync(shape[6])
-    pipe.send(mapping.describe(pool.storage, pool.memfd))
+    transfer = NixlTransfer(pool, "bench-prefill") if nixl else None
+    pipe.send(transfer.metadata() if nixl else mapping.describe(pool.storage, pool.memfd))
     try:
         while True:
-            pipe.send(pool.checksums(pipe.recv()))
-    except EOFError:
-        return
-
-
-def _write(args, routes: dict, rows: list[dict]) -> None:
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"command": " ".join(sys.argv), "routes": routes, "rows": rows}, f,
-                      indent=1)
-
-
-def _serve_pool(shape, pipe) -> None:
-    """The prefill side in its own process: a random pool, its metadata sent, then its
-    checksums on request while its agent is polled (a NIXL read needs this side's progress)."""
-    pool = KVPool(*shape, shareable=True)
-    pool.storage.view(torch.uint8).random_()
-    transfer = NixlTransfer(pool, "bench-prefill")
-    pipe.send(transfer.metadata())
-    try:
-        while True:
-            transfer.notifications()
+            if transfer is not None:
+                transfer.notifications()
             if pipe.poll(0.0005):
                 pipe.send(pool.checksums(pipe.recv()))
     except EOFError:  # the measuring side is done
