@@ -1,5 +1,6 @@
 """The radix top-k (ops.triton.topk) against torch.topk on fresh random rows: several programs a
-row, rows with fewer finite scores than k (and none), ties at the threshold, negative scores."""
+row, rows with fewer finite scores than k (and none), ties at the threshold, negative scores,
+scores so close that only a key's lowest bytes tell them apart."""
 
 import pytest
 import torch
@@ -17,11 +18,25 @@ def chosen_values(scores, positions):
 @pytest.mark.parametrize("rows,n,k,masked,ties", [
     (1, 50, 16, 0.0, False), (3, 5000, 100, 0.0, False), (2, 4100, 33, 0.5, False),
     (3, 3000, 64, 0.99, False), (2, 3000, 500, 0.0, True), (1, 2048, 2048, 0.0, False),
-    (2, 70, 70, 1.0, False)])
+    (2, 70, 70, 1.0, False), (2, 2500, 300, 0.0, "close")])
 def test_top_positions(rows, n, k, masked, ties):
+    check(rows, n, k, masked, ties)
+
+
+@pytest.mark.parametrize("size", [512, 1024, 2048])
+def test_every_program_size(size, monkeypatch):
+    """Each size block() picks (by the step's scores), on rows that span several programs."""
+    monkeypatch.setattr(tri, "block", lambda scores: size)
+    check(3, 5000, 100, 0.1, False)
+    check(2, 3000, 500, 0.0, True)
+
+
+def check(rows, n, k, masked, ties):
     g = torch.Generator().manual_seed(n + k)
     scores = torch.randn(rows, n, generator=g) * 5
-    if ties:
+    if ties == "close":  # one exponent, the top mantissa bits equal: the last bytes decide
+        scores = 1.5 + torch.randn(rows, n, generator=g) * 1e-5  # (and fp32 makes ties)
+    elif ties:
         scores = scores.round()
     scores[torch.rand(rows, n, generator=g) < masked] = float("-inf")
     got = tri.top_positions(scores.to(DEVICE), k).cpu()
