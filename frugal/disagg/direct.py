@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from frugal import ops
@@ -106,9 +107,9 @@ class Copies:
         device = self._local.device
         if self._cuda:
             self._stream.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(self._stream):
-                d, s = (torch.tensor(p, dtype=torch.int64, device=device)
-                        for p in (local_pages, remote_pages))
+            with torch.cuda.stream(self._stream):  # (one host copy: lists convert slowly)
+                d, s = torch.from_numpy(np.array([local_pages, remote_pages], dtype=np.int64)
+                                        ).to(device)
                 self._copy(self._local, d, src, s)
                 event = torch.cuda.Event()
                 event.record(self._stream)
