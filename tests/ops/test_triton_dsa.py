@@ -56,6 +56,23 @@ def test_index_topk_matches_torch_ref(lens, new, topk, radix, monkeypatch):
         assert len(set(chosen)) == len(chosen)
 
 
+@pytest.mark.parametrize("lens,radix", [([100, 90, 80], True), ([60, 50, 40], False),
+                                        ([100, 90, 80, 70], False)])
+def test_index_topk_takes_the_radix_within_its_range(lens, radix, monkeypatch):
+    """Rows of RADIX_MIN positions or more, while the step holds at most RADIX_MAX scores."""
+    calls, real = [], tri.top_positions
+    monkeypatch.setattr(tri, "top_positions", lambda s, k: calls.append(s.shape) or real(s, k))
+    monkeypatch.setattr(tri, "RADIX_MIN", 64)
+    monkeypatch.setattr(tri, "RADIX_MAX", 300)
+    g, cache, table, cu, seq_lens = batch(lens, [1] * len(lens), 24 + 16)
+    q, w = torch.randn(len(lens), 16, 16, generator=g), torch.randn(len(lens), 16, generator=g)
+    got = tri.index_topk(*to(DEVICE, q, w), cache.to(DEVICE)[..., 24:],
+                         *to(DEVICE, table, cu, seq_lens), 8, max(lens))
+    ref = torch_ref.index_topk(q, w, cache[..., 24:], table, cu, seq_lens, 8, max(lens))
+    assert torch.equal(got.cpu().sort(-1).values, ref.sort(-1).values)
+    assert calls == ([(len(lens), max(lens))] if radix else [])
+
+
 def test_index_scores_match_the_formula():
     """(rows 6 and 7: a padded step's tokens of no request, which see no position)"""
     heads, dim = 16, 32

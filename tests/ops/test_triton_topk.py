@@ -31,6 +31,15 @@ def test_every_program_size(size, monkeypatch):
     check(2, 3000, 500, 0.0, True)
 
 
+def test_bad_calls():
+    scores = torch.zeros(2, 8, device=DEVICE)
+    for k in (0, 9):
+        with pytest.raises(ValueError, match="k = "):
+            tri.top_positions(scores, k)
+    with pytest.raises(ValueError, match="out"):
+        tri.top_positions(scores, 4, out=torch.empty(2, 5, dtype=torch.int32, device=DEVICE))
+
+
 def check(rows, n, k, masked, ties):
     g = torch.Generator().manual_seed(n + k)
     scores = torch.randn(rows, n, generator=g) * 5
@@ -39,7 +48,11 @@ def check(rows, n, k, masked, ties):
     elif ties:
         scores = scores.round()
     scores[torch.rand(rows, n, generator=g) < masked] = float("-inf")
-    got = tri.top_positions(scores.to(DEVICE), k).cpu()
+    # written into a buffer with a guard around it: no place outside the [rows, k] rows
+    buffer = torch.full((rows + 2, k + 2), -7, dtype=torch.int32, device=DEVICE)
+    got = tri.top_positions(scores.to(DEVICE), k, out=buffer[1:-1, 1:-1]).cpu()
+    guard = buffer.cpu()
+    assert bool((guard[[0, -1]] == -7).all() and (guard[:, [0, -1]] == -7).all())
     assert got.shape == (rows, k) and got.dtype == torch.int32
     values, picked = scores.topk(k, dim=-1, sorted=False)
     want = torch.where(values == float("-inf"), -1, picked).int()

@@ -112,11 +112,20 @@ def _select(scores_ptr, work_ptr, out_ptr, n, k, s_row, s_work, s_out, BLOCK: tl
             tl.store(out + c0 + places, -1, mask=(c0 + places < k) & (c0 + places >= finite))
 
 
-def top_positions(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """scores [rows, n] fp32 (-inf: not a candidate), 1 ≤ k ≤ n. Returns [rows, k] int32: the
+def top_positions(scores: torch.Tensor, k: int, out: torch.Tensor | None = None
+                  ) -> torch.Tensor:
+    """scores [rows, n] fp32 (-inf: not a candidate; NaN neither, where torch.topk takes it
+    first), 1 ≤ k ≤ n. Returns [rows, k] int32 (into `out` if given: rows of unit stride): the
     positions of each row's k largest finite scores in no order, -1 past a row's finite ones."""
     rows, n = scores.shape
-    out = torch.empty(rows, k, dtype=torch.int32, device=scores.device)
+    if not 1 <= k <= n or scores.stride(1) != 1:
+        raise ValueError(f"top_positions: k = {k} of rows of {n} scores, stride "
+                         f"{scores.stride(1)}")
+    if out is None:
+        out = torch.empty(rows, k, dtype=torch.int32, device=scores.device)
+    elif out.shape != (rows, k) or out.dtype != torch.int32 or out.stride(1) != 1:
+        raise ValueError(f"top_positions: out {tuple(out.shape)} {out.dtype}, not "
+                         f"({rows}, {k}) int32 rows")
     if rows == 0:
         return out
     work = torch.zeros(rows, WORK, dtype=torch.int32, device=scores.device)
