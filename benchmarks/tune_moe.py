@@ -121,8 +121,9 @@ def main() -> None:
                       f"{best} |", flush=True)
         with open(args.output, "w") as f:  # after each form: a cut-off run keeps what it found
             json.dump(table, f, indent=1, sort_keys=True)
-    print(f"command: python benchmarks/tune_moe.py --model {args.model} --tokens {args.tokens} "
-          f"--forms {args.forms} --calls {args.calls}")
+    experts = f" --experts {args.experts}" if args.experts else ""
+    print(f"command: python benchmarks/tune_moe.py --model {args.model}{experts} --tokens "
+          f"{args.tokens} --forms {args.forms} --calls {args.calls}")
 
 
 if __name__ == "__main__":
