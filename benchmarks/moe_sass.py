@@ -32,11 +32,11 @@ INSTRUCTION = re.compile(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)")
 
 
 def sass(n: int, k: int, mode: int, gated: bool, tile: tuple, path: str = "gemv",
-         block_m: int = 16) -> str:
+         block_m: int = 16, prefetch: int = 0) -> str:
     """The kernel's SASS for one matrix ([E, (2 if gated) n, k]) on `path` (gemv: moe_gemv;
     sorted: moe's grouped GEMM with BLOCK_M rows), specialized as a launch would be (ints
     equal to 1 are constants, pointers and multiples of 16 aligned). tile: BLOCK_N, BLOCK_K,
-    num_warps[, num_stages]."""
+    num_warps[, num_stages]; prefetch: the GEMV's PREFETCH (INT4)."""
     block_n, block_k, warps, *stages = tile
     rows = 2 * n if gated else n
     s_bn, s_bk = {0: (1, 1), 1: (128, 128), 2: (1, 32)}[mode]
@@ -53,6 +53,7 @@ def sass(n: int, k: int, mode: int, gated: bool, tile: tuple, path: str = "gemv"
              "GATED": gated, "BLOCK_N": block_n, "BLOCK_K": block_k}
     if path == "gemv":
         const["FP8_SCALES"] = moe_gemv._fp8_scales(mode, s_bn, s_bk, n, k, block_n)
+        const["PREFETCH"] = prefetch if mode == 2 else 0
     if path == "sorted":
         const.update(ROUTED=not gated, F32_DOT=False, BLOCK_M=block_m)
     fn = moe_gemv._gemv if path == "gemv" else moe._kernel
@@ -73,6 +74,15 @@ def sass(n: int, k: int, mode: int, gated: bool, tile: tuple, path: str = "gemv"
     nvdisasm = pathlib.Path(triton.__file__).parent / "backends/nvidia/bin/nvdisasm"
     return subprocess.run([str(nvdisasm), "-c", str(cubin)], capture_output=True, text=True,
                           check=True).stdout
+
+
+def registers() -> str:
+    """Registers a thread and spilled bytes of the kernel sass() compiled last."""
+    cuobjdump = pathlib.Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
+    text = subprocess.run([str(cuobjdump), "--dump-resource-usage", "/tmp/moe_sass.cubin"],
+                          capture_output=True, text=True, check=True).stdout
+    regs, spill = re.search(r"REG:(\d+)", text), re.search(r"STACK:(\d+)", text)
+    return f"{regs.group(1) if regs else '?'} / {spill.group(1) if spill else '?'}"
 
 
 def k_loop(text: str) -> list[str]:
@@ -105,12 +115,15 @@ def main() -> None:
     p.add_argument("--slots", type=int, default=8, help="tokens x top_k (picks tuned tiles)")
     p.add_argument("--path", choices=("gemv", "sorted"), default="gemv")
     p.add_argument("--tile", help="BLOCK_N,BLOCK_K,num_warps[,num_stages] for every matrix")
+    p.add_argument("--prefetch", type=int, default=0, choices=(0, 1),
+                   help="INT4 GEMV: load the next K step ahead (moe_gemv PREFETCH)")
     p.add_argument("--dump", help="write the last kernel's SASS here")
     args = p.parse_args()
     mc = model_config(args.model)
     block_m = moe.rows_per_block(args.slots, mc.moe.num_experts)
     print("| form | matrix | tile (N, K, warps) | loop instructions | weights a step "
-          "| instructions / weight | top opcodes |\n|---|---|---|---|---|---|---|")
+          "| instructions / weight | registers / stack bytes | top opcodes |\n"
+          "|---|---|---|---|---|---|---|---|")
     for form in args.forms.split(","):
         mode = MODES[form]
         inter, hidden = mc.moe.intermediate_size, mc.hidden_size
@@ -123,17 +136,17 @@ def main() -> None:
                     moe_configs.key(args.path, mode, n, k, args.slots))
                 tile = (tuple(entry[f] for f in moe_configs.FIELDS[args.path]) if entry
                         else default_tile(args.path, mode, k, block_m))
-            text = sass(n, k, mode, gated, tile, args.path, block_m)
+            text = sass(n, k, mode, gated, tile, args.path, block_m, args.prefetch)
             body = k_loop(text)
             weights = tile[0] * tile[1] * (2 if gated else 1)  # (a loop step's, dequantized once)
             top = collections.Counter(op.split(".")[0] for op in body).most_common(5)
             print(f"| {form} | {name} | {tile} | {len(body)} | {weights} | "
-                  f"{len(body) * 32 * tile[2] / weights:.2f} | "
+                  f"{len(body) * 32 * tile[2] / weights:.2f} | {registers()} | "
                   f"{', '.join(f'{op} {c}' for op, c in top)} |")
             if args.dump:
                 pathlib.Path(args.dump).write_text(text)
     print(f"\n(command: python benchmarks/moe_sass.py --model {args.model} --forms {args.forms}"
-          f" --slots {args.slots} --path {args.path}"
+          f" --slots {args.slots} --path {args.path} --prefetch {args.prefetch}"
           f"{' --tile ' + args.tile if args.tile else ''}; BLOCK_M {block_m} on the sorted path)")
 
 

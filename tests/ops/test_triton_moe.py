@@ -155,8 +155,9 @@ def test_small_batch_path_equals_the_sorted_path(form, monkeypatch):
 def test_tuned_configurations_compute_what_the_defaults_do(form, monkeypatch):
     """Tiles a tuning run may pick (ops.triton.moe_configs: narrow and wide N, K steps of 64 to
     256 (within one scale's inputs, or several whole INT4 groups of 32 / FP8 blocks of 128),
-    several warps), given to both paths through the table, against torch_ref; an entry whose K
-    tile would straddle a quantized scale's inputs is not taken."""
+    several warps; INT4 with and without the next K step loaded ahead), given to both paths
+    through the table, against torch_ref; an entry whose K tile would straddle a quantized
+    scale's inputs is not taken."""
     from frugal.ops.triton import moe_configs
 
     gemv = pytest.importorskip("frugal.ops.triton.moe_gemv")
@@ -167,11 +168,14 @@ def test_tuned_configurations_compute_what_the_defaults_do(form, monkeypatch):
     monkeypatch.setattr(moe_configs, "device_name", lambda device: "a tuned GPU")
     max_slots = gemv.MAX_SLOTS  # (each tile below takes both paths)
     # (N tiles of 256 straddle FP8's blocks of 128 rows: scales on each block's partial sum)
-    for gemv_tile, sorted_tile in (((8, 64, 1), (32, 32, 4, 2)), ((64, 256, 8), (64, 64, 8, 3)),
-                                   ((256, 128, 4), (128, 32, 4, 4))):
+    # (BLOCK_N, BLOCK_K, num_warps, PREFETCH): K tiles past the down projection's 128 inputs too
+    for gemv_tile, sorted_tile in (((8, 64, 1, 1), (32, 32, 4, 2)),
+                                   ((64, 256, 8, 1), (64, 64, 8, 3)),
+                                   ((256, 128, 4, 0), (128, 32, 4, 4))):
         table = {}
         for n, k in ((inter, hidden), (hidden, inter)):
-            gemv_entry = dict(zip(moe_configs.FIELDS["gemv"], gemv_tile))
+            gemv_entry = dict(zip(moe_configs.FIELDS["gemv"] + moe_configs.OPTIONAL["gemv"],
+                                  gemv_tile))
             sorted_entry = dict(zip(moe_configs.FIELDS["sorted"], sorted_tile))
             table[moe_configs.key("gemv", mode, n, k, slots)] = gemv_entry
             table[moe_configs.key("sorted", mode, n, k, slots)] = sorted_entry
@@ -206,9 +210,11 @@ def test_committed_table_holds_valid_tiles():
     for entries in table.values():
         for key, entry in entries.items():
             path, mode, n, k, slots = key.split()
-            assert set(entry) == set(moe_configs.FIELDS[path]), key
+            fields, optional = set(moe_configs.FIELDS[path]), set(moe_configs.OPTIONAL[path])
+            assert fields <= set(entry) <= fields | optional, key
             assert all(v > 0 and v & (v - 1) == 0 for f, v in entry.items()
-                       if f != "num_stages"), key
+                       if f in fields - {"num_stages"}), key
+            assert all(entry[f] in (0, 1) for f in optional & set(entry)), key
             mode, k = int(mode.split("=")[1]), int(k.split("=")[1])
             assert moe_configs.tiles_scales(mode, entry["BLOCK_K"], scale_k[mode], k), key
             assert path != "gemv" or moe_configs.gemv_tile(mode, entry["BLOCK_K"]), key

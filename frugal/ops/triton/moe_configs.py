@@ -20,6 +20,7 @@ import torch
 TABLE = pathlib.Path(__file__).with_name("moe_configs.json")
 FIELDS = {"gemv": ("BLOCK_N", "BLOCK_K", "num_warps"),
           "sorted": ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages")}
+OPTIONAL = {"gemv": ("PREFETCH",), "sorted": ()}  # fields an entry may leave out (then 0)
 
 
 def bucket(slots: int) -> int:
@@ -58,7 +59,7 @@ def lookup(device: torch.device, path: str, mode: int, n: int, k: int, slots: in
     scale covers (a quantized tile must stay within them)."""
     name = device_name(device)
     entry = _table().get(name, {}).get(key(path, mode, n, k, slots)) if name else None
-    if entry is None or set(entry) != set(FIELDS[path]):
+    if entry is None or not set(FIELDS[path]) <= set(entry) <= {*FIELDS[path], *OPTIONAL[path]}:
         return None
     if path == "gemv" and not gemv_tile(mode, entry["BLOCK_K"]):
         return None

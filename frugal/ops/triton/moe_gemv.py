@@ -11,6 +11,9 @@ same outputs side by side, silu(gate) · up stored per slot; down runs ROUTED: e
 times its routing weight, the top_k of a token summed in fp32 after (in a fixed order: results
 do not depend on scheduling). A weight is read once per slot: two tokens routed to one expert
 read it twice (the sorted path, ops.triton.moe, reads it once; it takes over past MAX_SLOTS).
+With PREFETCH (INT4, a tile table's choice) a program loads the next K step's words and scales
+before it sums this step's: twice the bytes in flight a warp, for ~0.15 more instructions a
+weight and more registers (benchmarks/moe_sass.py --prefetch 1).
 """
 
 from __future__ import annotations
@@ -31,20 +34,41 @@ MAX_SLOTS = 64  # tokens · top_k up to which fused_moe takes this path
 
 
 @triton.jit
-def _int4_groups(w_base, s_base, a, a_sum, group, g_ok, offs_n, n_ok, swn, swk, ssn, ssk,
-                 magic, S_BK: tl.constexpr):
-    """[BLOCK_N, GROUPS] fp32: for each output and group of 32 inputs (k = 32 · group + 8 · q
-    + j: nibble j of the group's word q), Σ_k a_k · (u_k - 8) / 16 times the scale of k.
-    a [8 (j), 1, GROUPS, 4 (q)] fp32; a_sum [GROUPS]: 1.5 · Σ a over each group.
-    A nibble becomes the fp32 1 + u/16 in two integer instructions: rotated to bits 19-22 (the
-    top of the mantissa; one funnel shift) and put into 1.0's bits (one LOP3 with `magic`,
-    0x3F800000, a register so the AND and the OR fuse). Σ a (1 + u/16) - 1.5 Σ a is
-    Σ a (u - 8) / 16: the offset leaves per group, not per weight."""
+def _int4_load(w_base, s_base, k0, K, offs_n, n_ok, swn, swk, ssn, ssk, S_BK: tl.constexpr,
+               GROUPS: tl.constexpr):
+    """The words [1, BLOCK_N, GROUPS, 4] (int32: word q of a group holds its inputs 8q .. 8q+7,
+    a nibble each) and the scales [BLOCK_N, GROUPS] of inputs k0 .. k0 + 32 · GROUPS; zeros
+    past K (a load past the end reads nothing)."""
+    group = k0 // 32 + tl.arange(0, GROUPS)
+    g_ok = group < K // 32
     word = group[None, None, :, None] * 4 + tl.arange(0, 4)[None, None, None, :]
     ok = n_ok[None, :, None, None] & g_ok[None, None, :, None]
     words = tl.load(w_base + offs_n[None, :, None, None] * swn + word * swk, mask=ok, other=0)
     s = tl.load(s_base + offs_n[:, None] * ssn + (group * 32 // S_BK)[None, :] * ssk,
                 mask=n_ok[:, None] & g_ok[None, :], other=0.0)
+    return words, s
+
+
+@triton.jit
+def _int4_inputs(a_row, k0, K, GROUPS: tl.constexpr):
+    """Inputs k0 .. k0 + 32 · GROUPS as a [8 (j), 1, GROUPS, 4 (q)] fp32 (k = 32 · group + 8 · q
+    + j: nibble j of the group's word q), and 1.5 · their sum over each group [GROUPS]."""
+    group = k0 // 32 + tl.arange(0, GROUPS)
+    g_ok = group < K // 32
+    k = (group[None, None, :, None] * 32 + tl.arange(0, 4)[None, None, None, :] * 8
+         + tl.arange(0, 8)[:, None, None, None])
+    a = tl.load(a_row + k, mask=g_ok[None, None, :, None], other=0.0).to(tl.float32)
+    return a, tl.sum(tl.sum(tl.sum(a, axis=0), axis=0), axis=1) * 1.5
+
+
+@triton.jit
+def _int4_sum(words, s, a, a_sum, magic):
+    """[BLOCK_N, GROUPS] fp32: for each output and group of 32 inputs, Σ_k a_k · (u_k - 8) / 16
+    times the group's scale (words, s: _int4_load's; a, a_sum: _int4_inputs').
+    A nibble becomes the fp32 1 + u/16 in two integer instructions: rotated to bits 19-22 (the
+    top of the mantissa; one funnel shift) and put into 1.0's bits (one LOP3 with `magic`,
+    0x3F800000, a register so the AND and the OR fuse). Σ a (1 + u/16) - 1.5 Σ a is
+    Σ a (u - 8) / 16: the offset leaves per group, not per weight."""
     u = words.to(tl.uint32, bitcast=True)
     rot = ((tl.arange(0, 8) * 4 + 13) % 32).to(tl.uint32)[:, None, None, None]
     f = ((((u >> rot) | (u << (32 - rot))) & 0x780000) | magic).to(tl.float32, bitcast=True)
@@ -78,7 +102,7 @@ def _fp8_sum(w_ptr, s_ptr, expert, k0, K, a, offs_n, n_ok, swe, swn, swk, sse, s
 def _gemv(a_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, route_ptr, N, K, sam, swe, swn, swk, sse, ssn,
           ssk, som, magic, A_DIV: tl.constexpr, MODE: tl.constexpr, S_BN: tl.constexpr,
           S_BK: tl.constexpr, GATED: tl.constexpr, FP8_SCALES: tl.constexpr,
-          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr):
     slot = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -90,18 +114,36 @@ def _gemv(a_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, route_ptr, N, K, sam, swe, swn,
         acc2 = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
         up2 = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
         w_base, s_base = w_ptr + expert * swe, s_ptr + expert * sse
-        for k0 in range(0, K, BLOCK_K):
-            group = k0 // 32 + tl.arange(0, GROUPS)
-            g_ok = group < K // 32
-            k = (group[None, None, :, None] * 32 + tl.arange(0, 4)[None, None, None, :] * 8
-                 + tl.arange(0, 8)[:, None, None, None])
-            a = tl.load(a_row + k, mask=g_ok[None, None, :, None], other=0.0).to(tl.float32)
-            a_sum = tl.sum(tl.sum(tl.sum(a, axis=0), axis=0), axis=1) * 1.5
-            acc2 += _int4_groups(w_base, s_base, a, a_sum, group, g_ok, offs_n, n_ok, swn, swk,
-                                 ssn, ssk, magic, S_BK)
+        if PREFETCH:  # the next step's words and scales load while this step sums
+            w, s = _int4_load(w_base, s_base, 0, K, offs_n, n_ok, swn, swk, ssn, ssk, S_BK,
+                              GROUPS)
+            w_up, s_up = w, s
             if GATED:
-                up2 += _int4_groups(w_base, s_base, a, a_sum, group, g_ok, offs_n + N, n_ok,
-                                    swn, swk, ssn, ssk, magic, S_BK)
+                w_up, s_up = _int4_load(w_base, s_base, 0, K, offs_n + N, n_ok, swn, swk, ssn,
+                                        ssk, S_BK, GROUPS)
+            for k0 in range(0, K, BLOCK_K):
+                a, a_sum = _int4_inputs(a_row, k0, K, GROUPS)
+                w_next, s_next = _int4_load(w_base, s_base, k0 + BLOCK_K, K, offs_n, n_ok, swn,
+                                            swk, ssn, ssk, S_BK, GROUPS)
+                if GATED:
+                    w_up_next, s_up_next = _int4_load(w_base, s_base, k0 + BLOCK_K, K,
+                                                      offs_n + N, n_ok, swn, swk, ssn, ssk,
+                                                      S_BK, GROUPS)
+                acc2 += _int4_sum(w, s, a, a_sum, magic)
+                if GATED:
+                    up2 += _int4_sum(w_up, s_up, a, a_sum, magic)
+                    w_up, s_up = w_up_next, s_up_next
+                w, s = w_next, s_next
+        else:
+            for k0 in range(0, K, BLOCK_K):
+                a, a_sum = _int4_inputs(a_row, k0, K, GROUPS)
+                w, s = _int4_load(w_base, s_base, k0, K, offs_n, n_ok, swn, swk, ssn, ssk, S_BK,
+                                  GROUPS)
+                acc2 += _int4_sum(w, s, a, a_sum, magic)
+                if GATED:
+                    w, s = _int4_load(w_base, s_base, k0, K, offs_n + N, n_ok, swn, swk, ssn,
+                                      ssk, S_BK, GROUPS)
+                    up2 += _int4_sum(w, s, a, a_sum, magic)
         acc = tl.sum(acc2, axis=1) * 16.0
         acc_up = tl.sum(up2, axis=1) * 16.0
     else:
@@ -182,21 +224,22 @@ def _launch(a: torch.Tensor, w: torch.Tensor | Experts, out: torch.Tensor, n: in
             ids: torch.Tensor, route: torch.Tensor | None, a_div: int,
             config: dict | None = None) -> None:
     """out[slot] = a[slot // a_div] @ w[ids[slot]]ᵀ, gated (route None) or times route[slot].
-    config: BLOCK_N, BLOCK_K, num_warps (default: the tuned table's, ops.triton.moe_configs,
-    else _blocks')."""
+    config: BLOCK_N, BLOCK_K, num_warps and optionally PREFETCH (INT4: 1 loads a K step ahead;
+    default 0) (default: the tuned table's, ops.triton.moe_configs, else _blocks')."""
     data, scales, mode, s_bn, s_bk, k = _operand(w)
     config = config or lookup(a.device, "gemv", mode, n, k, ids.numel(), s_bk)
     if config is None:
         block_n, block_k = _blocks(mode, s_bk, k)
-        num_warps = 4
+        num_warps, prefetch = 4, 0
     else:
         block_n, block_k, num_warps = config["BLOCK_N"], config["BLOCK_K"], config["num_warps"]
+        prefetch = config.get("PREFETCH", 0) if mode == 2 else 0
     grid = (ids.numel(), cdiv(n, block_n))
     _gemv[grid](a, data, scales, out, ids, route if route is not None else out, n, k,
                 a.stride(0), *data.stride(), *scales.stride(), out.stride(0), ONE_BITS,
                 A_DIV=a_div, MODE=mode, S_BN=s_bn, S_BK=s_bk, GATED=route is None,
                 FP8_SCALES=_fp8_scales(mode, s_bn, s_bk, n, k, block_n), BLOCK_N=block_n,
-                BLOCK_K=block_k, num_warps=num_warps)
+                BLOCK_K=block_k, PREFETCH=prefetch, num_warps=num_warps)
 
 
 def _fp8_scales(mode: int, s_bn: int, s_bk: int, n: int, k: int, block_n: int) -> int:
