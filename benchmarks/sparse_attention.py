@@ -10,6 +10,7 @@ out.
    python benchmarks/sparse_attention.py
    python benchmarks/sparse_attention.py --batch 1 16 --context 2048 32768 131072
    python benchmarks/sparse_attention.py --sweep   # MLA kernel variants
+   python benchmarks/sparse_attention.py --sweep-scores --batch 16 --context 131072
 
 Times are medians of CUDA-graph replays of 20 calls (benchmarks/timing.py), each call on its
 own pages when one call's would fit in L2.
@@ -44,8 +45,10 @@ def caches(tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return bf16, fp8, torch.full((2, 1), 1 / 64, device="cuda")
 
 
-def bench(batch: int, context: int, cache: torch.Tensor,
-          kv_scales: torch.Tensor | None = None) -> dict:
+def step(batch: int, context: int, cache: torch.Tensor) -> tuple:
+    """A decode step of `batch` requests of `context` positions on `cache`: (copies, page
+    tables [copies, batch, pages] (each copy on its own pages), seq_lens, cu_seqlens, q, index q,
+    index weights)."""
     dev = "cuda"
     row_bytes = cache.shape[-1] * cache.element_size()
     pages_each = -(-context // PAGE)
@@ -58,6 +61,20 @@ def bench(batch: int, context: int, cache: torch.Tensor,
     q = torch.randn(batch, HEADS, LAT + ROPE, device=dev, dtype=torch.bfloat16)
     q_index = torch.randn(batch, INDEX_HEADS, INDEX, device=dev, dtype=torch.bfloat16)
     w = torch.randn(batch, INDEX_HEADS, device=dev) * (INDEX_HEADS * INDEX) ** -0.5
+    return copies, tables, lens, cu, q, q_index, w
+
+
+def score_time(batch: int, context: int, cache: torch.Tensor) -> float:
+    """µs of the index scores alone (the median of CUDA-graph replays of 20 calls)."""
+    copies, tables, lens, cu, _, q_index, w = step(batch, context, cache)
+    keys = cache[..., LAT + ROPE:]
+    return 1e3 * graph_time([lambda i=i: index_scores(q_index, w, keys, tables[i % copies], cu,
+                                                      lens, context) for i in range(20)])
+
+
+def bench(batch: int, context: int, cache: torch.Tensor,
+          kv_scales: torch.Tensor | None = None) -> dict:
+    copies, tables, lens, cu, q, q_index, w = step(batch, context, cache)
     latent, keys = cache[..., :LAT + ROPE], cache[..., LAT + ROPE:]
     scale = (192 + ROPE) ** -0.5
     selections = [index_topk(q_index, w, keys, t, cu, lens, TOPK, context) for t in tables]
@@ -87,6 +104,21 @@ SWEEP_MLA = [(64, 32, 8, None), (32, 32, 8, None), (16, 32, 8, None), (32, 64, 8
 
 
 SWEEP_INDEX = [(64, 4), (128, 4), (128, 8), (256, 4), (256, 8)]  # (BLOCK_N, num_warps)
+# the score kernel's (BLOCK_N, num_warps, CHUNKS: blocks a program takes in turn)
+SWEEP_SCORES = [(n, w, c) for n in (64, 128) for w in (4, 8) for c in (1, 2, 4, 8, 16)]
+
+
+def sweep_scores(cache: torch.Tensor, fp8: torch.Tensor) -> None:
+    print("| index scores: BLOCK_N | warps | CHUNKS | batch | context | bf16 | FP8 |")
+    print("|---|---|---|---|---|---|---|")
+    saved = dsa.BLOCK_N, dsa.NUM_WARPS, dsa.CHUNKS
+    for n, warps, chunks in SWEEP_SCORES:
+        dsa.BLOCK_N, dsa.NUM_WARPS, dsa.CHUNKS = n, warps, chunks
+        for batch, context in [(1, 8192), (1, 131072), (16, 131072)]:
+            print(f"| {n} | {warps} | {chunks} | {batch} | {context} | "
+                  f"{score_time(batch, context, cache):.1f} | "
+                  f"{score_time(batch, context, fp8):.1f} |", flush=True)
+    dsa.BLOCK_N, dsa.NUM_WARPS, dsa.CHUNKS = saved
 
 
 def sweep(cache: torch.Tensor, fp8: torch.Tensor, scales: torch.Tensor) -> None:
@@ -145,12 +177,17 @@ def main() -> None:
                    default=[2048, 4096, 8192, 16384, 32768, 65536, 131072])
     p.add_argument("--sweep", action="store_true",
                    help="time the kernels' variants instead (SWEEP_*)")
+    p.add_argument("--sweep-scores", action="store_true",
+                   help="time the index score kernel's variants only (SWEEP_SCORES)")
     a = p.parse_args()
     bf16, fp8, scales = caches(max(a.batch) * max(a.context))
     print(f"{torch.cuda.get_device_name()} | GLM-5 attention, one layer | CUDA-graph replay "
           "medians, µs\n")
     if a.sweep:
         sweep(bf16, fp8, scales)
+        return
+    if a.sweep_scores:
+        sweep_scores(bf16, fp8)
         return
     print(f"KV bytes a token and layer: bf16 {(LAT + ROPE) * 2} latent + {INDEX * 2} index key "
           f"= {(LAT + ROPE + INDEX) * 2}; FP8 {LAT + ROPE} latent + {INDEX} index key + 16 "

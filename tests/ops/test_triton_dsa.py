@@ -73,8 +73,13 @@ def test_index_topk_takes_the_radix_within_its_range(lens, radix, monkeypatch):
     assert calls == ([(len(lens), max(lens))] if radix else [])
 
 
-def test_index_scores_match_the_formula():
-    """(rows 6 and 7: a padded step's tokens of no request, which see no position)"""
+@pytest.mark.parametrize("block,chunks", [(None, 1), (16, 1), (16, 3)])
+def test_index_scores_match_the_formula(block, chunks, monkeypatch):
+    """(rows 6 and 7: a padded step's tokens of no request, which see no position; blocks of 16
+    positions, one or three a program: 70 positions end inside a program's second block)"""
+    if block is not None:
+        monkeypatch.setattr(tri, "BLOCK_N", block)
+    monkeypatch.setattr(tri, "CHUNKS", chunks)
     heads, dim = 16, 32
     g, cache, table, cu, seq_lens = batch([70, 5], [1, 5], dim)
     q = torch.randn(8, heads, dim, generator=g)

@@ -3,9 +3,10 @@
 are at most RADIX_MAX, torch.topk otherwise), and MLA over the selected positions (mla_decode's
 kernel, SPARSE).
 
-The score kernel takes one new token and BLOCK_N of its request's positions a program: the
-token's index queries [heads, dim] against the keys gathered from the cache rows ([BLOCK_N,
-dim]), ReLU, the per-head weights summed in, -inf past the positions the token sees. Twins:
+The score kernel takes one new token and CHUNKS blocks of BLOCK_N of its request's positions a
+program, one block after the other: the token's index queries [heads, dim] (loaded once) against
+the keys gathered from the cache rows ([BLOCK_N, dim]), ReLU, the per-head weights summed in,
+-inf past the positions the token sees. Twins:
 torch_ref.index_topk and torch_ref.sparse_mla_attention.
 """
 
@@ -27,6 +28,7 @@ from frugal.ops.triton.topk import top_positions
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 BLOCK_N = 128  # positions a score program takes (64-256 measured: 128 by up to 8 %)
 NUM_WARPS = 4
+CHUNKS = 1  # blocks of BLOCK_N positions a score program takes in turn
 # The radix select where it beat torch.topk (k = 2,048; H100, 1-64 rows of 8k-128k): 20-24 us
 # against 44-80 at one row, 67 against 76 at 16 rows of 128k; 121 against 96 at 64 rows of 64k
 RADIX_MIN, RADIX_MAX = 8192, 1 << 21  # positions a row, scores a step
@@ -36,33 +38,37 @@ RADIX_MIN, RADIX_MAX = 8192, 1 << 21  # positions a row, scores a step
 def _score_kernel(q_ptr, w_ptr, keys_ptr, key_scales_ptr, page_table_ptr, cu_ptr, seq_lens_ptr,
                   num_requests, out_ptr, sqt, sqh, swt, srow, sscale, spt, sot, num_cols,
                   PAGE_SIZE: tl.constexpr, HEADS: tl.constexpr, DIM: tl.constexpr,
-                  FP8: tl.constexpr, F32_DOT: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Token t's scores over BLOCK_N positions. Token t of request b (token_request) sees the
-    positions before seq_lens[b] - (cu[b + 1] - t) and its own; a row past the step's tokens
-    (cu[num_requests] and on) sees none."""
+                  FP8: tl.constexpr, F32_DOT: tl.constexpr, BLOCK_N: tl.constexpr,
+                  CHUNKS: tl.constexpr):
+    """Token t's scores over CHUNKS · BLOCK_N positions. Token t of request b (token_request)
+    sees the positions before seq_lens[b] - (cu[b + 1] - t) and its own; a row past the step's
+    tokens (cu[num_requests] and on) sees none."""
     t = tl.program_id(0)
-    pos = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     b = token_request(cu_ptr, num_requests, t)
     end = tl.load(cu_ptr + b + 1)
     visible = tl.where(t < end, tl.load(seq_lens_ptr + b) - (end - t) + 1, 0)
-    ok = pos < visible
     heads = tl.arange(0, HEADS)
     dims = tl.arange(0, DIM)
-    page = tl.load(page_table_ptr + b * spt + pos // PAGE_SIZE, mask=ok, other=0)
-    slot = page_slot(page.to(tl.int64), pos, PAGE_SIZE)
-    k = tl.load(keys_ptr + slot[:, None] * srow + dims[None, :], mask=ok[:, None], other=0.0)
     q = tl.load(q_ptr + t * sqt + heads[:, None] * sqh + dims[None, :])
-    if FP8:
-        k = k.to(q.dtype)
-    if F32_DOT:
-        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-    else:
-        s = tl.dot(q, tl.trans(k))  # [HEADS, BLOCK_N] fp32
-    if FP8:
-        s = s * tl.load(key_scales_ptr + slot * sscale, mask=ok, other=0.0)[None, :]
     w = tl.load(w_ptr + t * swt + heads)
-    score = tl.sum(tl.maximum(s, 0.0) * w[:, None], axis=0)
-    tl.store(out_ptr + t * sot + pos, tl.where(ok, score, float("-inf")), mask=pos < num_cols)
+    for c in range(CHUNKS):
+        pos = (tl.program_id(1) * CHUNKS + c) * BLOCK_N + tl.arange(0, BLOCK_N)
+        ok = pos < visible
+        page = tl.load(page_table_ptr + b * spt + pos // PAGE_SIZE, mask=ok, other=0)
+        slot = page_slot(page.to(tl.int64), pos, PAGE_SIZE)
+        k = tl.load(keys_ptr + slot[:, None] * srow + dims[None, :], mask=ok[:, None],
+                    other=0.0)
+        if FP8:
+            k = k.to(q.dtype)
+        if F32_DOT:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))  # [HEADS, BLOCK_N] fp32
+        if FP8:
+            s = s * tl.load(key_scales_ptr + slot * sscale, mask=ok, other=0.0)[None, :]
+        score = tl.sum(tl.maximum(s, 0.0) * w[:, None], axis=0)
+        tl.store(out_ptr + t * sot + pos, tl.where(ok, score, float("-inf")),
+                 mask=pos < num_cols)
 
 
 def supported(heads: int, dim: int) -> bool:
@@ -79,14 +85,14 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
     fp8 = keys.element_size() == 1
     # an FP8 key's fp32 scale follows its dim bytes (torch_ref.dsa): a strided fp32 view
     key_scales = keys.view(torch.uint8)[..., dim:dim + 4].view(torch.float32) if fp8 else out
-    grid = (num_tokens, cdiv(max_seq_len, BLOCK_N))
+    grid = (num_tokens, cdiv(max_seq_len, BLOCK_N * CHUNKS))
     _score_kernel[grid](q, weights, keys, key_scales, page_table, cu_seqlens_q, seq_lens,
                         seq_lens.shape[0], out,
                         q.stride(0), q.stride(1), weights.stride(0), keys.stride(1),
                         key_scales.stride(1) if fp8 else 0, page_table.stride(0),
                         out.stride(0), max_seq_len, PAGE_SIZE=keys.shape[1], HEADS=heads,
                         DIM=dim, FP8=fp8, F32_DOT=_INTERPRET or q.dtype == torch.float32,
-                        BLOCK_N=BLOCK_N, num_warps=NUM_WARPS)
+                        BLOCK_N=BLOCK_N, CHUNKS=CHUNKS, num_warps=NUM_WARPS)
     return out
 
 
