@@ -115,8 +115,8 @@ def main() -> None:
     p.add_argument("--slots", type=int, default=8, help="tokens x top_k (picks tuned tiles)")
     p.add_argument("--path", choices=("gemv", "sorted"), default="gemv")
     p.add_argument("--tile", help="BLOCK_N,BLOCK_K,num_warps[,num_stages] for every matrix")
-    p.add_argument("--prefetch", type=int, default=0, choices=(0, 1),
-                   help="INT4 GEMV: load the next K step ahead (moe_gemv PREFETCH)")
+    p.add_argument("--prefetch", type=int, default=0, choices=(0, 1, 2),
+                   help="INT4 GEMV: K steps loaded ahead (moe_gemv PREFETCH)")
     p.add_argument("--dump", help="write the last kernel's SASS here")
     args = p.parse_args()
     mc = model_config(args.model)

@@ -31,7 +31,7 @@ from frugal.quant.experts import quantize_experts
 # for the GEMV before its INT4 rewrite, whose threads now share each input across their rows)
 GEMV = [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w}
         for n, k, w in itertools.product((8, 16, 32, 64), (64, 128, 256, 512), (1, 2, 4))]
-GEMV_INT4 = GEMV + [{**c, "PREFETCH": 1} for c in GEMV]  # (INT4: the next K step loaded ahead)
+GEMV_INT4 = GEMV + [{**c, "PREFETCH": d} for d in (1, 2) for c in GEMV]  # (K steps ahead)
 SORTED = [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "num_stages": s}
           for n, k, w, s in itertools.product((32, 64, 128), (32, 64, 128), (4, 8), (2, 3, 4))]
 

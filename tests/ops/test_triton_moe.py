@@ -171,6 +171,7 @@ def test_tuned_configurations_compute_what_the_defaults_do(form, monkeypatch):
     # (BLOCK_N, BLOCK_K, num_warps, PREFETCH): K tiles past the down projection's 128 inputs too
     for gemv_tile, sorted_tile in (((8, 64, 1, 1), (32, 32, 4, 2)),
                                    ((64, 256, 8, 1), (64, 64, 8, 3)),
+                                   ((16, 64, 2, 2), (32, 64, 4, 2)),
                                    ((256, 128, 4, 0), (128, 32, 4, 4))):
         table = {}
         for n, k in ((inter, hidden), (hidden, inter)):
@@ -214,7 +215,7 @@ def test_committed_table_holds_valid_tiles():
             assert fields <= set(entry) <= fields | optional, key
             assert all(v > 0 and v & (v - 1) == 0 for f, v in entry.items()
                        if f in fields - {"num_stages"}), key
-            assert all(entry[f] in (0, 1) for f in optional & set(entry)), key
+            assert all(entry[f] in (0, 1, 2) for f in optional & set(entry)), key
             mode, k = int(mode.split("=")[1]), int(k.split("=")[1])
             assert moe_configs.tiles_scales(mode, entry["BLOCK_K"], scale_k[mode], k), key
             assert path != "gemv" or moe_configs.gemv_tile(mode, entry["BLOCK_K"]), key

@@ -11,9 +11,9 @@ same outputs side by side, silu(gate) · up stored per slot; down runs ROUTED: e
 times its routing weight, the top_k of a token summed in fp32 after (in a fixed order: results
 do not depend on scheduling). A weight is read once per slot: two tokens routed to one expert
 read it twice (the sorted path, ops.triton.moe, reads it once; it takes over past MAX_SLOTS).
-With PREFETCH (INT4, a tile table's choice) a program loads the next K step's words and scales
-before it sums this step's: twice the bytes in flight a warp, for ~0.15 more instructions a
-weight and more registers (benchmarks/moe_sass.py --prefetch 1).
+With PREFETCH 1 or 2 (INT4, a tile table's choice) a program loads the words and scales of the
+K step 1 or 2 ahead before it sums this step's: two or three times the bytes in flight a warp,
+for a few more instructions and registers (benchmarks/moe_sass.py --prefetch).
 """
 
 from __future__ import annotations
@@ -47,6 +47,19 @@ def _int4_load(w_base, s_base, k0, K, offs_n, n_ok, swn, swk, ssn, ssk, S_BK: tl
     s = tl.load(s_base + offs_n[:, None] * ssn + (group * 32 // S_BK)[None, :] * ssk,
                 mask=n_ok[:, None] & g_ok[None, :], other=0.0)
     return words, s
+
+
+@triton.jit
+def _int4_pair(w_base, s_base, k0, K, N, offs_n, n_ok, swn, swk, ssn, ssk, S_BK: tl.constexpr,
+               GROUPS: tl.constexpr, GATED: tl.constexpr):
+    """_int4_load's words and scales of the rows offs_n and, GATED, of their up rows (N on);
+    not GATED, the same rows twice (loaded once)."""
+    w, s = _int4_load(w_base, s_base, k0, K, offs_n, n_ok, swn, swk, ssn, ssk, S_BK, GROUPS)
+    w_up, s_up = w, s
+    if GATED:
+        w_up, s_up = _int4_load(w_base, s_base, k0, K, offs_n + N, n_ok, swn, swk, ssn, ssk,
+                                S_BK, GROUPS)
+    return w, s, w_up, s_up
 
 
 @triton.jit
@@ -114,26 +127,25 @@ def _gemv(a_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, route_ptr, N, K, sam, swe, swn,
         acc2 = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
         up2 = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
         w_base, s_base = w_ptr + expert * swe, s_ptr + expert * sse
-        if PREFETCH:  # the next step's words and scales load while this step sums
-            w, s = _int4_load(w_base, s_base, 0, K, offs_n, n_ok, swn, swk, ssn, ssk, S_BK,
-                              GROUPS)
-            w_up, s_up = w, s
-            if GATED:
-                w_up, s_up = _int4_load(w_base, s_base, 0, K, offs_n + N, n_ok, swn, swk, ssn,
-                                        ssk, S_BK, GROUPS)
+        if PREFETCH:  # the words and scales PREFETCH steps ahead load while this step sums
+            w, s, w_up, s_up = _int4_pair(w_base, s_base, 0, K, N, offs_n, n_ok, swn, swk, ssn,
+                                          ssk, S_BK, GROUPS, GATED)
+            if PREFETCH == 2:
+                w1, s1, w1_up, s1_up = _int4_pair(w_base, s_base, BLOCK_K, K, N, offs_n, n_ok,
+                                                  swn, swk, ssn, ssk, S_BK, GROUPS, GATED)
             for k0 in range(0, K, BLOCK_K):
                 a, a_sum = _int4_inputs(a_row, k0, K, GROUPS)
-                w_next, s_next = _int4_load(w_base, s_base, k0 + BLOCK_K, K, offs_n, n_ok, swn,
-                                            swk, ssn, ssk, S_BK, GROUPS)
-                if GATED:
-                    w_up_next, s_up_next = _int4_load(w_base, s_base, k0 + BLOCK_K, K,
-                                                      offs_n + N, n_ok, swn, swk, ssn, ssk,
-                                                      S_BK, GROUPS)
+                wn, sn, wn_up, sn_up = _int4_pair(w_base, s_base, k0 + PREFETCH * BLOCK_K, K, N,
+                                                  offs_n, n_ok, swn, swk, ssn, ssk, S_BK,
+                                                  GROUPS, GATED)
                 acc2 += _int4_sum(w, s, a, a_sum, magic)
                 if GATED:
                     up2 += _int4_sum(w_up, s_up, a, a_sum, magic)
-                    w_up, s_up = w_up_next, s_up_next
-                w, s = w_next, s_next
+                if PREFETCH == 2:
+                    w, s, w_up, s_up = w1, s1, w1_up, s1_up
+                    w1, s1, w1_up, s1_up = wn, sn, wn_up, sn_up
+                else:
+                    w, s, w_up, s_up = wn, sn, wn_up, sn_up
         else:
             for k0 in range(0, K, BLOCK_K):
                 a, a_sum = _int4_inputs(a_row, k0, K, GROUPS)
@@ -224,8 +236,8 @@ def _launch(a: torch.Tensor, w: torch.Tensor | Experts, out: torch.Tensor, n: in
             ids: torch.Tensor, route: torch.Tensor | None, a_div: int,
             config: dict | None = None) -> None:
     """out[slot] = a[slot // a_div] @ w[ids[slot]]ᵀ, gated (route None) or times route[slot].
-    config: BLOCK_N, BLOCK_K, num_warps and optionally PREFETCH (INT4: 1 loads a K step ahead;
-    default 0) (default: the tuned table's, ops.triton.moe_configs, else _blocks')."""
+    config: BLOCK_N, BLOCK_K, num_warps and optionally PREFETCH (INT4: the K steps loaded
+    ahead, 0-2; default 0) (default: the tuned table's, ops.triton.moe_configs, else _blocks')."""
     data, scales, mode, s_bn, s_bk, k = _operand(w)
     config = config or lookup(a.device, "gemv", mode, n, k, ids.numel(), s_bk)
     if config is None:
