@@ -120,8 +120,8 @@ def main() -> None:
                     entries[moe_configs.key(path, mode, n, k, t * m.top_k)] = best
                 print(f"| {form} | {name} | {t} | {path} | {default:.1f} | {us:.1f} | "
                       f"{best} |", flush=True)
-        with open(args.output, "w") as f:  # after each form: a cut-off run keeps what it found
-            json.dump(table, f, indent=1, sort_keys=True)
+                with open(args.output, "w") as f:  # (a cut-off run keeps what it found)
+                    json.dump(table, f, indent=1, sort_keys=True)
     experts = f" --experts {args.experts}" if args.experts else ""
     print(f"command: python benchmarks/tune_moe.py --model {args.model}{experts} --tokens "
           f"{args.tokens} --forms {args.forms} --calls {args.calls}")
