@@ -5,11 +5,13 @@ H200 SM issues 4 warp instructions a clock (128 thread instructions) and its int
 take half of that, so ~4 instructions a weight cap INT4 near 4 TB/s and ~8 near 2.
 
     python benchmarks/moe_sass.py [--model qwen3-30b-a3b] [--forms float,fp8,int4]
-        [--slots 8] [--tile BLOCK_N,BLOCK_K,num_warps] [--dump out.sass]
+        [--slots 8] [--tile BLOCK_N,BLOCK_K,num_warps] [--prefetch 0|1|2]
+        [--gpu "NVIDIA H200"] [--dump out.sass]
 
-Tiles: --tile, else the tuned table's for the H200 (ops.triton.moe_configs), else the
-kernel's defaults. Prints, per form and matrix, the loop's instructions, weights per loop step
-and thread instructions per weight, and the most frequent opcodes.
+Tiles: --tile (and --prefetch), else the tuned table's for --gpu (ops.triton.moe_configs, with
+its PREFETCH), else the kernel's defaults. Prints, per form and matrix, the loop's
+instructions, weights per loop step and thread instructions per weight, the registers a thread
+and stack bytes, and the most frequent opcodes.
 """
 
 from __future__ import annotations
@@ -115,8 +117,10 @@ def main() -> None:
     p.add_argument("--slots", type=int, default=8, help="tokens x top_k (picks tuned tiles)")
     p.add_argument("--path", choices=("gemv", "sorted"), default="gemv")
     p.add_argument("--tile", help="BLOCK_N,BLOCK_K,num_warps[,num_stages] for every matrix")
-    p.add_argument("--prefetch", type=int, default=0, choices=(0, 1, 2),
-                   help="INT4 GEMV: K steps loaded ahead (moe_gemv PREFETCH)")
+    p.add_argument("--prefetch", type=int, default=None, choices=(0, 1, 2),
+                   help="INT4 GEMV: K steps loaded ahead (moe_gemv PREFETCH; default: the "
+                        "table entry's, else 0)")
+    p.add_argument("--gpu", default="NVIDIA H200", help="whose tuned tiles to take")
     p.add_argument("--dump", help="write the last kernel's SASS here")
     args = p.parse_args()
     mc = model_config(args.model)
@@ -129,14 +133,16 @@ def main() -> None:
         inter, hidden = mc.moe.intermediate_size, mc.hidden_size
         for name, n, k, gated in (("gate_up", inter, hidden, True),
                                   ("down", hidden, inter, False)):
+            entry = None if args.tile else moe_configs._table().get(args.gpu, {}).get(
+                moe_configs.key(args.path, mode, n, k, args.slots))
             if args.tile:
                 tile = tuple(int(v) for v in args.tile.split(","))
             else:
-                entry = moe_configs._table().get("NVIDIA H200", {}).get(
-                    moe_configs.key(args.path, mode, n, k, args.slots))
                 tile = (tuple(entry[f] for f in moe_configs.FIELDS[args.path]) if entry
                         else default_tile(args.path, mode, k, block_m))
-            text = sass(n, k, mode, gated, tile, args.path, block_m, args.prefetch)
+            prefetch = (args.prefetch if args.prefetch is not None
+                        else (entry or {}).get("PREFETCH", 0))
+            text = sass(n, k, mode, gated, tile, args.path, block_m, prefetch)
             body = k_loop(text)
             weights = tile[0] * tile[1] * (2 if gated else 1)  # (a loop step's, dequantized once)
             top = collections.Counter(op.split(".")[0] for op in body).most_common(5)
@@ -146,7 +152,8 @@ def main() -> None:
             if args.dump:
                 pathlib.Path(args.dump).write_text(text)
     print(f"\n(command: python benchmarks/moe_sass.py --model {args.model} --forms {args.forms}"
-          f" --slots {args.slots} --path {args.path} --prefetch {args.prefetch}"
+          f" --slots {args.slots} --path {args.path} --gpu '{args.gpu}'"
+          f"{'' if args.prefetch is None else f' --prefetch {args.prefetch}'}"
           f"{' --tile ' + args.tile if args.tile else ''}; BLOCK_M {block_m} on the sorted path)")
 
 

@@ -10,7 +10,7 @@ out.
    python benchmarks/sparse_attention.py
    python benchmarks/sparse_attention.py --batch 1 16 --context 2048 32768 131072
    python benchmarks/sparse_attention.py --sweep   # MLA kernel variants
-   python benchmarks/sparse_attention.py --sweep-scores --batch 16 --context 131072
+   python benchmarks/sparse_attention.py --sweep-scores --batch 1 16 --context 8192 131072
 
 Times are medians of CUDA-graph replays of 20 calls (benchmarks/timing.py), each call on its
 own pages when one call's would fit in L2.
@@ -108,16 +108,21 @@ SWEEP_INDEX = [(64, 4), (128, 4), (128, 8), (256, 4), (256, 8)]  # (BLOCK_N, num
 SWEEP_SCORES = [(n, w, c) for n in (64, 128) for w in (4, 8) for c in (1, 2, 4, 8, 16)]
 
 
-def sweep_scores(cache: torch.Tensor, fp8: torch.Tensor) -> None:
+def sweep_scores(cache: torch.Tensor, fp8: torch.Tensor, shapes: list[tuple[int, int]]
+                 ) -> None:
+    """The index scores alone for each SWEEP_SCORES variant at each (batch, context)."""
     print("| index scores: BLOCK_N | warps | CHUNKS | batch | context | bf16 | FP8 |")
     print("|---|---|---|---|---|---|---|")
     saved = dsa.BLOCK_N, dsa.NUM_WARPS, dsa.CHUNKS
     for n, warps, chunks in SWEEP_SCORES:
         dsa.BLOCK_N, dsa.NUM_WARPS, dsa.CHUNKS = n, warps, chunks
-        for batch, context in [(1, 8192), (1, 131072), (16, 131072)]:
-            print(f"| {n} | {warps} | {chunks} | {batch} | {context} | "
-                  f"{score_time(batch, context, cache):.1f} | "
-                  f"{score_time(batch, context, fp8):.1f} |", flush=True)
+        for batch, context in shapes:
+            try:
+                cells = (f"{score_time(batch, context, cache):.1f} | "
+                         f"{score_time(batch, context, fp8):.1f}")
+            except Exception as e:  # (a variant past the GPU's resources)
+                cells = f"{type(e).__name__} |"
+            print(f"| {n} | {warps} | {chunks} | {batch} | {context} | {cells} |", flush=True)
     dsa.BLOCK_N, dsa.NUM_WARPS, dsa.CHUNKS = saved
 
 
@@ -178,7 +183,8 @@ def main() -> None:
     p.add_argument("--sweep", action="store_true",
                    help="time the kernels' variants instead (SWEEP_*)")
     p.add_argument("--sweep-scores", action="store_true",
-                   help="time the index score kernel's variants only (SWEEP_SCORES)")
+                   help="time the index score kernel's variants only (SWEEP_SCORES) at "
+                        "each --batch and --context")
     a = p.parse_args()
     bf16, fp8, scales = caches(max(a.batch) * max(a.context))
     print(f"{torch.cuda.get_device_name()} | GLM-5 attention, one layer | CUDA-graph replay "
@@ -187,7 +193,7 @@ def main() -> None:
         sweep(bf16, fp8, scales)
         return
     if a.sweep_scores:
-        sweep_scores(bf16, fp8)
+        sweep_scores(bf16, fp8, [(b, c) for b in a.batch for c in a.context])
         return
     print(f"KV bytes a token and layer: bf16 {(LAT + ROPE) * 2} latent + {INDEX * 2} index key "
           f"= {(LAT + ROPE + INDEX) * 2}; FP8 {LAT + ROPE} latent + {INDEX} index key + 16 "

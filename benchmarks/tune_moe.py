@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 
 import torch
 from moe_layer import model_config, timed
@@ -75,6 +76,14 @@ def tune(path: str, runs: list, mode: int, scale_k: int, k: int) -> tuple[dict, 
     return best, best_us, default
 
 
+def save(table: dict, path: str) -> None:
+    """Write the table whole or not at all (a run killed mid-write leaves the old file)."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(table, f, indent=1, sort_keys=True)
+    os.replace(tmp, path)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -120,8 +129,7 @@ def main() -> None:
                     entries[moe_configs.key(path, mode, n, k, t * m.top_k)] = best
                 print(f"| {form} | {name} | {t} | {path} | {default:.1f} | {us:.1f} | "
                       f"{best} |", flush=True)
-                with open(args.output, "w") as f:  # (a cut-off run keeps what it found)
-                    json.dump(table, f, indent=1, sort_keys=True)
+                save(table, args.output)  # (a cut-off run keeps what it found)
     experts = f" --experts {args.experts}" if args.experts else ""
     print(f"command: python benchmarks/tune_moe.py --model {args.model}{experts} --tokens "
           f"{args.tokens} --forms {args.forms} --calls {args.calls}")

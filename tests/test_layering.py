@@ -17,10 +17,13 @@ FLOORS = ("engine", "core", "worker", "disagg", "layers", "ops")
 
 
 def _imports(path: pathlib.Path) -> list[tuple[str, int]]:
-    """(module, line) of every absolute import in the file, at any depth."""
+    """(module, line) of every absolute import in the file, at any depth (`from frugal import
+    ops`: frugal.ops)."""
     found = []
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+        if isinstance(node, ast.ImportFrom) and node.module == "frugal" and node.level == 0:
+            found += [(f"frugal.{alias.name}", node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             found.append((node.module, node.lineno))
         elif isinstance(node, ast.Import):
             found += [(alias.name, node.lineno) for alias in node.names]

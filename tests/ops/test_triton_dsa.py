@@ -170,9 +170,13 @@ def test_fp8_index_keys_round_trip():
     torch.testing.assert_close(back.abs().amax(-1), keys.view(48, 32).abs().amax(-1))
 
 
-def test_fp8_index_topk_and_mla_match_torch_ref():
+@pytest.mark.parametrize("block,chunks", [(None, 1), (16, 3)])
+def test_fp8_index_topk_and_mla_match_torch_ref(block, chunks, monkeypatch):
     """FP8 index keys (each with its scale) and an FP8 latent cache (one scale): the kernels
-    read them as torch_ref does."""
+    read them as torch_ref does (the scores also in blocks of 16 positions, three a program)."""
+    if block is not None:
+        monkeypatch.setattr(tri, "BLOCK_N", block)
+    monkeypatch.setattr(tri, "CHUNKS", chunks)
     heads, dim, lat, rope = 16, 16, 32, 16
     lens, new = [70, 30], [1, 6]
     g, cache, table, cu, seq_lens = batch(lens, new, lat + rope + dim)

@@ -167,6 +167,13 @@ def test_tuned_configurations_compute_what_the_defaults_do(form, monkeypatch):
     scale_k = {"float": 1, "fp8": 128, "int4": 32}[form]
     monkeypatch.setattr(moe_configs, "device_name", lambda device: "a tuned GPU")
     max_slots = gemv.MAX_SLOTS  # (each tile below takes both paths)
+    launched, kernel = [], gemv._gemv  # (the PREFETCH each GEMV launch gets)
+
+    class Spy:
+        def __getitem__(self, grid):
+            return lambda *a, **kw: launched.append(kw["PREFETCH"]) or kernel[grid](*a, **kw)
+
+    monkeypatch.setattr(gemv, "_gemv", Spy())
     # (N tiles of 256 straddle FP8's blocks of 128 rows: scales on each block's partial sum)
     # (BLOCK_N, BLOCK_K, num_warps, PREFETCH): K tiles past the down projection's 128 inputs too
     for gemv_tile, sorted_tile in (((8, 64, 1, 1), (32, 32, 4, 2)),
@@ -191,11 +198,16 @@ def test_tuned_configurations_compute_what_the_defaults_do(form, monkeypatch):
             got = tri.fused_moe(*args)
             torch.testing.assert_close(got.cpu(), ref, atol=1e-4 * ref.abs().max().item(),
                                        rtol=1e-4)
-    # a K tile the small-batch kernel cannot take (INT4: 16 inputs, not whole 32s) is ignored
-    table = {moe_configs.key("gemv", 2, inter, hidden, slots): dict(
-        zip(moe_configs.FIELDS["gemv"], (16, 16, 1)))}
-    monkeypatch.setattr(moe_configs, "_table", lambda: {"a tuned GPU": table})
-    assert moe_configs.lookup(torch.device("cpu"), "gemv", 2, inter, hidden, slots, 16) is None
+    # INT4 launches take the tiles' PREFETCH (two matrices each), the other forms none
+    assert launched == ([1, 1, 1, 1, 2, 2, 0, 0] if mode == 2 else [0] * 8), launched
+    # a K tile the small-batch kernel cannot take (INT4: 16 inputs, not whole 32s) is ignored,
+    # and so is a PREFETCH past 2
+    for tile in ((16, 16, 1, 0), (16, 64, 1, 3)):
+        table = {moe_configs.key("gemv", 2, inter, hidden, slots): dict(
+            zip(moe_configs.FIELDS["gemv"] + moe_configs.OPTIONAL["gemv"], tile))}
+        monkeypatch.setattr(moe_configs, "_table", lambda t=table: {"a tuned GPU": t})
+        assert moe_configs.lookup(torch.device("cpu"), "gemv", 2, inter, hidden, slots,
+                                  16) is None
 
 
 def test_committed_table_holds_valid_tiles():

@@ -26,7 +26,7 @@ from frugal.ops.triton.token_rows import page_slot, token_request
 from frugal.ops.triton.topk import top_positions
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-BLOCK_N = 128  # positions a score program takes (64-256 measured: 128 by up to 8 %)
+BLOCK_N = 128  # positions of a score block (64-256 measured: 128 by up to 8 %)
 NUM_WARPS = 4
 CHUNKS = 1  # blocks of BLOCK_N positions a score program takes in turn
 # The radix select where it beat torch.topk (k = 2,048; H100, 1-64 rows of 8k-128k): 20-24 us

@@ -61,7 +61,8 @@ def lookup(device: torch.device, path: str, mode: int, n: int, k: int, slots: in
     entry = _table().get(name, {}).get(key(path, mode, n, k, slots)) if name else None
     if entry is None or not set(FIELDS[path]) <= set(entry) <= {*FIELDS[path], *OPTIONAL[path]}:
         return None
-    if path == "gemv" and not gemv_tile(mode, entry["BLOCK_K"]):
+    if path == "gemv" and (not gemv_tile(mode, entry["BLOCK_K"])
+                           or entry.get("PREFETCH", 0) not in (0, 1, 2)):
         return None
     return entry if tiles_scales(mode, entry["BLOCK_K"], scale_k, k) else None
 

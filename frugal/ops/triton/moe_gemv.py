@@ -127,6 +127,7 @@ def _gemv(a_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, route_ptr, N, K, sam, swe, swn,
         acc2 = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
         up2 = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
         w_base, s_base = w_ptr + expert * swe, s_ptr + expert * sse
+        tl.static_assert(PREFETCH >= 0 and PREFETCH <= 2)
         if PREFETCH:  # the words and scales PREFETCH steps ahead load while this step sums
             w, s, w_up, s_up = _int4_pair(w_base, s_base, 0, K, N, offs_n, n_ok, swn, swk, ssn,
                                           ssk, S_BK, GROUPS, GATED)
