@@ -6,7 +6,9 @@ kernel, SPARSE).
 The score kernel takes one new token and CHUNKS blocks of BLOCK_N of its request's positions a
 program, one block after the other: the token's index queries [heads, dim] (loaded once) against
 the keys gathered from the cache rows ([BLOCK_N, dim]), ReLU, the per-head weights summed in,
--inf past the positions the token sees. Twins:
+-inf past the positions the token sees. With CHUNKS > 1 the block loop is Triton's to pipeline:
+compiled for sm_90 the key gathers become cp.async, the next blocks' loads in flight during this
+block's dot (one block a program: plain loads, the dot waiting on them). Twins:
 torch_ref.index_topk and torch_ref.sparse_mla_attention.
 """
 
