@@ -5,13 +5,13 @@ H200 SM issues 4 warp instructions a clock (128 thread instructions) and its int
 take half of that, so ~4 instructions a weight cap INT4 near 4 TB/s and ~8 near 2.
 
     python benchmarks/moe_sass.py [--model qwen3-30b-a3b] [--forms float,fp8,int4]
-        [--slots 8] [--tile BLOCK_N,BLOCK_K,num_warps] [--prefetch 0|1|2]
+        [--slots 8] [--tile BLOCK_N,BLOCK_K,num_warps] [--prefetch 0|1|2] [--stages 1-4]
         [--gpu "NVIDIA H200"] [--dump out.sass]
 
-Tiles: --tile (and --prefetch), else the tuned table's for --gpu (ops.triton.moe_configs, with
-its PREFETCH), else the kernel's defaults. Prints, per form and matrix, the loop's
-instructions, weights per loop step and thread instructions per weight, the registers a thread
-and stack bytes, and the most frequent opcodes.
+Tiles: --tile (and --prefetch, --stages), else the tuned table's for --gpu
+(ops.triton.moe_configs, with its PREFETCH and STAGES), else the kernel's defaults. Prints, per
+form and matrix, the loop's instructions, weights per loop step and thread instructions per
+weight, the registers a thread and stack bytes, and the most frequent opcodes.
 """
 
 from __future__ import annotations
@@ -34,11 +34,11 @@ INSTRUCTION = re.compile(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)")
 
 
 def sass(n: int, k: int, mode: int, gated: bool, tile: tuple, path: str = "gemv",
-         block_m: int = 16, prefetch: int = 0) -> str:
+         block_m: int = 16, prefetch: int = 0, loop_stages: int = 1) -> str:
     """The kernel's SASS for one matrix ([E, (2 if gated) n, k]) on `path` (gemv: moe_gemv;
     sorted: moe's grouped GEMM with BLOCK_M rows), specialized as a launch would be (ints
     equal to 1 are constants, pointers and multiples of 16 aligned). tile: BLOCK_N, BLOCK_K,
-    num_warps[, num_stages]; prefetch: the GEMV's PREFETCH (INT4)."""
+    num_warps[, num_stages]; prefetch, loop_stages: the GEMV's PREFETCH (INT4) and STAGES."""
     block_n, block_k, warps, *stages = tile
     rows = 2 * n if gated else n
     s_bn, s_bk = {0: (1, 1), 1: (128, 128), 2: (1, 32)}[mode]
@@ -56,6 +56,7 @@ def sass(n: int, k: int, mode: int, gated: bool, tile: tuple, path: str = "gemv"
     if path == "gemv":
         const["FP8_SCALES"] = moe_gemv._fp8_scales(mode, s_bn, s_bk, n, k, block_n)
         const["PREFETCH"] = prefetch if mode == 2 else 0
+        const["STAGES"] = loop_stages if not const["PREFETCH"] else 1
     if path == "sorted":
         const.update(ROUTED=not gated, F32_DOT=False, BLOCK_M=block_m)
     fn = moe_gemv._gemv if path == "gemv" else moe._kernel
@@ -120,6 +121,9 @@ def main() -> None:
     p.add_argument("--prefetch", type=int, default=None, choices=(0, 1, 2),
                    help="INT4 GEMV: K steps loaded ahead (moe_gemv PREFETCH; default: the "
                         "table entry's, else 0)")
+    p.add_argument("--stages", type=int, default=None, choices=(1, 2, 3, 4),
+                   help="GEMV: the K loop pipelined in this many stages (moe_gemv STAGES; "
+                        "default: the table entry's, else 1)")
     p.add_argument("--gpu", default="NVIDIA H200", help="whose tuned tiles to take")
     p.add_argument("--dump", help="write the last kernel's SASS here")
     args = p.parse_args()
@@ -142,7 +146,9 @@ def main() -> None:
                         else default_tile(args.path, mode, k, block_m))
             prefetch = (args.prefetch if args.prefetch is not None
                         else (entry or {}).get("PREFETCH", 0))
-            text = sass(n, k, mode, gated, tile, args.path, block_m, prefetch)
+            stages = (args.stages if args.stages is not None
+                      else (entry or {}).get("STAGES", 1))
+            text = sass(n, k, mode, gated, tile, args.path, block_m, prefetch, stages)
             body = k_loop(text)
             weights = tile[0] * tile[1] * (2 if gated else 1)  # (a loop step's, dequantized once)
             top = collections.Counter(op.split(".")[0] for op in body).most_common(5)
@@ -154,6 +160,7 @@ def main() -> None:
     print(f"\n(command: python benchmarks/moe_sass.py --model {args.model} --forms {args.forms}"
           f" --slots {args.slots} --path {args.path} --gpu '{args.gpu}'"
           f"{'' if args.prefetch is None else f' --prefetch {args.prefetch}'}"
+          f"{'' if args.stages is None else f' --stages {args.stages}'}"
           f"{' --tile ' + args.tile if args.tile else ''}; BLOCK_M {block_m} on the sorted path)")
 
 

@@ -6,8 +6,8 @@ For each expert matrix of a model (gate_up, gated; down, routed), each weight fo
 candidate configuration of the path fused_moe takes at that many slots (the small-batch GEMV up
 to moe_gemv.MAX_SLOTS, the sorted grouped GEMM past it) is timed from a CUDA graph of --calls
 launches, each routing to other experts (as moe_layer.py times), checked against the default
-configuration's output, and the fastest kept (INT4 GEMV candidates with and without
-PREFETCH). Prints a table of the default and tuned microseconds.
+configuration's output, and the fastest kept (GEMV candidates with the K loop pipelined in
+STAGES or not, INT4 also with PREFETCH). Prints a table of the default and tuned microseconds.
 
     python benchmarks/tune_moe.py --model qwen3-30b-a3b [--tokens 1,2,4,8,16,32,64,128,256]
         [--forms bf16,fp8,int4] [--output frugal/ops/triton/moe_configs.json] [--experts N]
@@ -32,7 +32,11 @@ from frugal.quant.experts import quantize_experts
 # for the GEMV before its INT4 rewrite, whose threads now share each input across their rows)
 GEMV = [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w}
         for n, k, w in itertools.product((8, 16, 32, 64), (64, 128, 256, 512), (1, 2, 4))]
-GEMV_INT4 = GEMV + [{**c, "PREFETCH": d} for d in (1, 2) for c in GEMV]  # (K steps ahead)
+# the K loop pipelined by Triton (STAGES, every form) or INT4's steps loaded ahead (PREFETCH),
+# on the tiles that won at Qwen3-30B-A3B's and Kimi K2's shapes on an H100 and the H200
+NARROW = [c for c in GEMV if c["BLOCK_N"] <= 32 and c["BLOCK_K"] >= 128]
+GEMV_PIPELINED = GEMV + [{**c, "STAGES": s} for s in (2, 3) for c in NARROW]
+GEMV_INT4 = GEMV_PIPELINED + [{**c, "PREFETCH": d} for d in (1, 2) for c in NARROW]
 SORTED = [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "num_stages": s}
           for n, k, w, s in itertools.product((32, 64, 128), (32, 64, 128), (4, 8), (2, 3, 4))]
 
@@ -61,7 +65,7 @@ def tune(path: str, runs: list, mode: int, scale_k: int, k: int) -> tuple[dict, 
     want = run(None).clone()
     default = timed([lambda r=r: r(None) for r in runs])
     best, best_us = None, float("inf")
-    for config in (GEMV_INT4 if mode == 2 else GEMV) if path == "gemv" else SORTED:
+    for config in (GEMV_INT4 if mode == 2 else GEMV_PIPELINED) if path == "gemv" else SORTED:
         if not moe_configs.tiles_scales(mode, config["BLOCK_K"], scale_k, k):
             continue
         try:

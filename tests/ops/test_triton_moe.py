@@ -167,19 +167,21 @@ def test_tuned_configurations_compute_what_the_defaults_do(form, monkeypatch):
     scale_k = {"float": 1, "fp8": 128, "int4": 32}[form]
     monkeypatch.setattr(moe_configs, "device_name", lambda device: "a tuned GPU")
     max_slots = gemv.MAX_SLOTS  # (each tile below takes both paths)
-    launched, kernel = [], gemv._gemv  # (the PREFETCH each GEMV launch gets)
+    launched, kernel = [], gemv._gemv  # (the PREFETCH and STAGES each GEMV launch gets)
 
     class Spy:
         def __getitem__(self, grid):
-            return lambda *a, **kw: launched.append(kw["PREFETCH"]) or kernel[grid](*a, **kw)
+            return lambda *a, **kw: (launched.append((kw["PREFETCH"], kw["STAGES"]))
+                                     or kernel[grid](*a, **kw))
 
     monkeypatch.setattr(gemv, "_gemv", Spy())
     # (N tiles of 256 straddle FP8's blocks of 128 rows: scales on each block's partial sum)
-    # (BLOCK_N, BLOCK_K, num_warps, PREFETCH): K tiles past the down projection's 128 inputs too
-    for gemv_tile, sorted_tile in (((8, 64, 1, 1), (32, 32, 4, 2)),
-                                   ((64, 256, 8, 1), (64, 64, 8, 3)),
-                                   ((16, 64, 2, 2), (32, 64, 4, 2)),
-                                   ((256, 128, 4, 0), (128, 32, 4, 4))):
+    # (BLOCK_N, BLOCK_K, num_warps, PREFETCH, STAGES): K tiles past the down projection's 128
+    # inputs too (STAGES: Triton pipelines the loop on a GPU; the interpreter runs it plainly)
+    for gemv_tile, sorted_tile in (((8, 64, 1, 1, 1), (32, 32, 4, 2)),
+                                   ((64, 256, 8, 1, 3), (64, 64, 8, 3)),
+                                   ((16, 64, 2, 2, 1), (32, 64, 4, 2)),
+                                   ((256, 128, 4, 0, 3), (128, 32, 4, 4))):
         table = {}
         for n, k in ((inter, hidden), (hidden, inter)):
             gemv_entry = dict(zip(moe_configs.FIELDS["gemv"] + moe_configs.OPTIONAL["gemv"],
@@ -198,11 +200,14 @@ def test_tuned_configurations_compute_what_the_defaults_do(form, monkeypatch):
             got = tri.fused_moe(*args)
             torch.testing.assert_close(got.cpu(), ref, atol=1e-4 * ref.abs().max().item(),
                                        rtol=1e-4)
-    # INT4 launches take the tiles' PREFETCH (two matrices each), the other forms none
-    assert launched == ([1, 1, 1, 1, 2, 2, 0, 0] if mode == 2 else [0] * 8), launched
+    # INT4 launches take the tiles' PREFETCH (two matrices each; then one stage), the other
+    # forms none; every form the tiles' STAGES
+    want = [(1, 1), (1, 1), (1, 1), (1, 1), (2, 1), (2, 1), (0, 3), (0, 3)] if mode == 2 else \
+        [(0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1), (0, 3), (0, 3)]
+    assert launched == want, launched
     # a K tile the small-batch kernel cannot take (INT4: 16 inputs, not whole 32s) is ignored,
-    # and so is a PREFETCH past 2
-    for tile in ((16, 16, 1, 0), (16, 64, 1, 3)):
+    # and so are a PREFETCH past 2 and STAGES past 4
+    for tile in ((16, 16, 1, 0, 1), (16, 64, 1, 3, 1), (16, 64, 1, 0, 5)):
         table = {moe_configs.key("gemv", 2, inter, hidden, slots): dict(
             zip(moe_configs.FIELDS["gemv"] + moe_configs.OPTIONAL["gemv"], tile))}
         monkeypatch.setattr(moe_configs, "_table", lambda t=table: {"a tuned GPU": t})
@@ -227,7 +232,8 @@ def test_committed_table_holds_valid_tiles():
             assert fields <= set(entry) <= fields | optional, key
             assert all(v > 0 and v & (v - 1) == 0 for f, v in entry.items()
                        if f in fields - {"num_stages"}), key
-            assert all(entry[f] in (0, 1, 2) for f in optional & set(entry)), key
+            assert entry.get("PREFETCH", 0) in (0, 1, 2), key
+            assert entry.get("STAGES", 1) in (1, 2, 3, 4), key
             mode, k = int(mode.split("=")[1]), int(k.split("=")[1])
             assert moe_configs.tiles_scales(mode, entry["BLOCK_K"], scale_k[mode], k), key
             assert path != "gemv" or moe_configs.gemv_tile(mode, entry["BLOCK_K"]), key

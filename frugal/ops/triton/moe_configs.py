@@ -20,7 +20,9 @@ import torch
 TABLE = pathlib.Path(__file__).with_name("moe_configs.json")
 FIELDS = {"gemv": ("BLOCK_N", "BLOCK_K", "num_warps"),
           "sorted": ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages")}
-OPTIONAL = {"gemv": ("PREFETCH",), "sorted": ()}  # fields an entry may leave out (then 0)
+# fields an entry may leave out: GEMV PREFETCH (INT4 K steps loaded ahead, 0-2; default 0) and
+# STAGES (the K loop software-pipelined by Triton in that many stages, 1-4; default 1: not)
+OPTIONAL = {"gemv": ("PREFETCH", "STAGES"), "sorted": ()}
 
 
 def bucket(slots: int) -> int:
@@ -62,7 +64,8 @@ def lookup(device: torch.device, path: str, mode: int, n: int, k: int, slots: in
     if entry is None or not set(FIELDS[path]) <= set(entry) <= {*FIELDS[path], *OPTIONAL[path]}:
         return None
     if path == "gemv" and (not gemv_tile(mode, entry["BLOCK_K"])
-                           or entry.get("PREFETCH", 0) not in (0, 1, 2)):
+                           or entry.get("PREFETCH", 0) not in (0, 1, 2)
+                           or entry.get("STAGES", 1) not in (1, 2, 3, 4)):
         return None
     return entry if tiles_scales(mode, entry["BLOCK_K"], scale_k, k) else None
 

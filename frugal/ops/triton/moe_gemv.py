@@ -11,9 +11,11 @@ same outputs side by side, silu(gate) · up stored per slot; down runs ROUTED: e
 times its routing weight, the top_k of a token summed in fp32 after (in a fixed order: results
 do not depend on scheduling). A weight is read once per slot: two tokens routed to one expert
 read it twice (the sorted path, ops.triton.moe, reads it once; it takes over past MAX_SLOTS).
-With PREFETCH 1 or 2 (INT4, a tile table's choice) a program loads the words and scales of the
-K step 1 or 2 ahead before it sums this step's: two or three times the bytes in flight a warp,
-for a few more instructions and registers (benchmarks/moe_sass.py --prefetch).
+Two ways to keep more bytes in flight a warp, each a tile table's choice (off by default): STAGES
+2-4 has Triton software-pipeline the K loop (compiled for sm_90: the weight tiles copied into
+shared memory by cp.async, STAGES - 1 steps ahead; every form); PREFETCH 1 or 2 (INT4) loads the
+words and scales of the K step 1 or 2 ahead into registers before it sums this step's
+(benchmarks/moe_sass.py --stages, --prefetch: their instructions and registers).
 """
 
 from __future__ import annotations
@@ -115,7 +117,8 @@ def _fp8_sum(w_ptr, s_ptr, expert, k0, K, a, offs_n, n_ok, swe, swn, swk, sse, s
 def _gemv(a_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, route_ptr, N, K, sam, swe, swn, swk, sse, ssn,
           ssk, som, magic, A_DIV: tl.constexpr, MODE: tl.constexpr, S_BN: tl.constexpr,
           S_BK: tl.constexpr, GATED: tl.constexpr, FP8_SCALES: tl.constexpr,
-          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr):
+          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
+          STAGES: tl.constexpr):
     slot = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -148,7 +151,7 @@ def _gemv(a_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, route_ptr, N, K, sam, swe, swn,
                 else:
                     w, s, w_up, s_up = wn, sn, wn_up, sn_up
         else:
-            for k0 in range(0, K, BLOCK_K):
+            for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
                 a, a_sum = _int4_inputs(a_row, k0, K, GROUPS)
                 w, s = _int4_load(w_base, s_base, k0, K, offs_n, n_ok, swn, swk, ssn, ssk, S_BK,
                                   GROUPS)
@@ -170,7 +173,7 @@ def _gemv(a_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, route_ptr, N, K, sam, swe, swn,
         s_base = s_ptr + expert * sse  # (FP8_SCALES 1: the tile's rows share a scale block)
         s_row = s_base + (tl.program_id(1) * BLOCK_N // S_BN) * ssn
         s_row_up = s_base + ((tl.program_id(1) * BLOCK_N + N) // S_BN) * ssn
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             a = tl.load(a_row + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
             if IN_PLACE:  # products summed in place, across threads once after the loop
@@ -238,21 +241,23 @@ def _launch(a: torch.Tensor, w: torch.Tensor | Experts, out: torch.Tensor, n: in
             config: dict | None = None) -> None:
     """out[slot] = a[slot // a_div] @ w[ids[slot]]ᵀ, gated (route None) or times route[slot].
     config: BLOCK_N, BLOCK_K, num_warps and optionally PREFETCH (INT4: the K steps loaded
-    ahead, 0-2; default 0) (default: the tuned table's, ops.triton.moe_configs, else _blocks')."""
+    ahead, 0-2; default 0) and STAGES (1-4, default 1; one with PREFETCH) (default: the tuned
+    table's, ops.triton.moe_configs, else _blocks')."""
     data, scales, mode, s_bn, s_bk, k = _operand(w)
     config = config or lookup(a.device, "gemv", mode, n, k, ids.numel(), s_bk)
     if config is None:
         block_n, block_k = _blocks(mode, s_bk, k)
-        num_warps, prefetch = 4, 0
+        num_warps, prefetch, stages = 4, 0, 1
     else:
         block_n, block_k, num_warps = config["BLOCK_N"], config["BLOCK_K"], config["num_warps"]
         prefetch = config.get("PREFETCH", 0) if mode == 2 else 0
+        stages = config.get("STAGES", 1) if not prefetch else 1
     grid = (ids.numel(), cdiv(n, block_n))
     _gemv[grid](a, data, scales, out, ids, route if route is not None else out, n, k,
                 a.stride(0), *data.stride(), *scales.stride(), out.stride(0), ONE_BITS,
                 A_DIV=a_div, MODE=mode, S_BN=s_bn, S_BK=s_bk, GATED=route is None,
                 FP8_SCALES=_fp8_scales(mode, s_bn, s_bk, n, k, block_n), BLOCK_N=block_n,
-                BLOCK_K=block_k, PREFETCH=prefetch, num_warps=num_warps)
+                BLOCK_K=block_k, PREFETCH=prefetch, STAGES=stages, num_warps=num_warps)
 
 
 def _fp8_scales(mode: int, s_bn: int, s_bk: int, n: int, k: int, block_n: int) -> int:
