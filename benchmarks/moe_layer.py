@@ -1,13 +1,13 @@
 """Time one MoE layer's experts (ops.triton.fused_moe) at a real model's shapes, by tokens per
 step, float / FP8-block / INT4 experts, against the per-expert PyTorch loop (torch_ref), and
 print a table: microseconds per call and the weight bytes read per microsecond (the experts a
-step touches, each read once: TB/s). A time is that of --calls calls replayed from one CUDA
-graph, each routing the tokens to other experts (the routing permuted), as consecutive layers
-read other weights: neither a graph launch nor weights still in L2 from the call before count
-(FP8 and INT4 experts of one Qwen3 step fit the L2). Up to moe_gemv.MAX_SLOTS slots
-fused_moe takes the small-batch path (each slot reads its expert, no sort); --sorted times the
-sorted grouped GEMMs there too, and the routing kernel (ops.triton.moe_route) against the torch
-ops it replaces is timed beside them.
+step touches, each read once, with their scales: TB/s). A time is that of --calls calls replayed
+from one CUDA graph, each routing the tokens to other experts (the routing permuted), as
+consecutive layers read other weights: neither a graph launch nor weights still in L2 from the
+call before count (FP8 and INT4 experts of one Qwen3 step fit the L2). Up to moe_gemv.MAX_SLOTS
+slots fused_moe takes the small-batch path (each slot reads its expert, no sort); --sorted times
+the sorted grouped GEMMs there too, and the routing kernel (ops.triton.moe_route) against the
+torch ops it replaces is timed beside them.
 
     python benchmarks/moe_layer.py [--model qwen3-30b-a3b] [--tokens 1,8,32,64,256,2048]
         [--experts N] [--calls 16]
@@ -29,7 +29,7 @@ from frugal.loader.dummy import PRESETS
 from frugal.model_config import ModelConfig
 from frugal.ops import torch_ref
 from frugal.ops.triton import moe_gemv
-from frugal.ops.triton.moe import fused_moe
+from frugal.ops.triton.moe import _operand, fused_moe
 from frugal.ops.triton.moe_route import route_experts
 from frugal.quant.experts import quantize_experts
 
@@ -43,6 +43,13 @@ def model_config(name: str) -> ModelConfig:
 def timed(fns: list) -> float:
     """Microseconds per call of fns replayed in one CUDA graph (timing.graph_time's median)."""
     return graph_time(fns) * 1000
+
+
+def _expert_bytes(w) -> int:
+    """Bytes of one expert's matrix as the kernels read it: the weights and, quantized, their
+    scales."""
+    data, scales, mode, *_ = _operand(w)
+    return data[0].nbytes + (scales[0].nbytes if mode else 0)
 
 
 def main() -> None:
@@ -65,7 +72,8 @@ def main() -> None:
     forms = {"bf16": (gate_up, down),
              "fp8": (quantize_experts(gate_up, "fp8"), quantize_experts(down, "fp8")),
              "int4": (quantize_experts(gate_up, "int4"), quantize_experts(down, "int4"))}
-    bytes_per = {"bf16": 2.0, "fp8": 1.0, "int4": 0.5}
+    # one expert's bytes in each form: its weights (packed INT4 words) and their scales
+    expert_bytes = {name: sum(_expert_bytes(w) for w in pair) for name, pair in forms.items()}
     rows = []
     print(f"{args.model}: {e} experts, top {m.top_k}, hidden {h}, expert inter {i}; us per layer "
           f"(CUDA graph) on {torch.cuda.get_device_name()}")
@@ -93,7 +101,7 @@ def main() -> None:
         for name, (gu, dn) in forms.items():
             calls = [lambda a=(x, gu, dn, wts, eids): fused_moe(*a) for wts, eids in routings]
             row[f"{name}_us"] = timed(calls)
-            row[f"{name}_tbs"] = hit * 3 * h * i * bytes_per[name] / row[f"{name}_us"] / 1e6
+            row[f"{name}_tbs"] = hit * expert_bytes[name] / row[f"{name}_us"] / 1e6
             if args.sorted and t * m.top_k <= moe_gemv.MAX_SLOTS:
                 limit, moe_gemv.MAX_SLOTS = moe_gemv.MAX_SLOTS, 0
                 row[f"{name}_sorted_us"] = timed(calls)
