@@ -34,11 +34,11 @@ INSTRUCTION = re.compile(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)")
 
 
 def sass(n: int, k: int, mode: int, gated: bool, tile: tuple, path: str = "gemv",
-         block_m: int = 16, prefetch: int = 0, loop_stages: int = 1) -> str:
+         block_m: int = 16, options: dict | None = None) -> str:
     """The kernel's SASS for one matrix ([E, (2 if gated) n, k]) on `path` (gemv: moe_gemv;
     sorted: moe's grouped GEMM with BLOCK_M rows), specialized as a launch would be (ints
     equal to 1 are constants, pointers and multiples of 16 aligned). tile: BLOCK_N, BLOCK_K,
-    num_warps[, num_stages]; prefetch, loop_stages: the GEMV's PREFETCH (INT4) and STAGES."""
+    num_warps[, num_stages]; options: the GEMV's PREFETCH and STAGES (moe_gemv.loop_options)."""
     block_n, block_k, warps, *stages = tile
     rows = 2 * n if gated else n
     s_bn, s_bk = {0: (1, 1), 1: (128, 128), 2: (1, 32)}[mode]
@@ -55,8 +55,7 @@ def sass(n: int, k: int, mode: int, gated: bool, tile: tuple, path: str = "gemv"
              "GATED": gated, "BLOCK_N": block_n, "BLOCK_K": block_k}
     if path == "gemv":
         const["FP8_SCALES"] = moe_gemv._fp8_scales(mode, s_bn, s_bk, n, k, block_n)
-        const["PREFETCH"] = prefetch if mode == 2 else 0
-        const["STAGES"] = loop_stages if not const["PREFETCH"] else 1
+        const["PREFETCH"], const["STAGES"] = moe_gemv.loop_options(mode, options or {})
     if path == "sorted":
         const.update(ROUTED=not gated, F32_DOT=False, BLOCK_M=block_m)
     fn = moe_gemv._gemv if path == "gemv" else moe._kernel
@@ -144,11 +143,10 @@ def main() -> None:
             else:
                 tile = (tuple(entry[f] for f in moe_configs.FIELDS[args.path]) if entry
                         else default_tile(args.path, mode, k, block_m))
-            prefetch = (args.prefetch if args.prefetch is not None
-                        else (entry or {}).get("PREFETCH", 0))
-            stages = (args.stages if args.stages is not None
-                      else (entry or {}).get("STAGES", 1))
-            text = sass(n, k, mode, gated, tile, args.path, block_m, prefetch, stages)
+            options = {f: v for f, v in (entry or {}).items() if f in ("PREFETCH", "STAGES")}
+            options.update({f: v for f, v in (("PREFETCH", args.prefetch),
+                                              ("STAGES", args.stages)) if v is not None})
+            text = sass(n, k, mode, gated, tile, args.path, block_m, options)
             body = k_loop(text)
             weights = tile[0] * tile[1] * (2 if gated else 1)  # (a loop step's, dequantized once)
             top = collections.Counter(op.split(".")[0] for op in body).most_common(5)

@@ -108,13 +108,14 @@ SWEEP_INDEX = [(64, 4), (128, 4), (128, 8), (256, 4), (256, 8)]  # (BLOCK_N, num
 SWEEP_SCORES = [(n, w, c) for n in (64, 128) for w in (4, 8) for c in (1, 2, 4, 8, 16)]
 
 
-def sweep_scores(cache: torch.Tensor, fp8: torch.Tensor, shapes: list[tuple[int, int]]
-                 ) -> None:
-    """The index scores alone for each SWEEP_SCORES variant at each (batch, context)."""
+def sweep_scores(cache: torch.Tensor, fp8: torch.Tensor, shapes: list[tuple[int, int]],
+                 variants: list[tuple[int, int, int]] = SWEEP_SCORES) -> None:
+    """The index scores alone for each (BLOCK_N, warps, CHUNKS) variant at each (batch,
+    context)."""
     print("| index scores: BLOCK_N | warps | CHUNKS | batch | context | bf16 | FP8 |")
     print("|---|---|---|---|---|---|---|")
     saved = dsa.BLOCK_N, dsa.NUM_WARPS, dsa.CHUNKS
-    for n, warps, chunks in SWEEP_SCORES:
+    for n, warps, chunks in variants:
         dsa.BLOCK_N, dsa.NUM_WARPS, dsa.CHUNKS = n, warps, chunks
         for batch, context in shapes:
             try:
@@ -163,16 +164,9 @@ def sweep(cache: torch.Tensor, fp8: torch.Tensor, scales: torch.Tensor) -> None:
             r, f = bench(batch, 32768, cache), bench(batch, 32768, fp8, scales)
             print(f"| {keys} | {batch} | {r['attend']:.1f} | {f['attend']:.1f} |", flush=True)
     mla.MIN_SPLIT_KEYS = saved_keys
-    print("\n| index scores: BLOCK_N | warps | batch | context | bf16 | FP8 |")
-    print("|---|---|---|---|---|---|")
-    saved = dsa.BLOCK_N, dsa.NUM_WARPS
-    for n, warps in SWEEP_INDEX:
-        dsa.BLOCK_N, dsa.NUM_WARPS = n, warps
-        for batch, context in [(1, 131072), (16, 131072), (64, 131072)]:
-            r, f = bench(batch, context, cache), bench(batch, context, fp8, scales)
-            print(f"| {n} | {warps} | {batch} | {context} | {r['score']:.1f} | "
-                  f"{f['score']:.1f} |", flush=True)
-    dsa.BLOCK_N, dsa.NUM_WARPS = saved
+    print()
+    sweep_scores(cache, fp8, [(1, 131072), (16, 131072), (64, 131072)],
+                 [(n, warps, 1) for n, warps in SWEEP_INDEX])
 
 
 def main() -> None:

@@ -184,7 +184,7 @@ def test_tuned_configurations_compute_what_the_defaults_do(form, monkeypatch):
                                    ((256, 128, 4, 0, 3), (128, 32, 4, 4))):
         table = {}
         for n, k in ((inter, hidden), (hidden, inter)):
-            gemv_entry = dict(zip(moe_configs.FIELDS["gemv"] + moe_configs.OPTIONAL["gemv"],
+            gemv_entry = dict(zip(moe_configs.FIELDS["gemv"] + tuple(moe_configs.OPTIONAL["gemv"]),
                                   gemv_tile))
             sorted_entry = dict(zip(moe_configs.FIELDS["sorted"], sorted_tile))
             table[moe_configs.key("gemv", mode, n, k, slots)] = gemv_entry
@@ -209,7 +209,7 @@ def test_tuned_configurations_compute_what_the_defaults_do(form, monkeypatch):
     # and so are a PREFETCH past 2 and STAGES past 4
     for tile in ((16, 16, 1, 0, 1), (16, 64, 1, 3, 1), (16, 64, 1, 0, 5)):
         table = {moe_configs.key("gemv", 2, inter, hidden, slots): dict(
-            zip(moe_configs.FIELDS["gemv"] + moe_configs.OPTIONAL["gemv"], tile))}
+            zip(moe_configs.FIELDS["gemv"] + tuple(moe_configs.OPTIONAL["gemv"]), tile))}
         monkeypatch.setattr(moe_configs, "_table", lambda t=table: {"a tuned GPU": t})
         assert moe_configs.lookup(torch.device("cpu"), "gemv", 2, inter, hidden, slots,
                                   16) is None
@@ -228,12 +228,9 @@ def test_committed_table_holds_valid_tiles():
     for entries in table.values():
         for key, entry in entries.items():
             path, mode, n, k, slots = key.split()
-            fields, optional = set(moe_configs.FIELDS[path]), set(moe_configs.OPTIONAL[path])
-            assert fields <= set(entry) <= fields | optional, key
+            assert moe_configs.fields_valid(path, entry), key
             assert all(v > 0 and v & (v - 1) == 0 for f, v in entry.items()
-                       if f in fields - {"num_stages"}), key
-            assert entry.get("PREFETCH", 0) in (0, 1, 2), key
-            assert entry.get("STAGES", 1) in (1, 2, 3, 4), key
+                       if f in set(moe_configs.FIELDS[path]) - {"num_stages"}), key
             mode, k = int(mode.split("=")[1]), int(k.split("=")[1])
             assert moe_configs.tiles_scales(mode, entry["BLOCK_K"], scale_k[mode], k), key
             assert path != "gemv" or moe_configs.gemv_tile(mode, entry["BLOCK_K"]), key

@@ -20,9 +20,10 @@ import torch
 TABLE = pathlib.Path(__file__).with_name("moe_configs.json")
 FIELDS = {"gemv": ("BLOCK_N", "BLOCK_K", "num_warps"),
           "sorted": ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages")}
-# fields an entry may leave out: GEMV PREFETCH (INT4 K steps loaded ahead, 0-2; default 0) and
-# STAGES (the K loop software-pipelined by Triton in that many stages, 1-4; default 1: not)
-OPTIONAL = {"gemv": ("PREFETCH", "STAGES"), "sorted": ()}
+# fields an entry may leave out, with the values they take (the first: the default): GEMV
+# PREFETCH (INT4 K steps loaded ahead) and STAGES (the K loop software-pipelined by Triton in
+# that many stages; 1: not)
+OPTIONAL = {"gemv": {"PREFETCH": (0, 1, 2), "STAGES": (1, 2, 3, 4)}, "sorted": {}}
 
 
 def bucket(slots: int) -> int:
@@ -61,13 +62,19 @@ def lookup(device: torch.device, path: str, mode: int, n: int, k: int, slots: in
     scale covers (a quantized tile must stay within them)."""
     name = device_name(device)
     entry = _table().get(name, {}).get(key(path, mode, n, k, slots)) if name else None
-    if entry is None or not set(FIELDS[path]) <= set(entry) <= {*FIELDS[path], *OPTIONAL[path]}:
+    if entry is None or not fields_valid(path, entry):
         return None
-    if path == "gemv" and (not gemv_tile(mode, entry["BLOCK_K"])
-                           or entry.get("PREFETCH", 0) not in (0, 1, 2)
-                           or entry.get("STAGES", 1) not in (1, 2, 3, 4)):
+    if path == "gemv" and not gemv_tile(mode, entry["BLOCK_K"]):
         return None
     return entry if tiles_scales(mode, entry["BLOCK_K"], scale_k, k) else None
+
+
+def fields_valid(path: str, entry: dict) -> bool:
+    """Whether an entry names every field of its path, and optional ones only with the values
+    they take."""
+    optional = OPTIONAL[path]
+    return (set(FIELDS[path]) <= set(entry) <= {*FIELDS[path], *optional}
+            and all(entry[f] in values for f, values in optional.items() if f in entry))
 
 
 def gemv_tile(mode: int, block_k: int) -> bool:

@@ -247,17 +247,23 @@ def _launch(a: torch.Tensor, w: torch.Tensor | Experts, out: torch.Tensor, n: in
     config = config or lookup(a.device, "gemv", mode, n, k, ids.numel(), s_bk)
     if config is None:
         block_n, block_k = _blocks(mode, s_bk, k)
-        num_warps, prefetch, stages = 4, 0, 1
+        num_warps = 4
     else:
         block_n, block_k, num_warps = config["BLOCK_N"], config["BLOCK_K"], config["num_warps"]
-        prefetch = config.get("PREFETCH", 0) if mode == 2 else 0
-        stages = config.get("STAGES", 1) if not prefetch else 1
+    prefetch, stages = loop_options(mode, config or {})
     grid = (ids.numel(), cdiv(n, block_n))
     _gemv[grid](a, data, scales, out, ids, route if route is not None else out, n, k,
                 a.stride(0), *data.stride(), *scales.stride(), out.stride(0), ONE_BITS,
                 A_DIV=a_div, MODE=mode, S_BN=s_bn, S_BK=s_bk, GATED=route is None,
                 FP8_SCALES=_fp8_scales(mode, s_bn, s_bk, n, k, block_n), BLOCK_N=block_n,
                 BLOCK_K=block_k, PREFETCH=prefetch, STAGES=stages, num_warps=num_warps)
+
+
+def loop_options(mode: int, config: dict) -> tuple[int, int]:
+    """(PREFETCH, STAGES) of _gemv for a configuration: PREFETCH for INT4 only (else 0), STAGES
+    1 beside it."""
+    prefetch = config.get("PREFETCH", 0) if mode == 2 else 0
+    return prefetch, 1 if prefetch else config.get("STAGES", 1)
 
 
 def _fp8_scales(mode: int, s_bn: int, s_bk: int, n: int, k: int, block_n: int) -> int:
