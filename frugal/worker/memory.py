@@ -98,19 +98,36 @@ def profile_step(runner: ModelRunner, spec: KVSpec, config: EngineConfig,
 # Dummy prompt steps run at start-up, as (decodes, new tokens of one prompt): every launch of the
 # prompt attention kernel (its blocks of rows are picked by the prompt's length: see
 # ops.triton.attention._extend_launch), a decode beside a prompt, and matmuls of up to 16 and of
-# more rows (the quantized weights' kernels compile a variant per block of rows).
+# more rows (the quantized weights' kernels compile a variant per block of rows). warm_up adds a
+# step of the whole step budget: the largest blocks of every kernel that picks them by size (the
+# sorted MoE GEMMs' 64-row blocks start above 16 slots an expert: 768 tokens of Kimi K2).
 WARM_UP_STEPS = ((0, 2), (0, 16), (0, 32), (0, 64), (1, 16))
 
 
 @torch.inference_mode()
-def warm_up(runner: ModelRunner) -> None:
-    """Run WARM_UP_STEPS against the bound cache (page 0 read, nothing stored): Triton compiles
-    a kernel variant on first use, and a compile in the middle of serving stalls every running
-    request for ~0.3-1 s."""
-    mc, device = runner.model_config, torch.device(runner.device)
+def warm_up(runner: ModelRunner, budget: int = 0) -> None:
+    """Run WARM_UP_STEPS and a step of `budget` tokens (0: none) against the bound cache, and
+    the sampler's argmax over logits in the model's dtype and in fp32 (greedy rows, then the
+    sampled rows' race): Triton compiles a kernel variant on first use, and a compile in the
+    middle of serving stalls every running request for ~0.3-1 s."""
     start = time.perf_counter()
+    steps = WARM_UP_STEPS + (((0, budget),) if budget > max(n for _, n in WARM_UP_STEPS) else ())
+    dummy_steps(runner, steps)
+    vocab = runner.model_config.vocab_size
+    for dtype in dict.fromkeys((runner.dtype, torch.float32)):
+        runner.sampler.argmax(torch.zeros(2, vocab, dtype=dtype, device=runner.device))
+    if runner.device.startswith("cuda"):
+        torch.cuda.synchronize(torch.device(runner.device))
+    logger.info("prompt kernels warmed up in %.1f s", time.perf_counter() - start)
+
+
+@torch.inference_mode()
+def dummy_steps(runner: ModelRunner, steps) -> None:
+    """Run steps [(decodes, new tokens of one prompt)] against the bound cache: every request
+    reads page 0 and nothing is stored."""
+    mc, device = runner.model_config, torch.device(runner.device)
     with torch.device(device), ops.use(runner.backend):
-        for decodes, n in WARM_UP_STEPS:
+        for decodes, n in steps:
             lens = [1] * decodes + [n]
             tokens = sum(lens)
             meta = AttentionMetadata(
@@ -122,6 +139,3 @@ def warm_up(runner: ModelRunner) -> None:
                 max_query_len=n, max_seq_len=n, num_decodes=decodes)
             runner.run_model(torch.zeros(tokens, dtype=torch.int64),
                              torch.arange(tokens) % mc.max_position_embeddings, meta)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    logger.info("prompt kernels warmed up in %.1f s", time.perf_counter() - start)

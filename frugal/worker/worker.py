@@ -168,7 +168,7 @@ class Worker:
         the decode graphs (and prompt graphs, if asked for) when the device, the backend and
         the model's attention allow them."""
         if self.device.startswith("cuda"):
-            warm_up(self.runner)
+            warm_up(self.runner, self.config.resolved_batched_tokens())
         c = self.config
         if c.prompt_graph_max_tokens and (why := prompt_graph_blocker(self.model_config)):
             logger.info("steps with prompt tokens run eagerly: %s", why)

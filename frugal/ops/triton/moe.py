@@ -116,7 +116,7 @@ def _int4_dots(a_rows, row_ok, w_base, s_base, word, w_ok, offs_n, n_ok, swn, sw
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_slots"])  # (changes from step to step)
 def _kernel(a_ptr, w_ptr, s_ptr, out_ptr, sorted_ptr, block_expert_ptr, total_ptr, route_ptr,
             N, K, num_slots, sam, swe, swn, swk, sse, ssn, ssk, som, magic,
             A_DIV: tl.constexpr, MODE: tl.constexpr, S_BN: tl.constexpr, S_BK: tl.constexpr,

@@ -24,7 +24,7 @@ BLOCK = 1024  # slots a program of _count and _place takes
 CHUNK_BLOCKS = 64  # GEMM row blocks _layout assigns a step
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["slots"])  # (the step's slots: any value, one variant)
 def _count(ids_ptr, work_ptr, slots, E_PAD: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < slots
@@ -33,7 +33,7 @@ def _count(ids_ptr, work_ptr, slots, E_PAD: tl.constexpr, BLOCK: tl.constexpr):
     tl.atomic_add(work_ptr + tl.arange(0, E_PAD), counts, mask=counts > 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["slots", "capacity"])  # (the step's slots: any value, one variant)
 def _layout(work_ptr, sorted_ptr, block_expert_ptr, total_ptr, num_experts, slots, capacity,
             BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, BLOCK: tl.constexpr,
             CHUNK_BLOCKS: tl.constexpr):
@@ -56,7 +56,7 @@ def _layout(work_ptr, sorted_ptr, block_expert_ptr, total_ptr, num_experts, slot
         tl.store(block_expert_ptr + b, tl.minimum(expert, num_experts - 1), mask=b < num_blocks)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["slots"])  # (the step's slots: any value, one variant)
 def _place(ids_ptr, work_ptr, sorted_ptr, slots, E_PAD: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < slots

@@ -30,7 +30,7 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DECODE_SPLITS = 8  # slices of the router's inputs at up to 16 tokens (see router_logits)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # (T, the step's tokens, changes from step to step)
 def _logits(x_ptr, w_ptr, out_ptr, T, E, K, slice_k, sxt, swe, F32_DOT: tl.constexpr,
             BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
     """out[s, t, e] = Σ_k x[t, k] · w[e, k] in fp32 over the s-th slice_k inputs: BLOCK_T
@@ -74,7 +74,7 @@ def router_logits(x: torch.Tensor, router: torch.Tensor, splits: int = 1) -> tor
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # (T, the step's tokens, changes from step to step)
 def _route(logits_ptr, bias_ptr, weights_ptr, ids_ptr, T, E, scaling, SPLITS: tl.constexpr,
            TOP_K: tl.constexpr,
            TOP_PAD: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
