@@ -1,15 +1,22 @@
-"""Write a Llama-3.1-8B-shaped BF16 checkpoint (HF layout: config.json + safetensors, one file
-per layer) with random weights, for measuring `frugal quantize` at full size without the real
-weights (the model hub is not reachable from our machines).
-   python benchmarks/random_checkpoint.py DIR [--layers 32]
+"""Write a checkpoint of random weights (HF layout: config.json + safetensors).
 
-Weights ~ N(0, 0.02²), norms 1; no tokenizer. 16.1 GB at 32 layers.
+   python benchmarks/random_checkpoint.py DIR [--layers 32]
+       Llama-3.1-8B-shaped, BF16, one file per layer, for measuring `frugal quantize` at full
+       size without the real weights (the model hub is not reachable from our machines).
+       Weights ~ N(0, 0.02²), norms 1; no tokenizer. 16.1 GB at 32 layers.
+   python benchmarks/random_checkpoint.py DIR --config .peer/models/deepseek-v2-lite [--device cuda]
+       Any architecture transformers builds, at that config's shapes and dtype, under the
+       parameter names of its checkpoints (one tensor per expert), tokenizer files copied: every
+       floating tensor uniform in [-1e-3, 1e-3] from a seeded generator, as both frugal's and
+       vLLM's `--load-format dummy` draw them. Two servers that load it serve the same weights,
+       so their MoE routers pick the same experts, which their own dummy weights do not.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -22,9 +29,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("output")
     p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--config", help="a config directory: its architecture and shapes")
+    p.add_argument("--device", default="cpu", help="where the weights are drawn (--config)")
+    p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
     out = Path(a.output)
     out.mkdir(parents=True, exist_ok=True)
+    if a.config:
+        return from_config(Path(a.config), out, a.device, a.seed)
     config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
               "hidden_size": HIDDEN, "intermediate_size": INTER, "num_hidden_layers": a.layers,
               "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS,
@@ -57,6 +69,28 @@ def main() -> None:
                    p + "post_attention_layernorm.weight": ones()},
                   str(out / f"model-{i:05d}.safetensors"), metadata={"format": "pt"})
         print(f"layer {i + 1}/{a.layers}", flush=True)
+
+
+@torch.no_grad()
+def from_config(config_dir: Path, out: Path, device: str, seed: int) -> None:
+    """The --config checkpoint (see the module's docstring)."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(config_dir)
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "bfloat16"
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model = model.to_empty(device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for tensor in model.state_dict().values():  # (an MoE router's correction bias included)
+        if tensor.is_floating_point():
+            tensor.uniform_(-1e-3, 1e-3, generator=gen)
+    model.save_pretrained(out, max_shard_size="5GB")
+    for f in config_dir.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")) or f.name.endswith(".tiktoken"):
+            shutil.copy(f, out / f.name)
+    print(f"{sum(t.numel() for t in model.state_dict().values()) / 1e9:.2f} B values -> {out}")
 
 
 if __name__ == "__main__":

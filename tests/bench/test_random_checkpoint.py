@@ -1,0 +1,47 @@
+"""benchmarks/random_checkpoint.py --config: a checkpoint at a config's shapes under its
+checkpoints' parameter names (one tensor per expert), every value drawn as the dummy loaders
+draw them, that frugal and transformers load into the same model."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from frugal import LLM
+from tests.models.test_llama_vs_hf import frugal_logits
+
+transformers = pytest.importorskip("transformers")
+SCRIPT = Path(__file__).parents[2] / "benchmarks" / "random_checkpoint.py"
+
+
+def test_a_moe_config_becomes_a_checkpoint_both_load(tmp_path):
+    from safetensors.torch import load_file
+
+    from tests.models.test_mla_vs_hf import CASES
+
+    config_dir, out = tmp_path / "config", tmp_path / "random"
+    CASES["deepseek-v3"]().save_pretrained(config_dir)  # (config.json alone)
+    (config_dir / "tokenizer_config.json").write_text("{}")
+    r = subprocess.run([sys.executable, str(SCRIPT), str(out), "--config", str(config_dir),
+                        "--seed", "3"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert (out / "tokenizer_config.json").exists()
+    tensors = {k: v for f in out.glob("*.safetensors") for k, v in load_file(f).items()}
+    assert "model.layers.1.mlp.experts.7.gate_proj.weight" in tensors  # (8 experts, one each)
+    bias = tensors["model.layers.1.mlp.gate.e_score_correction_bias"]
+    assert bias.abs().max() > 0
+    for name, t in tensors.items():
+        assert t.dim() <= 2 and t.abs().max() <= 1e-3, name  # (no fused experts)
+
+    llm = LLM(str(out), dtype="float32", device="cpu", kv_cache_memory="8MiB")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ids = torch.randint(0, 320, (24,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.inference_mode():
+        want = ref(torch.tensor([ids])).logits[0]
+    scale = want.abs().max()  # (weights of 1e-3: logits of ~1e-6, compared to the largest)
+    torch.testing.assert_close(frugal_logits(llm, ids) / scale, want / scale, atol=1e-3,
+                               rtol=0)
