@@ -84,9 +84,14 @@ def variant(fn, params, args, kwargs) -> tuple:
     return key, signature, constants, attrs, options
 
 
+def params(kernel: JITFunction) -> list[tuple]:
+    """[(name, is_constexpr, default, do_not_specialize)] of a kernel's parameters, as variant
+    takes them."""
+    return [(p.name, p.is_constexpr, p.default, p.do_not_specialize) for p in kernel.params]
+
+
 def _compile(self: JITFunction, *args, grid, warmup, **kwargs) -> None:
-    params = [(p.name, p.is_constexpr, p.default, p.do_not_specialize) for p in self.params]
-    variant_, signature, constants, attrs, options = variant(self.fn, params, args, kwargs)
+    variant_, signature, constants, attrs, options = variant(self.fn, params(self), args, kwargs)
     if variant_ not in _results:
         try:
             kernel = triton.compile(ASTSource(self, signature, constants, attrs), target=TARGET,

@@ -8,14 +8,14 @@ interpreter, with the launch keys Triton itself would compile (tests.sm90_compil
 
 from __future__ import annotations
 
-import inspect
+import functools
 import os
 
 import pytest
 
 from frugal import LLM
 from frugal.worker.memory import dummy_steps
-from tests.sm90_compile import variant
+from tests.sm90_compile import params, variant
 
 triton = pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -23,20 +23,20 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
 
 
 def _record(monkeypatch) -> dict:
-    """Patch the interpreter's launches to note each one's variant: key -> kernel name."""
-    import triton.language as tl
+    """Patch the interpreter's launches to note each one's variant: key -> kernel name (the
+    parameters as Triton's JITFunction reads them from the kernel's source)."""
     from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
 
     seen: dict = {}
     run = InterpretedFunction.run
 
+    @functools.cache
+    def kernel_params(self) -> list[tuple]:
+        return params(JITFunction(self.fn, do_not_specialize=self.kwargs.get("do_not_specialize")))
+
     def recording(self, *args, grid, warmup, **kwargs):
-        skip = set(self.kwargs.get("do_not_specialize") or ())
-        params = [(p.name, p.annotation is tl.constexpr or "constexpr" in str(p.annotation),
-                   None if p.default is inspect.Parameter.empty else p.default,
-                   p.name in skip or i in skip)
-                  for i, p in enumerate(inspect.signature(self.fn).parameters.values())]
-        key = variant(self.fn, params, args, dict(kwargs))[0]
+        key = variant(self.fn, kernel_params(self), args, dict(kwargs))[0]
         seen.setdefault(key, f"{self.fn.__module__}.{self.fn.__qualname__}")
         return run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
