@@ -65,3 +65,35 @@ def test_steps_of_other_token_counts_compile_no_new_variant(case, quantization, 
     dummy_steps(llm.engine.runner, [(0, 15), (0, 49)])
     new = sorted(name for key, name in seen.items() if key not in first)
     assert not new, f"kernels compiled again for other token counts: {new}"
+
+
+def _glm5(path) -> None:
+    from tests.models.test_dsa_vs_hf import config, save_random
+    save_random(config(qk_rope_head_dim=16), path)  # (16 rotary dims: Triton's MLA decode)
+
+
+@pytest.mark.parametrize("case", ["deepseek-v3-rope16", "glm5"])
+def test_decodes_of_any_context_compile_nothing_after_warm_up(case, tmp_path, monkeypatch):
+    """Once warm_up ran, steps with decodes of other contexts (not a multiple of 16, wider page
+    tables, the MLA decode split over keys where warm_up's contexts are one split; DSA: past
+    index_topk) compile nothing: their lengths reach the kernels as arguments that Triton must
+    not specialize on. (Splits of 16 keys at least instead of 256, and the radix top-k from 32
+    positions instead of 8,192: both at short contexts.)"""
+    from frugal.ops.triton import dsa, mla_decode
+    from frugal.worker.memory import warm_up
+    monkeypatch.setattr(mla_decode, "MIN_SPLIT_KEYS", (16, 16))
+    monkeypatch.setattr(dsa, "RADIX_MIN", 32)
+    if case == "glm5":
+        _glm5(tmp_path)
+    else:
+        from tests.models.test_mla_vs_hf import write_model
+        write_model(case, tmp_path)
+    llm = LLM(str(tmp_path), dtype="float32", device="cpu", kv_cache_memory="8MiB",
+              page_size=16, ops_backend="triton", kv_cache_check=False)
+    seen = _record(monkeypatch)
+    warm_up(llm.engine.runner)
+    first = dict(seen)
+    assert any("mla_decode._kernel" in name for name in first.values())
+    dummy_steps(llm.engine.runner, [(1, 15), (3, 49)])
+    new = sorted(name for key, name in seen.items() if key not in first)
+    assert not new, f"kernels compiled again for other contexts: {new}"

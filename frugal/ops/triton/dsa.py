@@ -36,7 +36,8 @@ CHUNKS = 1  # blocks of BLOCK_N positions a score program takes in turn
 RADIX_MIN, RADIX_MAX = 8192, 1 << 21  # positions a row, scores a step
 
 
-@triton.jit(do_not_specialize=["num_requests"])
+# (the step's page-table width and longest context change from step to step: one variant)
+@triton.jit(do_not_specialize=["num_requests", "spt", "num_cols"])
 def _score_kernel(q_ptr, w_ptr, keys_ptr, key_scales_ptr, page_table_ptr, cu_ptr, seq_lens_ptr,
                   num_requests, out_ptr, sqt, sqh, swt, srow, sscale, spt, sot, num_cols,
                   PAGE_SIZE: tl.constexpr, HEADS: tl.constexpr, DIM: tl.constexpr,
@@ -83,7 +84,9 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
                  max_seq_len: int) -> torch.Tensor:
     """[num_tokens, max_seq_len] fp32 index scores (-inf where a token sees no position)."""
     num_tokens, heads, dim = q.shape
-    out = torch.empty(num_tokens, max_seq_len, dtype=torch.float32, device=q.device)
+    # (rows padded to 16 scores: their stride, a multiple of 16 at any context, is one variant)
+    out = torch.empty(num_tokens, cdiv(max_seq_len, 16) * 16, dtype=torch.float32,
+                      device=q.device)[:, :max_seq_len]
     fp8 = keys.element_size() == 1
     # an FP8 key's fp32 scale follows its dim bytes (torch_ref.dsa): a strided fp32 view
     key_scales = keys.view(torch.uint8)[..., dim:dim + 4].view(torch.float32) if fp8 else out

@@ -41,7 +41,8 @@ SPLIT_PROGRAMS = (264, 132)
 NUM_STAGES: int | None = None  # None: Triton's default
 
 
-@triton.jit(do_not_specialize=["num_requests"])
+# (the step's page-table width and longest context change from step to step: one variant)
+@triton.jit(do_not_specialize=["spt", "num_requests", "num_selected"])
 def _kernel(q_ptr, cache_ptr, page_table_ptr, seq_lens_ptr, out_ptr, lse_ptr, scale,
             num_heads, keys_per_split, sqt, sqh, spt, srow, sob, sos, soh, slb, sls,
             sel_ptr, cu_ptr, num_requests, num_selected, ssel, kv_scale_ptr, row_scale_ptr,
@@ -123,7 +124,7 @@ def _kernel(q_ptr, cache_ptr, page_table_ptr, seq_lens_ptr, out_ptr, lse_ptr, sc
     tl.store(lse_ptr + b * slb + split * sls + heads, lse, mask=h_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["splits", "spb", "slb"])  # (splits: 1 at short contexts)
 def _merge(part_ptr, lse_ptr, out_ptr, splits, spb, sps, sph, slb, sls, sob, soh,
            SPLITS_PAD: tl.constexpr, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr):
     """out[b, head, d-block] = Σ_split partial · exp(lse - top) / Σ_split exp(lse - top), in

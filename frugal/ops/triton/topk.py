@@ -72,7 +72,7 @@ def _prefix(work, k, DONE: tl.constexpr):
     return prefix, need, found
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])  # (n, the step's longest context: one variant)
 def _histogram(scores_ptr, work_ptr, n, k, s_row, s_work, LEVEL: tl.constexpr,
                BLOCK: tl.constexpr):
     row = tl.program_id(0)
@@ -88,7 +88,7 @@ def _histogram(scores_ptr, work_ptr, n, k, s_row, s_work, LEVEL: tl.constexpr,
     tl.atomic_add(work + LEVEL * 256 + tl.arange(0, 256), counts, mask=counts > 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _select(scores_ptr, work_ptr, out_ptr, n, k, s_row, s_work, s_out, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
