@@ -10,6 +10,14 @@
        floating tensor uniform in [-1e-3, 1e-3] from a seeded generator, as both frugal's and
        vLLM's `--load-format dummy` draw them. Two servers that load it serve the same weights,
        so their MoE routers pick the same experts, which their own dummy weights do not.
+   ... --config DIR --router-std 1.0
+       The same, with every norm's weight 1, embeddings in ±0.05 (RMS well above a norm's eps)
+       and each MoE router drawn so that its logits over the unit-RMS inputs a norm hands it
+       spread with that standard deviation (correction bias 0), as a trained router's do: each
+       token picks its own experts. With every value in
+       ±1e-3 router logits are ~1e-5 apart: a correction bias of ±1e-3 then sends every token to
+       the same experts, and so does a softmax rounded to bf16 before its top-k (vLLM's
+       DeepSeek-V2 grouped top-k: 1/64 for all 64 experts), where an fp32 softmax does not.
 """
 
 from __future__ import annotations
@@ -32,11 +40,13 @@ def main() -> None:
     p.add_argument("--config", help="a config directory: its architecture and shapes")
     p.add_argument("--device", default="cpu", help="where the weights are drawn (--config)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--router-std", type=float, default=None,
+                   help="(--config) norms 1, routers' logits of this standard deviation")
     a = p.parse_args()
     out = Path(a.output)
     out.mkdir(parents=True, exist_ok=True)
     if a.config:
-        return from_config(Path(a.config), out, a.device, a.seed)
+        return from_config(Path(a.config), out, a.device, a.seed, a.router_std)
     config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
               "hidden_size": HIDDEN, "intermediate_size": INTER, "num_hidden_layers": a.layers,
               "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS,
@@ -72,7 +82,8 @@ def main() -> None:
 
 
 @torch.no_grad()
-def from_config(config_dir: Path, out: Path, device: str, seed: int) -> None:
+def from_config(config_dir: Path, out: Path, device: str, seed: int,
+                router_std: float | None = None) -> None:
     """The --config checkpoint (see the module's docstring)."""
     import transformers
 
@@ -83,8 +94,21 @@ def from_config(config_dir: Path, out: Path, device: str, seed: int) -> None:
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     model = model.to_empty(device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
-    for tensor in model.state_dict().values():  # (an MoE router's correction bias included)
-        if tensor.is_floating_point():
+    for name, tensor in model.state_dict().items():  # (a router's correction bias included)
+        if not tensor.is_floating_point():
+            continue
+        if router_std is None:
+            tensor.uniform_(-1e-3, 1e-3, generator=gen)
+        elif name.endswith("norm.weight"):
+            tensor.fill_(1.0)
+        elif name.endswith("embed_tokens.weight"):  # (RMS 0.03: norms see it, not their eps)
+            tensor.uniform_(-0.05, 0.05, generator=gen)
+        elif name.endswith("e_score_correction_bias"):
+            tensor.zero_()
+        elif name.endswith("mlp.gate.weight"):  # [experts, hidden]: U(±a) has std a / √3
+            bound = router_std * (3 / tensor.shape[1]) ** 0.5
+            tensor.uniform_(-bound, bound, generator=gen)
+        else:
             tensor.uniform_(-1e-3, 1e-3, generator=gen)
     model.save_pretrained(out, max_shard_size="5GB")
     for f in config_dir.iterdir():
