@@ -58,7 +58,7 @@ def sass(n: int, k: int, mode: int, gated: bool, tile: tuple, path: str = "gemv"
         const["PREFETCH"], const["STAGES"] = moe_gemv.loop_options(mode, options or {})
     if path == "sorted":
         const.update(ROUTED=not gated, F32_DOT=False, BLOCK_M=block_m)
-    fn = moe_gemv._gemv if path == "gemv" else moe._kernel
+    fn = moe_gemv._gemv if path == "gemv" else moe._sorted_gemm
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in const or ints.get(name) == 1:

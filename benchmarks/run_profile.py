@@ -30,13 +30,15 @@ from frugal.request import SamplingParams
 # (kind, substrings of kernel names), first match wins
 KINDS = [
     ("attention: prompt", ("extend_kernel",)),
-    ("attention: decode", ("_decode_kernel",)),
+    ("attention: decode", ("_decode_kernel", "_mla_decode")),
     ("attention: merge", ("merge_kernel",)),
     ("matmul", ("gemm", "nvjet", "xmma", "cutlass", "_gemv_kernel", "_small_m_kernel",
                 "_fp8_kernel")),
 ]
-# a Gluon kernel's name is its function's: fp8_decode's (or, with INT4 weights, int4_wgmma's)
-NAMED = {"_kernel": "attention: decode (fp8_decode) / int4_wgmma"}
+# names matched whole: a Gluon kernel's name is its function's, fp8_decode's (or, with INT4
+# weights, int4_wgmma's); the MoE experts' kernels (small batches, sorted grouped GEMM)
+NAMED = {"_kernel": "attention: decode (fp8_decode) / int4_wgmma",
+         "_gemv": "MoE experts", "_sorted_gemm": "MoE experts"}
 
 
 def kind_of(name: str) -> str:

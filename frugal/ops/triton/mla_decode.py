@@ -43,7 +43,7 @@ NUM_STAGES: int | None = None  # None: Triton's default
 
 # (the step's page-table width and longest context change from step to step: one variant)
 @triton.jit(do_not_specialize=["spt", "num_requests", "num_selected"])
-def _kernel(q_ptr, cache_ptr, page_table_ptr, seq_lens_ptr, out_ptr, lse_ptr, scale,
+def _mla_decode(q_ptr, cache_ptr, page_table_ptr, seq_lens_ptr, out_ptr, lse_ptr, scale,
             num_heads, keys_per_split, sqt, sqh, spt, srow, sob, sos, soh, slb, sls,
             sel_ptr, cu_ptr, num_requests, num_selected, ssel, kv_scale_ptr, row_scale_ptr,
             PAGE_SIZE: tl.constexpr, LAT: tl.constexpr, ROPE: tl.constexpr, SPARSE: tl.constexpr,
@@ -203,7 +203,7 @@ def mla_decode(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor,
                       device=q.device)
     lse = torch.empty(batch, splits, num_heads, dtype=torch.float32, device=q.device)
     grid = (batch, cdiv(num_heads, block_h), splits)
-    _kernel[grid](q, cache, page_table, seq_lens, out, lse, scale, num_heads, keys_per_split,
+    _mla_decode[grid](q, cache, page_table, seq_lens, out, lse, scale, num_heads, keys_per_split,
                   q.stride(0), q.stride(1), page_table.stride(0), cache.stride(1),
                   out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
                   selection if sparse else seq_lens, cu_seqlens_q if sparse else seq_lens,

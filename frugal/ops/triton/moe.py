@@ -7,7 +7,7 @@ Slot s = t · top_k + j is token t's j-th expert. All shapes depend only on the 
 so a CUDA graph captures the whole layer: padding slots hold the sentinel S = num_slots and
 blocks past the padded total exit at once.
 
-`_kernel` multiplies a block of rows (gathered through the sorted slots) by its expert's
+`_sorted_gemm` multiplies a block of rows (gathered through the sorted slots) by its expert's
 matrix, with the expert weights in one of three forms, widened in registers:
   MODE 0  float [E, N, K] (the activations' dtype);
   MODE 1  FP8 e4m3 [E, N, K] with fp32 scales per (N / S_BN, K / S_BK) tile (128×128 blocks,
@@ -117,7 +117,7 @@ def _int4_dots(a_rows, row_ok, w_base, s_base, word, w_ok, offs_n, n_ok, swn, sw
 
 
 @triton.jit(do_not_specialize=["num_slots"])  # (changes from step to step)
-def _kernel(a_ptr, w_ptr, s_ptr, out_ptr, sorted_ptr, block_expert_ptr, total_ptr, route_ptr,
+def _sorted_gemm(a_ptr, w_ptr, s_ptr, out_ptr, sorted_ptr, block_expert_ptr, total_ptr, route_ptr,
             N, K, num_slots, sam, swe, swn, swk, sse, ssn, ssk, som, magic,
             A_DIV: tl.constexpr, MODE: tl.constexpr, S_BN: tl.constexpr, S_BK: tl.constexpr,
             GATED: tl.constexpr, ROUTED: tl.constexpr, F32_DOT: tl.constexpr,
@@ -196,7 +196,7 @@ def _gemm(a: torch.Tensor, w: torch.Tensor | Experts, out: torch.Tensor, n: int,
     else:
         block_n, block_k = _blocks(mode, s_bk, k, block_m)
     grid = (block_expert.numel() * cdiv(n, block_n),)
-    _kernel[grid](a, data, scales, out, sorted_slots, block_expert, total,
+    _sorted_gemm[grid](a, data, scales, out, sorted_slots, block_expert, total,
                   route if route is not None else out, n, k, out.shape[0], a.stride(0),
                   *data.stride(), *scales.stride(), out.stride(0), ONE_BITS,
                   A_DIV=a_div, MODE=mode,
