@@ -11,9 +11,6 @@ on the GPU takes the Triton argmax (ops.triton.sampling), and `configure` sets t
 launch mode for the weights loaded (ops.triton.launch).
 """
 
-# PyTorch ops on the GPU's tensors: MLA's rotary (fixed shapes) and its prompt attention where
-# the Triton kernels do not fit
-from frugal.ops.torch_ref.rotary import apply_rotary, apply_rotary_pairs
 from frugal.ops.triton.attention import paged_attention
 from frugal.ops.triton.dsa import index_topk, sparse_mla_attention
 from frugal.ops.triton.elementwise import rms_norm, silu_and_mul
@@ -26,6 +23,7 @@ from frugal.ops.triton.mla_decode import mla_attention
 from frugal.ops.triton.moe import fused_moe
 from frugal.ops.triton.moe_route import route_experts
 from frugal.ops.triton.pages import copy_pages
+from frugal.ops.triton.rotary import apply_rotary, apply_rotary_pairs
 from frugal.ops.triton.sampling import argmax
 
 CUDA_GRAPHS = True
