@@ -46,3 +46,7 @@ def test_no_tokens_and_bad_shapes():
     q, k, positions, cos_sin = inputs(2, 4, 1, 32, 16, torch.float32, seed=2)
     with pytest.raises(ValueError):  # (pairs rotate every dim)
         tri.apply_rotary_pairs(q, k, positions, cos_sin)
+    with pytest.raises(ValueError):  # (positions read as contiguous)
+        tri.apply_rotary(q, k, torch.stack([positions, positions], 1)[:, 0], cos_sin)
+    with pytest.raises(ValueError):  # (an odd rotary width: torch_ref cannot halve it either)
+        tri.apply_rotary(q, k, positions, cos_sin[:, :15])

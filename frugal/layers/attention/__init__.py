@@ -37,6 +37,10 @@ class AttentionMetadata:
     computed, in the activation dtype, rather than to their copies in the cache (multi-head
     attention over a quantized cache: ops.paged_attention's fresh); False where a step must
     see what decode steps see through the cache (SamplingParams.prompt_from_cache).
+
+    An eager step's metadata is built for it and not written afterwards: a layer may derive
+    values from it once a step and reuse them in the layers after (mla_prefill.context). Only
+    CUDA graphs' metadata is written in place between replays, and those steps never derive.
     """
 
     slot_mapping: torch.Tensor

@@ -65,10 +65,12 @@ def _rotary_launch(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
                    cos_sin: torch.Tensor, pairs: bool) -> tuple[torch.Tensor, torch.Tensor]:
     tokens, q_heads, width = q.shape
     rot = cos_sin.shape[1]
-    if (k.shape[0] != tokens or k.shape[2] != width or rot > width or (pairs and rot != width)
-            or q.stride(2) != 1 or k.stride(2) != 1 or cos_sin.stride(1) != 1):
+    if (k.shape[0] != tokens or k.shape[2] != width or rot > width or rot % 2
+            or (pairs and rot != width) or q.stride(2) != 1 or k.stride(2) != 1
+            or cos_sin.stride(1) != 1 or positions.shape != (tokens,) or positions.stride(0) != 1):
         raise ValueError(f"rotary: q {tuple(q.shape)}, k {tuple(k.shape)} (unit-stride rows "
-                         f"of one width), cos_sin {tuple(cos_sin.shape)}")
+                         f"of one width), cos_sin {tuple(cos_sin.shape)} (an even rotary "
+                         f"width), positions {tuple(positions.shape)} (contiguous)")
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     if tokens == 0:
@@ -86,8 +88,9 @@ def _rotary_launch(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
                  cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """torch_ref.rotary.apply_rotary's twin (NeoX halves, partial rotary): q [T, heads, D],
-    k [T, kv_heads, D] (unit stride in D), positions [T] int64, cos_sin [max_positions, rot]
-    fp32 (cos | sin). Returns new contiguous (q, k) in their dtypes."""
+    k [T, kv_heads, D] (as wide as q; unit stride in D), positions [T] contiguous int32/int64,
+    cos_sin [max_positions, rot] fp32 (cos | sin), rot even. Returns new contiguous (q, k) in
+    their dtypes."""
     return _rotary_launch(q, k, positions, cos_sin, pairs=False)
 
 
