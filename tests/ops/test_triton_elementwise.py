@@ -24,6 +24,17 @@ def test_rms_norm(dtype, hidden):
                                atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("shape", [(5, 512), (3, 2, 64)])
+def test_rms_norm_of_strided_rows(shape):
+    """Rows that are a split of wider rows (MLA's latent beside its rotary key) or a 3-d view:
+    read in place, the result contiguous and equal to torch_ref's."""
+    wide = rand(*shape[:-1], shape[-1] + 64, dtype=torch.float32, seed=5)
+    x, w = wide[..., :shape[-1]], rand(shape[-1], dtype=torch.float32, seed=6)
+    got = tri.rms_norm(x, w, 1e-6)
+    assert got.shape == x.shape and got.is_contiguous()
+    torch.testing.assert_close(got, torch_ref.rms_norm(x, w, 1e-6), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_and_mul(dtype):
     x = rand(5, 2 * 1536, dtype=dtype, seed=4)

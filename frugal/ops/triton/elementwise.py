@@ -12,14 +12,14 @@ from frugal.ops.triton.sizes import cdiv, next_power_of_2
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, eps, N: tl.constexpr, BLOCK: tl.constexpr,
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, eps, x_row, N: tl.constexpr, BLOCK: tl.constexpr,
                      PDL: tl.constexpr):
     enter(PDL)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
     # arithmetic in fp32, rounded to the activation dtype where torch's eager ops round
-    x = tl.load(x_ptr + row * N + offs, mask=mask, other=0.0)
+    x = tl.load(x_ptr + row.to(tl.int64) * x_row + offs, mask=mask, other=0.0)
     xf = x.to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / N + eps)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -28,14 +28,18 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, eps, N: tl.constexpr, BLOCK: tl.cons
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x: [..., hidden]; weight: [hidden]. Normalized in fp32, returned in x's dtype."""
+    """x: [..., hidden]; weight: [hidden]. Normalized in fp32, returned contiguous in x's
+    dtype. Rows of x may be strided (a split of wider rows, as MLA's latent is): read in place."""
     shape = x.shape
-    x = x.reshape(-1, shape[-1]).contiguous()
-    out = torch.empty_like(x)
     n = shape[-1]
+    rows = x.reshape(-1, n) if x.dim() != 2 else x
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     launch_pdl = pdl(x.device)
-    _rms_norm_kernel[(x.shape[0],)](x, weight, out, eps, N=n, BLOCK=next_power_of_2(n),
-                                    PDL=launch_pdl, launch_pdl=launch_pdl > 0)
+    _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, eps, rows.stride(0), N=n,
+                                       BLOCK=next_power_of_2(n), PDL=launch_pdl,
+                                       launch_pdl=launch_pdl > 0)
     return out.reshape(shape)
 
 

@@ -229,6 +229,9 @@ def mla_attention(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor
         return torch_ref.mla_attention(q, cache, page_table, cu_seqlens_q, seq_lens, scale,
                                        max_query_len, max_seq_len, kv_lora_rank, num_decodes,
                                        kv_scales)
+    if num_decodes == seq_lens.shape[0] == q.shape[0]:  # (a decode step: its rows as they are)
+        return mla_decode(q, cache, page_table, seq_lens, scale, max_seq_len, kv_lora_rank,
+                          kv_scales=kv_scales)
     out = torch.empty(*q.shape[:2], kv_lora_rank, dtype=q.dtype, device=q.device)
     out[:num_decodes] = mla_decode(q[:num_decodes], cache, page_table[:num_decodes],
                                    seq_lens[:num_decodes], scale, max_seq_len, kv_lora_rank,
