@@ -69,7 +69,9 @@ def test_steps_of_other_token_counts_compile_no_new_variant(case, quantization, 
 
 def _glm5(path) -> None:
     from tests.models.test_dsa_vs_hf import config, save_random
-    save_random(config(qk_rope_head_dim=16), path)  # (16 rotary dims: Triton's MLA decode)
+    # (16 rotary dims: Triton's MLA decode; a dense layer, then an indexer's MoE layer)
+    save_random(config(qk_rope_head_dim=16, num_hidden_layers=2, indexer_types=["full", "full"]),
+                path)
 
 
 @pytest.mark.parametrize("case", ["deepseek-v3-rope16", "glm5"])
