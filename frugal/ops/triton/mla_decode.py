@@ -44,11 +44,11 @@ NUM_STAGES: int | None = None  # None: Triton's default
 # (the step's page-table width and longest context change from step to step: one variant)
 @triton.jit(do_not_specialize=["spt", "num_requests", "num_selected"])
 def _mla_decode(q_ptr, cache_ptr, page_table_ptr, seq_lens_ptr, out_ptr, lse_ptr, scale,
-            num_heads, keys_per_split, sqt, sqh, spt, srow, sob, sos, soh, slb, sls,
-            sel_ptr, cu_ptr, num_requests, num_selected, ssel, kv_scale_ptr, row_scale_ptr,
-            PAGE_SIZE: tl.constexpr, LAT: tl.constexpr, ROPE: tl.constexpr, SPARSE: tl.constexpr,
-            FP8: tl.constexpr, F32_DOT: tl.constexpr, BLOCK_H: tl.constexpr,
-            BLOCK_N: tl.constexpr, SCALE_ROW: tl.constexpr):
+                num_heads, keys_per_split, sqt, sqh, spt, srow, sob, sos, soh, slb, sls,
+                sel_ptr, cu_ptr, num_requests, num_selected, ssel, kv_scale_ptr, row_scale_ptr,
+                PAGE_SIZE: tl.constexpr, LAT: tl.constexpr, ROPE: tl.constexpr,
+                SPARSE: tl.constexpr, FP8: tl.constexpr, F32_DOT: tl.constexpr,
+                BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SCALE_ROW: tl.constexpr):
     """FP8: a static cache, its one scale at kv_scale_ptr. SCALE_ROW > 0: 8-bit rows with their
     own scale, slot s's at row_scale_ptr + s * SCALE_ROW (on its scores and its weight)."""
     b = tl.program_id(0)
@@ -204,18 +204,18 @@ def mla_decode(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor,
     lse = torch.empty(batch, splits, num_heads, dtype=torch.float32, device=q.device)
     grid = (batch, cdiv(num_heads, block_h), splits)
     _mla_decode[grid](q, cache, page_table, seq_lens, out, lse, scale, num_heads, keys_per_split,
-                  q.stride(0), q.stride(1), page_table.stride(0), cache.stride(1),
-                  out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
-                  selection if sparse else seq_lens, cu_seqlens_q if sparse else seq_lens,
-                  cu_seqlens_q.shape[0] - 1 if sparse else 0, max_seq_len,
-                  selection.stride(0) if sparse else 0,
-                  seq_lens if kv_scales is None else kv_scales, row_scales, PAGE_SIZE=page_size,
-                  LAT=kv_lora_rank, ROPE=width - kv_lora_rank, SPARSE=sparse,
-                  FP8=cache.element_size() == 1 and not own,
-                  SCALE_ROW=row_scales.stride(1) if own else 0,
-                  F32_DOT=_INTERPRET or q.dtype == torch.float32, BLOCK_H=block_h,
-                  BLOCK_N=BLOCK_N, num_warps=NUM_WARPS or (8 if kv_lora_rank >= 256 else 4),
-                  **({} if NUM_STAGES is None else {"num_stages": NUM_STAGES}))
+                      q.stride(0), q.stride(1), page_table.stride(0), cache.stride(1),
+                      out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
+                      selection if sparse else seq_lens, cu_seqlens_q if sparse else seq_lens,
+                      cu_seqlens_q.shape[0] - 1 if sparse else 0, max_seq_len,
+                      selection.stride(0) if sparse else 0,
+                      seq_lens if kv_scales is None else kv_scales, row_scales, PAGE_SIZE=page_size,
+                      LAT=kv_lora_rank, ROPE=width - kv_lora_rank, SPARSE=sparse,
+                      FP8=cache.element_size() == 1 and not own,
+                      SCALE_ROW=row_scales.stride(1) if own else 0,
+                      F32_DOT=_INTERPRET or q.dtype == torch.float32, BLOCK_H=block_h,
+                      BLOCK_N=BLOCK_N, num_warps=NUM_WARPS or (8 if kv_lora_rank >= 256 else 4),
+                      **({} if NUM_STAGES is None else {"num_stages": NUM_STAGES}))
     return merge(out, lse, q.dtype)
 
 

@@ -118,10 +118,10 @@ def _int4_dots(a_rows, row_ok, w_base, s_base, word, w_ok, offs_n, n_ok, swn, sw
 
 @triton.jit(do_not_specialize=["num_slots"])  # (changes from step to step)
 def _sorted_gemm(a_ptr, w_ptr, s_ptr, out_ptr, sorted_ptr, block_expert_ptr, total_ptr, route_ptr,
-            N, K, num_slots, sam, swe, swn, swk, sse, ssn, ssk, som, magic,
-            A_DIV: tl.constexpr, MODE: tl.constexpr, S_BN: tl.constexpr, S_BK: tl.constexpr,
-            GATED: tl.constexpr, ROUTED: tl.constexpr, F32_DOT: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 N, K, num_slots, sam, swe, swn, swk, sse, ssn, ssk, som, magic,
+                 A_DIV: tl.constexpr, MODE: tl.constexpr, S_BN: tl.constexpr, S_BK: tl.constexpr,
+                 GATED: tl.constexpr, ROUTED: tl.constexpr, F32_DOT: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     pid_m = pid // num_n
@@ -197,12 +197,12 @@ def _gemm(a: torch.Tensor, w: torch.Tensor | Experts, out: torch.Tensor, n: int,
         block_n, block_k = _blocks(mode, s_bk, k, block_m)
     grid = (block_expert.numel() * cdiv(n, block_n),)
     _sorted_gemm[grid](a, data, scales, out, sorted_slots, block_expert, total,
-                  route if route is not None else out, n, k, out.shape[0], a.stride(0),
-                  *data.stride(), *scales.stride(), out.stride(0), ONE_BITS,
-                  A_DIV=a_div, MODE=mode,
-                  S_BN=s_bn, S_BK=s_bk, GATED=gated, ROUTED=not gated,
-                  F32_DOT=_INTERPRET or a.dtype == torch.float32, BLOCK_M=block_m,
-                  BLOCK_N=block_n, BLOCK_K=block_k, **launch)
+                       route if route is not None else out, n, k, out.shape[0], a.stride(0),
+                       *data.stride(), *scales.stride(), out.stride(0), ONE_BITS,
+                       A_DIV=a_div, MODE=mode,
+                       S_BN=s_bn, S_BK=s_bk, GATED=gated, ROUTED=not gated,
+                       F32_DOT=_INTERPRET or a.dtype == torch.float32, BLOCK_M=block_m,
+                       BLOCK_N=block_n, BLOCK_K=block_k, **launch)
 
 
 def _blocks(mode: int, s_bk: int, k: int, block_m: int) -> tuple[int, int]:

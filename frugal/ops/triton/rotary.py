@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton import next_power_of_2
+
+from frugal.ops.triton.sizes import next_power_of_2
 
 
 @triton.jit
