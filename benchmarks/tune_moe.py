@@ -39,6 +39,30 @@ GEMV_PIPELINED = GEMV + [{**c, "STAGES": s} for s in (2, 3) for c in NARROW]
 GEMV_INT4 = GEMV_PIPELINED + [{**c, "PREFETCH": d} for d in (1, 2) for c in NARROW]
 SORTED = [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "num_stages": s}
           for n, k, w, s in itertools.product((32, 64, 128), (32, 64, 128), (4, 8), (2, 3, 4))]
+# prompts (experts averaging 16 slots or more): the block's rows too, and wider tiles in fewer
+# variants (as vLLM's tables pick for thousands of tokens: 64-128 rows, 128-256 outputs, K steps
+# of 64, 8 warps, 3-4 stages)
+WIDE = [{"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "num_stages": s}
+        for m, n, k, w, s in itertools.product((16, 32, 64, 128), (32, 64, 128, 256), (64, 128),
+                                               (4, 8), (2, 3, 4))]
+
+
+def sorted_candidates(slots: int, num_experts: int, gated: bool) -> list[dict]:
+    """The sorted path's candidates at this many slots: SORTED (the alignment's own BLOCK_M)
+    while experts average under 16 slots; past it, WIDE's rows near the average (from a quarter
+    of it, up to twice it) whose tiles fit: the pipeline's stages in ~200 KB of shared memory,
+    the fp32 accumulators (two when gated) in 128 registers a thread."""
+    avg = slots / num_experts
+    if avg < 16:
+        return SORTED
+    acc = 2 if gated else 1
+    return [c for c in WIDE
+            if min(64, avg / 4) <= c["BLOCK_M"] <= 2 * avg
+            and (c["BLOCK_M"] >= 64 or (c["num_warps"] == 4 and c["BLOCK_N"] <= 128))
+            and (c["BLOCK_M"] < 64 or c["num_stages"] >= 3)
+            and c["num_stages"] * (c["BLOCK_M"] + acc * c["BLOCK_N"]) * c["BLOCK_K"] * 2
+            <= 200 * 1024
+            and acc * c["BLOCK_M"] * c["BLOCK_N"] <= 128 * 32 * c["num_warps"]]
 
 
 def runner(w, n: int, x: torch.Tensor, ids: torch.Tensor, route: torch.Tensor | None,
@@ -50,23 +74,37 @@ def runner(w, n: int, x: torch.Tensor, ids: torch.Tensor, route: torch.Tensor | 
                       device=x.device)
     if slots <= moe_gemv.MAX_SLOTS:
         flat = ids.reshape(-1).contiguous()
-        return "gemv", lambda c: moe_gemv._launch(x, w, out, n, flat, route, a_div, c) or out
-    block_m = moe.rows_per_block(slots, w.shape[0])
-    sorted_slots, block_expert, total = moe.align(ids, w.shape[0], block_m)
+        return "gemv", lambda c, block_m=None: (moe_gemv._launch(x, w, out, n, flat, route,
+                                                                 a_div, c) or out)
+    # (aligned for every BLOCK_M beforehand: a timing's graph holds the GEMMs alone)
+    aligned = {b: moe.align(ids, w.shape[0], b) for b in moe_configs.OPTIONAL["sorted"]["BLOCK_M"]}
     out = out.to(x.dtype)
-    return "sorted", lambda c: moe._gemm(x, w, out, n, sorted_slots, block_expert, total,
-                                         route, a_div, block_m, c) or out
+
+    _, _, mode, _, scale_k, k = moe._operand(w)
+
+    def run(c, block_m=None):
+        """block_m: the rows the alignment's blocks hold (default: the config's, else the
+        table's as fused_moe reads it), the config's tiles only if it agrees."""
+        table = c or moe_configs.lookup(x.device, "sorted", mode, n, k, slots, scale_k)
+        block_m = block_m or moe.rows_per_block(slots, w.shape[0], table)
+        return moe._gemm(x, w, out, n, *aligned[block_m], route, a_div, block_m, c) or out
+
+    return "sorted", run
 
 
-def tune(path: str, runs: list, mode: int, scale_k: int, k: int) -> tuple[dict, float, float]:
+def tune(path: str, runs: list, mode: int, scale_k: int, k: int, candidates: list[dict],
+         block_m: int | None = None) -> tuple[dict, float, float]:
     """(best config, its us, the default's us) among the valid candidates; runs: one launch
-    function (runner's) per routing."""
+    function (runner's) per routing. block_m: the sorted path's alignment is fixed (down
+    follows gate_up's): the default's tiles at it, and only candidates that agree."""
     run = runs[0]
-    want = run(None).clone()
-    default = timed([lambda r=r: r(None) for r in runs])
+    want = run(None, block_m).clone()
+    default = timed([lambda r=r: r(None, block_m) for r in runs])
     best, best_us = None, float("inf")
-    for config in (GEMV_INT4 if mode == 2 else GEMV_PIPELINED) if path == "gemv" else SORTED:
+    for config in candidates:
         if not moe_configs.tiles_scales(mode, config["BLOCK_K"], scale_k, k):
+            continue
+        if block_m is not None and config.get("BLOCK_M", block_m) != block_m:
             continue
         try:
             got = run(config)
@@ -123,14 +161,21 @@ def main() -> None:
             act = torch.randn(t * m.top_k, i, device="cuda", generator=g).bfloat16()
             route = weights.reshape(-1).float().contiguous()
             perms = [torch.randperm(e, device="cuda", generator=g) for _ in range(args.calls)]
+            block_m = None  # (down's alignment: gate_up's)
             for name, w, n, a, rt, div in (("gate_up", mats[0], i, x, None, m.top_k),
                                             ("down", mats[1], h, act, route, 1)):
                 _, _, mode, _, scale_k, k = moe._operand(w)
                 runs = [runner(w, n, a, perm[ids], rt, div) for perm in perms]
                 path = runs[0][0]
-                best, us, default = tune(path, [r for _, r in runs], mode, scale_k, k)
+                candidates = ((GEMV_INT4 if mode == 2 else GEMV_PIPELINED) if path == "gemv"
+                              else sorted_candidates(t * m.top_k, e, rt is None))
+                best, us, default = tune(path, [r for _, r in runs], mode, scale_k, k,
+                                         candidates, block_m)
+                entry = moe_configs.key(path, mode, n, k, t * m.top_k)
                 if best is not None and us < default:
-                    entries[moe_configs.key(path, mode, n, k, t * m.top_k)] = best
+                    entries[entry] = best
+                if path == "sorted":  # (what fused_moe will align gate_up's slots by)
+                    block_m = moe.rows_per_block(t * m.top_k, e, entries.get(entry))
                 print(f"| {form} | {name} | {t} | {path} | {default:.1f} | {us:.1f} | "
                       f"{best} |", flush=True)
                 save(table, args.output)  # (a cut-off run keeps what it found)

@@ -98,21 +98,30 @@ def profile_step(runner: ModelRunner, spec: KVSpec, config: EngineConfig,
 # Dummy prompt steps run at start-up, as (decodes, new tokens of one prompt): every launch of the
 # prompt attention kernel (its blocks of rows are picked by the prompt's length: see
 # ops.triton.attention._extend_launch), a decode beside a prompt, and matmuls of up to 16 and of
-# more rows (the quantized weights' kernels compile a variant per block of rows). warm_up adds a
-# step of the whole step budget: the largest blocks of every kernel that picks them by size (the
-# sorted MoE GEMMs' 64-row blocks start above 16 slots an expert: 768 tokens of Kimi K2).
+# more rows (the quantized weights' kernels compile a variant per block of rows). warm_up adds
+# steps of every power of two from 128 tokens up to the step budget, and of the budget itself:
+# the blocks of every kernel that picks them by size (the sorted MoE GEMMs' tiles are tuned per
+# power of two of slots, ops.triton.moe_configs; their 64-row blocks start above 16 slots an
+# expert: 768 tokens of Kimi K2).
 WARM_UP_STEPS = ((0, 2), (0, 16), (0, 32), (0, 64), (1, 16))
+
+
+def warm_up_steps(budget: int) -> tuple[tuple[int, int], ...]:
+    """WARM_UP_STEPS, then one prompt of each power of two from 128 below budget, and of
+    budget (0: none of these)."""
+    ladder = [n for n in (128 << i for i in range(32)) if n < budget]
+    return WARM_UP_STEPS + tuple((0, n) for n in ladder + [budget]
+                                 if n > max(t for _, t in WARM_UP_STEPS))
 
 
 @torch.inference_mode()
 def warm_up(runner: ModelRunner, budget: int = 0) -> None:
-    """Run WARM_UP_STEPS and a step of `budget` tokens (0: none) against the bound cache, and
+    """Run warm_up_steps(budget) (budget: the step budget in tokens) against the bound cache, and
     the sampler's argmax over logits in the model's dtype and in fp32 (greedy rows, then the
     sampled rows' race): Triton compiles a kernel variant on first use, and a compile in the
     middle of serving stalls every running request for ~0.3-1 s."""
     start = time.perf_counter()
-    steps = WARM_UP_STEPS + (((0, budget),) if budget > max(n for _, n in WARM_UP_STEPS) else ())
-    dummy_steps(runner, steps)
+    dummy_steps(runner, warm_up_steps(budget))
     vocab = runner.model_config.vocab_size
     for dtype in dict.fromkeys((runner.dtype, torch.float32)):
         runner.sampler.argmax(torch.zeros(2, vocab, dtype=dtype, device=runner.device))

@@ -8,7 +8,7 @@ from frugal import LLM, SamplingParams
 from frugal.engine.llm_engine import LLMEngine
 from frugal.request import join
 from frugal.worker.kv_pool import KVPool
-from frugal.worker.memory import warm_up
+from frugal.worker.memory import warm_up, warm_up_steps
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 PROMPTS = [
@@ -217,13 +217,15 @@ def test_chat_accepts_one_or_many_conversations(llm):
 
 def test_warm_up_steps_write_nothing_to_the_cache():
     """The start-up dummy prompt steps (run on GPUs, to compile kernels before the first
-    request; the step budget's among them) leave every KV page as it was."""
+    request; the powers of two up to the step budget and the budget's among them) leave every
+    KV page as it was."""
     llm = LLM(device="cpu", dtype="float32", kv_cache_memory="8MiB")
     pool = llm.engine.runner.pool
     for cache in list(pool.k) + list(pool.v):  # (fresh CPU pages are uninitialized: NaN ≠ NaN)
         cache.normal_()
     before = [k.clone() for k in pool.k] + [v.clone() for v in pool.v]
-    warm_up(llm.engine.runner, budget=100)
+    assert warm_up_steps(300)[-3:] == ((0, 128), (0, 256), (0, 300))
+    warm_up(llm.engine.runner, budget=300)
     assert all(torch.equal(a, b) for a, b in zip(before, list(pool.k) + list(pool.v)))
 
 

@@ -178,15 +178,18 @@ def test_tuned_configurations_compute_what_the_defaults_do(form, monkeypatch):
     # (N tiles of 256 straddle FP8's blocks of 128 rows: scales on each block's partial sum)
     # (BLOCK_N, BLOCK_K, num_warps, PREFETCH, STAGES): K tiles past the down projection's 128
     # inputs too (STAGES: Triton pipelines the loop on a GPU; the interpreter runs it plainly)
-    for gemv_tile, sorted_tile in (((8, 64, 1, 1, 1), (32, 32, 4, 2)),
+    # (BLOCK_N, BLOCK_K, num_warps, num_stages[, BLOCK_M]): blocks of the entry's rows, or
+    # rows_per_block's
+    for gemv_tile, sorted_tile in (((8, 64, 1, 1, 1), (32, 32, 4, 2, 32)),
                                    ((64, 256, 8, 1, 3), (64, 64, 8, 3)),
-                                   ((16, 64, 2, 2, 1), (32, 64, 4, 2)),
-                                   ((256, 128, 4, 0, 3), (128, 32, 4, 4))):
+                                   ((16, 64, 2, 2, 1), (32, 64, 4, 2, 64)),
+                                   ((256, 128, 4, 0, 3), (128, 32, 4, 4, 16))):
         table = {}
         for n, k in ((inter, hidden), (hidden, inter)):
             gemv_entry = dict(zip(moe_configs.FIELDS["gemv"] + tuple(moe_configs.OPTIONAL["gemv"]),
                                   gemv_tile))
-            sorted_entry = dict(zip(moe_configs.FIELDS["sorted"], sorted_tile))
+            sorted_entry = dict(zip(moe_configs.FIELDS["sorted"]
+                                    + tuple(moe_configs.OPTIONAL["sorted"]), sorted_tile))
             table[moe_configs.key("gemv", mode, n, k, slots)] = gemv_entry
             table[moe_configs.key("sorted", mode, n, k, slots)] = sorted_entry
         monkeypatch.setattr(moe_configs, "_table", lambda t=table: {"a tuned GPU": t})
@@ -213,6 +216,41 @@ def test_tuned_configurations_compute_what_the_defaults_do(form, monkeypatch):
         monkeypatch.setattr(moe_configs, "_table", lambda t=table: {"a tuned GPU": t})
         assert moe_configs.lookup(torch.device("cpu"), "gemv", 2, inter, hidden, slots,
                                   16) is None
+
+
+def test_sorted_blocks_hold_the_gate_up_entrys_rows(monkeypatch):
+    """A sorted entry's BLOCK_M sets the alignment of both matrices (from gate_up's entry;
+    without one, rows_per_block's 16 or 64); down's entry is taken only when tuned for the
+    same rows (else its tiles would index the alignment's blocks wrongly: the default tiles
+    run), with torch_ref's result every time."""
+    from frugal.ops.triton import moe_configs
+
+    gemv = pytest.importorskip("frugal.ops.triton.moe_gemv")
+    args, ref = few_tokens("float", 4, 21)
+    inter, hidden, slots = INTER, HIDDEN, TOKENS * TOP_K
+    assert tri.rows_per_block(slots, 4) == 16
+    monkeypatch.setattr(gemv, "MAX_SLOTS", 0)
+    monkeypatch.setattr(moe_configs, "device_name", lambda device: "a tuned GPU")
+    launched, kernel = [], tri._sorted_gemm
+
+    class Spy:
+        def __getitem__(self, grid):
+            return lambda *a, **kw: (launched.append((kw["BLOCK_M"], kw["BLOCK_N"]))
+                                     or kernel[grid](*a, **kw))
+
+    monkeypatch.setattr(tri, "_sorted_gemm", Spy())
+    tile = {"BLOCK_K": 32, "num_warps": 4, "num_stages": 2}
+    # (gate_up's BLOCK_M, down's): down's tiles are 16 wide, the defaults 32 (interpreter)
+    for gate_up_rows, down_rows in ((32, 64), (None, 64), (32, 32)):
+        gate_up = {**tile, "BLOCK_N": 32, **({"BLOCK_M": gate_up_rows} if gate_up_rows else {})}
+        table = {moe_configs.key("sorted", 0, inter, hidden, slots): gate_up,
+                 moe_configs.key("sorted", 0, hidden, inter, slots):
+                     {**tile, "BLOCK_N": 16, "BLOCK_M": down_rows}}
+        monkeypatch.setattr(moe_configs, "_table", lambda t=table: {"a tuned GPU": t})
+        got = tri.fused_moe(*args)
+        torch.testing.assert_close(got.cpu(), ref, atol=1e-4 * ref.abs().max().item(),
+                                   rtol=1e-4)
+    assert launched == [(32, 32), (32, 32), (16, 32), (16, 32), (32, 32), (32, 16)], launched
 
 
 def test_committed_table_holds_valid_tiles():

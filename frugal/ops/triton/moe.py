@@ -189,6 +189,8 @@ def _gemm(a: torch.Tensor, w: torch.Tensor | Experts, out: torch.Tensor, n: int,
     data, scales, mode, s_bn, s_bk, k = _operand(w)
     gated = route is None
     config = config or lookup(a.device, "sorted", mode, n, k, out.shape[0], s_bk)
+    if config is not None and config.get("BLOCK_M", block_m) != block_m:
+        config = None  # (tuned for blocks of another size than the alignment's)
     launch = {"num_warps": 4}
     if config is not None:
         block_n, block_k = config["BLOCK_N"], config["BLOCK_K"]
@@ -220,8 +222,12 @@ def _blocks(mode: int, s_bk: int, k: int, block_m: int) -> tuple[int, int]:
     return block_n, block_k
 
 
-def rows_per_block(slots: int, num_experts: int) -> int:
-    """BLOCK_M of the sorted path: 16 while experts average at most 16 slots, else 64."""
+def rows_per_block(slots: int, num_experts: int, config: dict | None = None) -> int:
+    """BLOCK_M of the sorted path: the gate_up matrix's tuned entry's (config, a moe_configs
+    entry: both matrices share the alignment, and down's entry counts only with the same
+    BLOCK_M), else 16 while experts average at most 16 slots, else 64."""
+    if config is not None and "BLOCK_M" in config:
+        return config["BLOCK_M"]
     return 16 if slots <= 16 * num_experts else 64
 
 
@@ -270,11 +276,14 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor | Experts, down: torch.Tens
         # a few tokens: no sorting, each slot reads its expert
         return fused_moe_gemv(x, gate_up, down, weights, ids, residual)
     num_experts, inter = gate_up.shape[0], down.shape[2]
-    block_m = rows_per_block(tokens * top_k, num_experts)
-    sorted_slots, block_expert, total = align(ids, num_experts, block_m)
     slots = tokens * top_k
+    _, _, mode, _, s_bk, k = _operand(gate_up)
+    config = lookup(x.device, "sorted", mode, inter, k, slots, s_bk)
+    block_m = rows_per_block(slots, num_experts, config)
+    sorted_slots, block_expert, total = align(ids, num_experts, block_m)
     act = torch.empty(slots, inter, dtype=x.dtype, device=x.device)
-    _gemm(x, gate_up, act, inter, sorted_slots, block_expert, total, None, top_k, block_m)
+    _gemm(x, gate_up, act, inter, sorted_slots, block_expert, total, None, top_k, block_m,
+          config)
     out = torch.empty(slots, hidden, dtype=x.dtype, device=x.device)
     _gemm(act, down, out, hidden, sorted_slots, block_expert, total,
           weights.flatten().float(), 1, block_m)

@@ -20,10 +20,12 @@ import torch
 TABLE = pathlib.Path(__file__).with_name("moe_configs.json")
 FIELDS = {"gemv": ("BLOCK_N", "BLOCK_K", "num_warps"),
           "sorted": ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages")}
-# fields an entry may leave out, with the values they take (the first: the default): GEMV
-# PREFETCH (INT4 K steps loaded ahead) and STAGES (the K loop software-pipelined by Triton in
-# that many stages; 1: not)
-OPTIONAL = {"gemv": {"PREFETCH": (0, 1, 2), "STAGES": (1, 2, 3, 4)}, "sorted": {}}
+# fields an entry may leave out, with the values they take: GEMV PREFETCH (INT4 K steps loaded
+# ahead) and STAGES (the K loop software-pipelined by Triton in that many stages; 1: not), the
+# first value their default; the sorted path's BLOCK_M (rows of a block, all of one expert;
+# without it moe.rows_per_block's 16 or 64)
+OPTIONAL = {"gemv": {"PREFETCH": (0, 1, 2), "STAGES": (1, 2, 3, 4)},
+            "sorted": {"BLOCK_M": (16, 32, 64, 128)}}
 
 
 def bucket(slots: int) -> int:
