@@ -61,7 +61,8 @@ def test_index_topk_matches_torch_ref(lens, new, topk, radix, monkeypatch):
 def test_index_topk_takes_the_radix_within_its_range(lens, radix, monkeypatch):
     """Rows of RADIX_MIN positions or more, while the step holds at most RADIX_MAX scores."""
     calls, real = [], tri.top_positions
-    monkeypatch.setattr(tri, "top_positions", lambda s, k: calls.append(s.shape) or real(s, k))
+    monkeypatch.setattr(tri, "top_positions",
+                        lambda s, k, **kw: calls.append(s.shape) or real(s, k, **kw))
     monkeypatch.setattr(tri, "RADIX_MIN", 64)
     monkeypatch.setattr(tri, "RADIX_MAX", 300)
     g, cache, table, cu, seq_lens = batch(lens, [1] * len(lens), 24 + 16)
@@ -92,6 +93,31 @@ def test_index_scores_match_the_formula(block, chunks, monkeypatch):
         want = (torch.relu(q[t] @ rows[slots].T) * w[t, :, None]).sum(0)
         torch.testing.assert_close(got[t, :visible], want, atol=1e-4, rtol=1e-4)
         assert torch.isinf(got[t, visible:]).all()
+
+
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_index_scores_count_the_top_k_first_pass(chunks, monkeypatch):
+    """With a work area the score kernel also counts each row's finite scores by the top byte
+    of their keys (topk's first histogram; -inf past what a token sees, and the rows of no
+    request, counted nowhere), and leaves the rest of the area zero."""
+    topk = pytest.importorskip("frugal.ops.triton.topk")
+    monkeypatch.setattr(tri, "BLOCK_N", 16)
+    monkeypatch.setattr(tri, "CHUNKS", chunks)
+    heads, dim = 16, 32
+    g, cache, table, cu, seq_lens = batch([70, 5], [1, 5], dim, seed=3)
+    q = torch.randn(8, heads, dim, generator=g)
+    w = torch.randn(8, heads, generator=g)
+    work = topk.work_area(8, DEVICE)
+    got = tri.index_scores(*to(DEVICE, q, w, cache, table, cu, seq_lens), 70, work).cpu()
+    work = work.cpu()
+    bits = got.view(torch.int32).long() & 0xFFFFFFFF
+    keys = torch.where(bits >> 31 == 1, bits ^ 0xFFFFFFFF, bits ^ 0x80000000)
+    for t in range(8):
+        finite = torch.isfinite(got[t])
+        want = torch.bincount((keys[t][finite] >> 24), minlength=256)
+        assert torch.equal(work[t, :256].long(), want), t
+    assert int(work[:, :256].sum()) == int(torch.isfinite(got).sum()) == 70 + 1 + 2 + 3 + 4 + 5
+    assert not work[:, 256:].any()
 
 
 @pytest.mark.parametrize("lens,new,k", [([40, 7, 100], [1, 1, 1], 16), ([60, 90], [3, 20], 32),

@@ -38,6 +38,32 @@ def test_bad_calls():
             tri.top_positions(scores, k)
     with pytest.raises(ValueError, match="out"):
         tri.top_positions(scores, 4, out=torch.empty(2, 5, dtype=torch.int32, device=DEVICE))
+    with pytest.raises(ValueError, match="work"):
+        tri.top_positions(scores, 4, work=tri.work_area(3, DEVICE))
+
+
+def test_a_first_pass_counted_elsewhere(monkeypatch):
+    """top_positions(work=) takes its first histogram as given (it runs passes 1-3 only):
+    counted by the same byte rule (here in torch), it selects what the full run does."""
+    g = torch.Generator().manual_seed(5)
+    scores = torch.randn(3, 3000, generator=g) * 5
+    scores[1, ::3] = float("-inf")
+    bits = scores.view(torch.int32).long() & 0xFFFFFFFF
+    keys = torch.where(bits >> 31 == 1, bits ^ 0xFFFFFFFF, bits ^ 0x80000000)
+    work = tri.work_area(3, "cpu")
+    for r in range(3):
+        work[r, :256] = torch.bincount(keys[r][torch.isfinite(scores[r])] >> 24, minlength=256)
+    levels, kernel = [], tri._histogram
+
+    class Spy:
+        def __getitem__(self, grid):
+            return lambda *a, **kw: levels.append(kw["LEVEL"]) or kernel[grid](*a, **kw)
+
+    monkeypatch.setattr(tri, "_histogram", Spy())
+    got = tri.top_positions(scores.to(DEVICE), 100, work=work.to(DEVICE)).cpu()
+    want = tri.top_positions(scores.to(DEVICE), 100).cpu()
+    assert torch.equal(chosen_values(scores, got), chosen_values(scores, want))
+    assert levels == [1, 2, 3, 0, 1, 2, 3]
 
 
 def check(rows, n, k, masked, ties):

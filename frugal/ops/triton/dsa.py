@@ -1,7 +1,7 @@
 """DeepSeek Sparse Attention on the GPU: the indexer's scores as one Triton kernel, their top-k
 (ops.triton.topk's radix select for rows of RADIX_MIN positions or more while the step's scores
-are at most RADIX_MAX, torch.topk otherwise), and MLA over the selected positions (mla_decode's
-kernel, SPARSE).
+are at most RADIX_MAX, its first pass counted by the score kernel; torch.topk otherwise), and
+MLA over the selected positions (mla_decode's kernel, SPARSE).
 
 The score kernel takes one new token and CHUNKS blocks of BLOCK_N of its request's positions a
 program, one block after the other: the token's index queries [heads, dim] (loaded once) against
@@ -25,7 +25,7 @@ from frugal.ops.triton.mla_decode import mla_decode
 from frugal.ops.triton.mla_decode import supported as mla_supported
 from frugal.ops.triton.sizes import cdiv
 from frugal.ops.triton.token_rows import page_slot, token_request
-from frugal.ops.triton.topk import top_positions
+from frugal.ops.triton.topk import count_first_bytes, top_positions, work_area
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 BLOCK_N = 128  # positions of a score block (64-256 measured: 128 by up to 8 %)
@@ -39,13 +39,14 @@ RADIX_MIN, RADIX_MAX = 8192, 1 << 21  # positions a row, scores a step
 # (the step's page-table width and longest context change from step to step: one variant)
 @triton.jit(do_not_specialize=["num_requests", "spt", "num_cols"])
 def _score_kernel(q_ptr, w_ptr, keys_ptr, key_scales_ptr, page_table_ptr, cu_ptr, seq_lens_ptr,
-                  num_requests, out_ptr, sqt, sqh, swt, srow, sscale, spt, sot, num_cols,
-                  PAGE_SIZE: tl.constexpr, HEADS: tl.constexpr, DIM: tl.constexpr,
+                  num_requests, out_ptr, work_ptr, sqt, sqh, swt, srow, sscale, spt, sot, s_work,
+                  num_cols, PAGE_SIZE: tl.constexpr, HEADS: tl.constexpr, DIM: tl.constexpr,
                   FP8: tl.constexpr, F32_DOT: tl.constexpr, BLOCK_N: tl.constexpr,
-                  CHUNKS: tl.constexpr):
+                  CHUNKS: tl.constexpr, FIRST_PASS: tl.constexpr):
     """Token t's scores over CHUNKS · BLOCK_N positions. Token t of request b (token_request)
     sees the positions before seq_lens[b] - (cu[b + 1] - t) and its own; a row past the step's
-    tokens (cu[num_requests] and on) sees none."""
+    tokens (cu[num_requests] and on) sees none. FIRST_PASS: the radix top-k's first pass over
+    them too, into the token's row of the work area (topk.count_first_bytes)."""
     t = tl.program_id(0)
     b = token_request(cu_ptr, num_requests, t)
     end = tl.load(cu_ptr + b + 1)
@@ -69,9 +70,10 @@ def _score_kernel(q_ptr, w_ptr, keys_ptr, key_scales_ptr, page_table_ptr, cu_ptr
             s = tl.dot(q, tl.trans(k))  # [HEADS, BLOCK_N] fp32
         if FP8:
             s = s * tl.load(key_scales_ptr + slot * sscale, mask=ok, other=0.0)[None, :]
-        score = tl.sum(tl.maximum(s, 0.0) * w[:, None], axis=0)
-        tl.store(out_ptr + t * sot + pos, tl.where(ok, score, float("-inf")),
-                 mask=pos < num_cols)
+        score = tl.where(ok, tl.sum(tl.maximum(s, 0.0) * w[:, None], axis=0), float("-inf"))
+        tl.store(out_ptr + t * sot + pos, score, mask=pos < num_cols)
+        if FIRST_PASS:
+            count_first_bytes(score, work_ptr + t * s_work)
 
 
 def supported(heads: int, dim: int) -> bool:
@@ -81,8 +83,10 @@ def supported(heads: int, dim: int) -> bool:
 
 def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
                  page_table: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
-                 max_seq_len: int) -> torch.Tensor:
-    """[num_tokens, max_seq_len] fp32 index scores (-inf where a token sees no position)."""
+                 max_seq_len: int, work: torch.Tensor | None = None) -> torch.Tensor:
+    """[num_tokens, max_seq_len] fp32 index scores (-inf where a token sees no position).
+    work: a topk.work_area of num_tokens rows that the radix top-k's first pass is counted
+    into (then top_positions(scores, k, work=work))."""
     num_tokens, heads, dim = q.shape
     # (rows padded to 16 scores: their stride, a multiple of 16 at any context, is one variant)
     out = torch.empty(num_tokens, cdiv(max_seq_len, 16) * 16, dtype=torch.float32,
@@ -92,12 +96,13 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
     key_scales = keys.view(torch.uint8)[..., dim:dim + 4].view(torch.float32) if fp8 else out
     grid = (num_tokens, cdiv(max_seq_len, BLOCK_N * CHUNKS))
     _score_kernel[grid](q, weights, keys, key_scales, page_table, cu_seqlens_q, seq_lens,
-                        seq_lens.shape[0], out,
+                        seq_lens.shape[0], out, work if work is not None else seq_lens,
                         q.stride(0), q.stride(1), weights.stride(0), keys.stride(1),
                         key_scales.stride(1) if fp8 else 0, page_table.stride(0),
-                        out.stride(0), max_seq_len, PAGE_SIZE=keys.shape[1], HEADS=heads,
-                        DIM=dim, FP8=fp8, F32_DOT=_INTERPRET or q.dtype == torch.float32,
-                        BLOCK_N=BLOCK_N, CHUNKS=CHUNKS, num_warps=NUM_WARPS)
+                        out.stride(0), work.stride(0) if work is not None else 0, max_seq_len,
+                        PAGE_SIZE=keys.shape[1], HEADS=heads, DIM=dim, FP8=fp8,
+                        F32_DOT=_INTERPRET or q.dtype == torch.float32, BLOCK_N=BLOCK_N,
+                        CHUNKS=CHUNKS, FIRST_PASS=work is not None, num_warps=NUM_WARPS)
     return out
 
 
@@ -108,9 +113,12 @@ def index_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
     if not supported(q.shape[1], q.shape[2]):
         return torch_ref.index_topk(q, weights, keys, page_table, cu_seqlens_q, seq_lens, topk,
                                     max_seq_len)
-    scores = index_scores(q, weights, keys, page_table, cu_seqlens_q, seq_lens, max_seq_len)
-    if max_seq_len >= RADIX_MIN and scores.numel() <= RADIX_MAX:
-        return top_positions(scores, min(topk, max_seq_len))
+    radix = max_seq_len >= RADIX_MIN and q.shape[0] * max_seq_len <= RADIX_MAX
+    work = work_area(q.shape[0], q.device) if radix else None
+    scores = index_scores(q, weights, keys, page_table, cu_seqlens_q, seq_lens, max_seq_len,
+                          work)
+    if radix:  # (its first pass counted by the score kernel)
+        return top_positions(scores, min(topk, max_seq_len), work=work)
     # (unsorted: the selection's order does not matter, 20 us less at one request of 128k)
     values, picked = scores.topk(min(topk, max_seq_len), dim=-1, sorted=False)
     return torch.where(values == float("-inf"), -1, picked).to(torch.int32)

@@ -19,7 +19,9 @@ operations per bin a thread owns, so its cost grows with the bins. Three passes 
 
 Programs: (rows, cdiv(n, block)), block = 512-2,048 scores by the step's size (fewer, larger
 programs for more scores: measured best); a [rows, 4 · 256 + 2] int32 work area holds the four
-histograms and the two place counters; a row's first program also writes its -1s.
+histograms and the two place counters; a row's first program also writes its -1s. The first
+pass may run inside the kernel that makes the scores (count_first_bytes; the DSA indexer's),
+which saves a launch and a read of the row.
 """
 
 from __future__ import annotations
@@ -72,6 +74,22 @@ def _prefix(work, k, DONE: tl.constexpr):
     return prefix, need, found
 
 
+@triton.jit
+def _count(work, key, live, LEVEL: tl.constexpr):
+    """Add the live keys' byte LEVEL (0: the highest) into the row's histogram LEVEL."""
+    digit = ((key >> (24 - 8 * LEVEL)) & 255).to(tl.int32)
+    counts = tl.histogram(digit, 256, mask=live)
+    tl.atomic_add(work + LEVEL * 256 + tl.arange(0, 256), counts, mask=counts > 0)
+
+
+@triton.jit
+def count_first_bytes(scores, work):
+    """The first pass inside the kernel that makes a row's scores (ops.triton.dsa): a block of
+    them (fp32, -inf: none) counted into the row's work area (work: its first element)."""
+    key = _key(scores)
+    _count(work, key, key != 0, 0)
+
+
 @triton.jit(do_not_specialize=["n"])  # (n, the step's longest context: one variant)
 def _histogram(scores_ptr, work_ptr, n, k, s_row, s_work, LEVEL: tl.constexpr,
                BLOCK: tl.constexpr):
@@ -83,9 +101,7 @@ def _histogram(scores_ptr, work_ptr, n, k, s_row, s_work, LEVEL: tl.constexpr,
     if LEVEL > 0:
         prefix, need, found = _prefix(work, k, LEVEL)
         live = live & found & ((key >> (32 - 8 * LEVEL)) == prefix)
-    digit = ((key >> (24 - 8 * LEVEL)) & 255).to(tl.int32)
-    counts = tl.histogram(digit, 256, mask=live)
-    tl.atomic_add(work + LEVEL * 256 + tl.arange(0, 256), counts, mask=counts > 0)
+    _count(work, key, live, LEVEL)
 
 
 @triton.jit(do_not_specialize=["n"])
@@ -112,11 +128,19 @@ def _select(scores_ptr, work_ptr, out_ptr, n, k, s_row, s_work, s_out, BLOCK: tl
             tl.store(out + c0 + places, -1, mask=(c0 + places < k) & (c0 + places >= finite))
 
 
-def top_positions(scores: torch.Tensor, k: int, out: torch.Tensor | None = None
-                  ) -> torch.Tensor:
+def work_area(rows: int, device: torch.device | str) -> torch.Tensor:
+    """A zeroed [rows, WORK] int32 work area: the kernel that makes the scores may count its
+    first pass into it (count_first_bytes) before top_positions(..., work=) runs the rest."""
+    return torch.zeros(rows, WORK, dtype=torch.int32, device=device)
+
+
+def top_positions(scores: torch.Tensor, k: int, out: torch.Tensor | None = None,
+                  work: torch.Tensor | None = None) -> torch.Tensor:
     """scores [rows, n] fp32 (-inf: not a candidate; NaN neither, where torch.topk takes it
     first), 1 ≤ k ≤ n. Returns [rows, k] int32 (into `out` if given: rows of unit stride): the
-    positions of each row's k largest finite scores in no order, -1 past a row's finite ones."""
+    positions of each row's k largest finite scores in no order, -1 past a row's finite ones.
+    work: a work_area whose first histogram holds every score of its row already (counted
+    where the scores were made); None: the first pass runs here."""
     rows, n = scores.shape
     if not 1 <= k <= n or scores.stride(1) != 1:
         raise ValueError(f"top_positions: k = {k} of rows of {n} scores, stride "
@@ -126,12 +150,17 @@ def top_positions(scores: torch.Tensor, k: int, out: torch.Tensor | None = None
     elif out.shape != (rows, k) or out.dtype != torch.int32 or out.stride(1) != 1:
         raise ValueError(f"top_positions: out {tuple(out.shape)} {out.dtype}, not "
                          f"({rows}, {k}) int32 rows")
+    if work is not None and (work.shape != (rows, WORK) or work.dtype != torch.int32
+                             or work.stride(1) != 1):
+        raise ValueError(f"top_positions: work {tuple(work.shape)} {work.dtype}, not "
+                         f"({rows}, {WORK}) int32 rows")
     if rows == 0:
         return out
-    work = torch.zeros(rows, WORK, dtype=torch.int32, device=scores.device)
+    first = 0 if work is None else 1  # (the levels counted already)
+    work = work_area(rows, scores.device) if work is None else work
     size = block(rows * n)
     grid = (rows, cdiv(n, size))
-    for level in range(LEVELS):
+    for level in range(first, LEVELS):
         _histogram[grid](scores, work, n, k, scores.stride(0), work.stride(0), LEVEL=level,
                          BLOCK=size, num_warps=4)
     _select[grid](scores, work, out, n, k, scores.stride(0), work.stride(0), out.stride(0),
