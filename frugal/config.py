@@ -185,8 +185,8 @@ class EngineConfig:
     enforce_eager: bool = False  # no CUDA graphs for decode steps
     cuda_graph_max_bs: int = 256  # largest decode batch replayed from a graph
     # steps with prompt tokens up to this many tokens replayed from graphs (worker.prompt_graphs;
-    # 0: none)
-    prompt_graph_max_tokens: int = 0
+    # 0: none; with decode graphs only, and not for DSA)
+    prompt_graph_max_tokens: int = 2048
     overlap_schedule: bool = True  # launch the next step before reading this one's tokens
     seed: int = 0
     # none | int4 (W4A16) | fp8 (W8A8: per-channel weights, activations per token): a

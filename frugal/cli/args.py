@@ -48,9 +48,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="wait for each step's tokens before launching the next step")
     g.add_argument("--cuda-graph-max-bs", type=int, default=256,
                    help="largest decode batch run from a CUDA graph")
-    g.add_argument("--prompt-graph-max-tokens", type=int, default=0,
+    g.add_argument("--prompt-graph-max-tokens", type=int, default=2048,
                    help="steps with prompt tokens of up to this many tokens run from CUDA "
-                        "graphs too (0: none; MHA and MLA models, not GLM-5's sparse attention)")
+                        "graphs too (0: none; with decode graphs, MHA and MLA models, not "
+                        "GLM-5's sparse attention)")
     g.add_argument("--kv-cache-dtype", default="auto",
                    help="auto (the activation dtype), bfloat16, float16, float32; 8-bit: "
                         "fp8_e4m3 (alias fp8: scaled per layer and KV head, calibrated), "
