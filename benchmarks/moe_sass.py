@@ -127,17 +127,23 @@ def main() -> None:
     p.add_argument("--dump", help="write the last kernel's SASS here")
     args = p.parse_args()
     mc = model_config(args.model)
-    block_m = moe.rows_per_block(args.slots, mc.moe.num_experts)
+    table = moe_configs._table().get(args.gpu, {})
     print("| form | matrix | tile (N, K, warps) | loop instructions | weights a step "
           "| instructions / weight | registers / stack bytes | top opcodes |\n"
           "|---|---|---|---|---|---|---|---|")
     for form in args.forms.split(","):
         mode = MODES[form]
         inter, hidden = mc.moe.intermediate_size, mc.hidden_size
+        # (the sorted path's rows a block: gate_up's entry's, for both matrices)
+        block_m = moe.rows_per_block(args.slots, mc.moe.num_experts, None if args.tile else
+                                     table.get(moe_configs.key("sorted", mode, inter, hidden,
+                                                               args.slots)))
         for name, n, k, gated in (("gate_up", inter, hidden, True),
                                   ("down", hidden, inter, False)):
-            entry = None if args.tile else moe_configs._table().get(args.gpu, {}).get(
+            entry = None if args.tile else table.get(
                 moe_configs.key(args.path, mode, n, k, args.slots))
+            if entry is not None and entry.get("BLOCK_M", block_m) != block_m:
+                entry = None  # (as moe._gemm drops it)
             if args.tile:
                 tile = tuple(int(v) for v in args.tile.split(","))
             else:
@@ -159,7 +165,8 @@ def main() -> None:
           f" --slots {args.slots} --path {args.path} --gpu '{args.gpu}'"
           f"{'' if args.prefetch is None else f' --prefetch {args.prefetch}'}"
           f"{'' if args.stages is None else f' --stages {args.stages}'}"
-          f"{' --tile ' + args.tile if args.tile else ''}; BLOCK_M {block_m} on the sorted path)")
+          f"{' --tile ' + args.tile if args.tile else ''}; BLOCK_M {block_m} on the sorted path, "
+          f"the last form's)")
 
 
 if __name__ == "__main__":
