@@ -104,8 +104,10 @@ def tune(path: str, runs: list, mode: int, scale_k: int, k: int, candidates: lis
     for config in candidates:
         if not moe_configs.tiles_scales(mode, config["BLOCK_K"], scale_k, k):
             continue
-        if block_m is not None and config.get("BLOCK_M", block_m) != block_m:
-            continue
+        if block_m is not None:  # (down: at gate_up's rows, stated in the entry)
+            if config.get("BLOCK_M", block_m) != block_m:
+                continue
+            config = {**config, "BLOCK_M": block_m}
         try:
             got = run(config)
             if not torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2):

@@ -127,6 +127,7 @@ def warm_up(runner: ModelRunner, budget: int = 0) -> None:
         runner.sampler.argmax(torch.zeros(2, vocab, dtype=dtype, device=runner.device))
     if runner.device.startswith("cuda"):
         torch.cuda.synchronize(torch.device(runner.device))
+        torch.cuda.empty_cache()  # (the ladder's cached blocks back before graphs capture)
     logger.info("prompt kernels warmed up in %.1f s", time.perf_counter() - start)
 
 

@@ -15,8 +15,9 @@ step samples (logits_indices, padded with row 0). Steps are marked `captured`: M
 their tokens absorbed, a row a token, instead of expanding prompts to sizes read on the host.
 Hidden states stay inside the graph: steps that score prompt tokens run eagerly, as do steps
 that read prompts through the cache (AttentionMetadata.fresh_kv False; the graphs are captured
-with it on) and models whose attention backend cannot capture prompts (layers.attention:
-prompt_graphs; DSA).
+with it on), steps with a context longer than max_tokens (a long prompt's later chunks: MLA's
+absorbed rows would each read the whole context) and models whose attention backend cannot
+capture prompts (layers.attention: prompt_graphs; DSA).
 """
 
 from __future__ import annotations
@@ -111,7 +112,11 @@ class PromptGraphs:
                         self.rows[:requests])
 
     def fits(self, inputs: StepInputs) -> bool:
-        return (not inputs.decode and inputs.meta.fresh_kv  # (captured with fresh K/V)
+        """A step with prompt tokens, fresh K/V (as captured), within the largest graph, and
+        no context longer than its token count: a chunk of a long prompt runs eagerly (MLA
+        attends a captured step's tokens absorbed, every row reading its whole context)."""
+        return (not inputs.decode and inputs.meta.fresh_kv
+                and inputs.meta.max_seq_len <= self.max_tokens
                 and inputs.input_ids.shape[0] <= self.max_tokens
                 and inputs.num_requests <= self.max_requests
                 and inputs.meta.page_table.shape[1] <= self.max_pages)

@@ -241,16 +241,18 @@ def test_sorted_blocks_hold_the_gate_up_entrys_rows(monkeypatch):
     monkeypatch.setattr(tri, "_sorted_gemm", Spy())
     tile = {"BLOCK_K": 32, "num_warps": 4, "num_stages": 2}
     # (gate_up's BLOCK_M, down's): down's tiles are 16 wide, the defaults 32 (interpreter)
-    for gate_up_rows, down_rows in ((32, 64), (None, 64), (32, 32)):
+    # (None: an entry without BLOCK_M, tuned at rows_per_block's 16)
+    for gate_up_rows, down_rows in ((32, 64), (None, 64), (32, 32), (32, None), (None, None)):
         gate_up = {**tile, "BLOCK_N": 32, **({"BLOCK_M": gate_up_rows} if gate_up_rows else {})}
+        down = {**tile, "BLOCK_N": 16, **({"BLOCK_M": down_rows} if down_rows else {})}
         table = {moe_configs.key("sorted", 0, inter, hidden, slots): gate_up,
-                 moe_configs.key("sorted", 0, hidden, inter, slots):
-                     {**tile, "BLOCK_N": 16, "BLOCK_M": down_rows}}
+                 moe_configs.key("sorted", 0, hidden, inter, slots): down}
         monkeypatch.setattr(moe_configs, "_table", lambda t=table: {"a tuned GPU": t})
         got = tri.fused_moe(*args)
         torch.testing.assert_close(got.cpu(), ref, atol=1e-4 * ref.abs().max().item(),
                                    rtol=1e-4)
-    assert launched == [(32, 32), (32, 32), (16, 32), (16, 32), (32, 32), (32, 16)], launched
+    assert launched == [(32, 32), (32, 32), (16, 32), (16, 32), (32, 32), (32, 16),
+                        (32, 32), (32, 32), (16, 32), (16, 16)], launched
 
 
 def test_committed_table_holds_valid_tiles():
@@ -272,6 +274,13 @@ def test_committed_table_holds_valid_tiles():
             mode, k = int(mode.split("=")[1]), int(k.split("=")[1])
             assert moe_configs.tiles_scales(mode, entry["BLOCK_K"], scale_k[mode], k), key
             assert path != "gemv" or moe_configs.gemv_tile(mode, entry["BLOCK_K"]), key
+        # a sorted gate_up entry's rows a block are its down partner's (one alignment)
+        for key, entry in entries.items():
+            path, mode, n, k, slots = key.split()
+            partner = entries.get(" ".join((path, mode, k.replace("K", "N"),
+                                            n.replace("N", "K"), slots)))
+            if path == "sorted" and partner is not None and "BLOCK_M" in entry:
+                assert partner.get("BLOCK_M") == entry["BLOCK_M"], key
 
 
 def test_residual_joins_the_sum_on_both_paths(monkeypatch):

@@ -93,6 +93,26 @@ def _engine(check: bool, graphs: bool, kv_cache_dtype: str = "auto"):
     return engine, runs
 
 
+def test_steps_over_contexts_longer_than_the_graphs_run_eagerly():
+    """A step whose longest context passes the graphs' token count (a long prompt's later
+    chunk, whose absorbed MLA rows would each read the whole context) does not fit; nor does
+    one of more tokens, or one reading prompts through the cache."""
+    from types import SimpleNamespace
+
+    engine, _ = _engine(False, True)
+    padded = engine.runner.prompt_graphs
+
+    def step(context, tokens=8, fresh=True):
+        meta = SimpleNamespace(fresh_kv=fresh, max_seq_len=context,
+                               page_table=torch.zeros(1, -(-context // 4), dtype=torch.int32))
+        return SimpleNamespace(decode=False, input_ids=torch.zeros(tokens, dtype=torch.int64),
+                               num_requests=1, meta=meta)
+
+    assert padded.max_tokens == 48 and padded.fits(step(48))
+    assert not padded.fits(step(49))
+    assert not padded.fits(step(40, tokens=49)) and not padded.fits(step(40, fresh=False))
+
+
 PROMPTS = [list(range(100, 121)) + [7, 8], list(range(30, 41)), [5, 6, 7],
            list(range(100, 121)) + [9], list(range(50, 83)), [3, 4], [9, 8, 7, 6], [11]]
 MAX_TOKENS = (6, 9, 4, 5, 3, 12, 10, 11)

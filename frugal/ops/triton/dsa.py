@@ -72,8 +72,9 @@ def _score_kernel(q_ptr, w_ptr, keys_ptr, key_scales_ptr, page_table_ptr, cu_ptr
             s = s * tl.load(key_scales_ptr + slot * sscale, mask=ok, other=0.0)[None, :]
         score = tl.where(ok, tl.sum(tl.maximum(s, 0.0) * w[:, None], axis=0), float("-inf"))
         tl.store(out_ptr + t * sot + pos, score, mask=pos < num_cols)
-        if FIRST_PASS:
-            count_first_bytes(score, work_ptr + t * s_work)
+        if FIRST_PASS:  # (the scores stored: the row the top-k reads)
+            count_first_bytes(tl.where(pos < num_cols, score, float("-inf")),
+                              work_ptr + t * s_work)
 
 
 def supported(heads: int, dim: int) -> bool:
