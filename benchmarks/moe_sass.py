@@ -142,7 +142,8 @@ def main() -> None:
                                   ("down", hidden, inter, False)):
             entry = None if args.tile else table.get(
                 moe_configs.key(args.path, mode, n, k, args.slots))
-            if entry is not None and entry.get("BLOCK_M", block_m) != block_m:
+            if entry is not None and args.path == "sorted" and moe.rows_per_block(
+                    args.slots, mc.moe.num_experts, entry) != block_m:
                 entry = None  # (as moe._gemm drops it)
             if args.tile:
                 tile = tuple(int(v) for v in args.tile.split(","))

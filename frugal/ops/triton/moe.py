@@ -189,8 +189,7 @@ def _gemm(a: torch.Tensor, w: torch.Tensor | Experts, out: torch.Tensor, n: int,
     data, scales, mode, s_bn, s_bk, k = _operand(w)
     gated = route is None
     config = config or lookup(a.device, "sorted", mode, n, k, out.shape[0], s_bk)
-    if config is not None and (config.get("BLOCK_M")
-                               or rows_per_block(out.shape[0], data.shape[0])) != block_m:
+    if config is not None and rows_per_block(out.shape[0], data.shape[0], config) != block_m:
         config = None  # (tuned for blocks of another size than the alignment's)
     launch = {"num_warps": 4}
     if config is not None:
