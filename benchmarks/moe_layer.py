@@ -7,7 +7,8 @@ consecutive layers read other weights: neither a graph launch nor weights still 
 call before count (FP8 and INT4 experts of one Qwen3 step fit the L2). Up to moe_gemv.MAX_SLOTS
 slots fused_moe takes the small-batch path (each slot reads its expert, no sort); --sorted times
 the sorted grouped GEMMs there too, and the routing kernel (ops.triton.moe_route) against the
-torch ops it replaces is timed beside them.
+torch ops it replaces is timed beside them. Where INT4 experts are dequantized first
+(ops.triton.moe_dense), their time widened in registers is given beside it.
 
     python benchmarks/moe_layer.py [--model qwen3-30b-a3b] [--tokens 1,8,32,64,256,2048]
         [--experts N] [--calls 16]
@@ -28,7 +29,7 @@ from timing import graph_time
 from frugal.loader.dummy import PRESETS
 from frugal.model_config import ModelConfig
 from frugal.ops import torch_ref
-from frugal.ops.triton import moe_gemv
+from frugal.ops.triton import moe_dense, moe_gemv
 from frugal.ops.triton.moe import _operand, fused_moe
 from frugal.ops.triton.moe_route import route_experts
 from frugal.quant.experts import quantize_experts
@@ -106,6 +107,10 @@ def main() -> None:
                 limit, moe_gemv.MAX_SLOTS = moe_gemv.MAX_SLOTS, 0
                 row[f"{name}_sorted_us"] = timed(calls)
                 moe_gemv.MAX_SLOTS = limit
+            if moe_dense.takes(gu, t * m.top_k):  # (and widened in registers, as below it)
+                limit, moe_dense.DENSE_SLOTS = moe_dense.DENSE_SLOTS, float("inf")
+                row[f"{name}_registers_us"] = timed(calls)
+                moe_dense.DENSE_SLOTS = limit
         bias = torch.zeros(e, device="cuda") if m.correction_bias else None
         route = (x, router_w, bias, m.top_k, m.scoring, m.norm_topk_prob, m.n_group,
                  m.topk_group, m.routed_scaling_factor)
@@ -115,8 +120,11 @@ def main() -> None:
         ref = row.get("torch_ref_bf16_us")
         sorted_ = "".join(f" (sorted {row[k + '_sorted_us']:.1f})" if k + "_sorted_us" in row
                           else "" for k in ("bf16",))
+        registers = (f" (in registers {row['int4_registers_us']:.1f})"
+                     if "int4_registers_us" in row else "")
         print(f"| {t} | {hit} | {'-' if ref is None else f'{ref:.0f}'} | "
-              f"{row['bf16_us']:.1f}{sorted_} | {row['fp8_us']:.1f} | {row['int4_us']:.1f} | "
+              f"{row['bf16_us']:.1f}{sorted_} | {row['fp8_us']:.1f} | "
+              f"{row['int4_us']:.1f}{registers} | "
               f"{row['bf16_tbs']:.2f} / {row['fp8_tbs']:.2f} / {row['int4_tbs']:.2f} | "
               f"{row['route_torch_us']:.1f} / {row['route_kernel_us']:.1f} |")
     if args.json:

@@ -25,7 +25,7 @@ import os
 import torch
 from moe_layer import model_config, timed
 
-from frugal.ops.triton import moe, moe_configs, moe_gemv
+from frugal.ops.triton import moe, moe_configs, moe_dense, moe_gemv
 from frugal.quant.experts import quantize_experts
 
 # (8 warps never won at Qwen3-30B-A3B's shapes on the H200: left out; BLOCK_N 64 did not win
@@ -167,6 +167,9 @@ def main() -> None:
             for name, w, n, a, rt, div in (("gate_up", mats[0], i, x, None, m.top_k),
                                             ("down", mats[1], h, act, route, 1)):
                 _, _, mode, _, scale_k, k = moe._operand(w)
+                if moe_dense.takes(w, t * m.top_k):  # (dequantized first: bf16's tiles)
+                    print(f"| {form} | {name} | {t} | dequantized, as bf16 | | | |")
+                    continue
                 runs = [runner(w, n, a, perm[ids], rt, div) for perm in perms]
                 path = runs[0][0]
                 candidates = ((GEMV_INT4 if mode == 2 else GEMV_PIPELINED) if path == "gemv"

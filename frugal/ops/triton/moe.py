@@ -17,7 +17,8 @@ matrix, with the expert weights in one of three forms, widened in registers:
 gate_up runs GATED: the gate and up tiles of the same outputs (rows n and n + N of the
 expert's matrix) accumulate side by side and the block stores silu(gate) · up, per slot. down
 runs ROUTED: each slot's output times its routing weight. The top_k outputs of a token are
-summed in fp32 after.
+summed in fp32 after. INT4 experts at prompt sizes are dequantized a chunk at a time and
+multiplied as MODE 0 (moe_dense), each chunk's blocks alone (experts first .. last - 1).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from frugal.ops.triton import moe_dense
 from frugal.ops.triton.moe_align import align
 from frugal.ops.triton.moe_configs import lookup
 from frugal.ops.triton.sizes import cdiv, next_power_of_2
@@ -116,9 +118,10 @@ def _int4_dots(a_rows, row_ok, w_base, s_base, word, w_ok, offs_n, n_ok, swn, sw
     return acc
 
 
-@triton.jit(do_not_specialize=["num_slots"])  # (changes from step to step)
+# (num_slots changes from step to step; first and last, an expert range, from chunk to chunk)
+@triton.jit(do_not_specialize=["num_slots", "first", "last"])
 def _sorted_gemm(a_ptr, w_ptr, s_ptr, out_ptr, sorted_ptr, block_expert_ptr, total_ptr, route_ptr,
-                 N, K, num_slots, sam, swe, swn, swk, sse, ssn, ssk, som, magic,
+                 N, K, num_slots, first, last, sam, swe, swn, swk, sse, ssn, ssk, som, magic,
                  A_DIV: tl.constexpr, MODE: tl.constexpr, S_BN: tl.constexpr, S_BK: tl.constexpr,
                  GATED: tl.constexpr, ROUTED: tl.constexpr, F32_DOT: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -130,6 +133,9 @@ def _sorted_gemm(a_ptr, w_ptr, s_ptr, out_ptr, sorted_ptr, block_expert_ptr, tot
         return
     # (int64: an expert's offset passes 2**31 elements in Kimi K2's and GLM-5's stacks)
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if (expert < first) | (expert >= last):  # (another chunk's: w holds experts first..last-1)
+        return
+    expert -= first
     slot = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     row_ok = slot < num_slots
     a_row = (slot // A_DIV).to(tl.int64)
@@ -185,8 +191,12 @@ def _gemm(a: torch.Tensor, w: torch.Tensor | Experts, out: torch.Tensor, n: int,
           route: torch.Tensor | None, a_div: int, block_m: int, config: dict | None = None
           ) -> None:
     """config: BLOCK_N, BLOCK_K, num_warps, num_stages (default: the tuned table's,
-    ops.triton.moe_configs, else the choices below)."""
+    ops.triton.moe_configs, else the choices below). INT4 experts at prompt sizes
+    (moe_dense.takes) are dequantized a chunk at a time and multiplied as float ones."""
     data, scales, mode, s_bn, s_bk, k = _operand(w)
+    parts = [(0, data.shape[0], data)]
+    if moe_dense.takes(w, out.shape[0]):
+        parts, mode, s_bn, s_bk = moe_dense.chunks(w, a.dtype), 0, 1, 1
     gated = route is None
     config = config or lookup(a.device, "sorted", mode, n, k, out.shape[0], s_bk)
     if config is not None and rows_per_block(out.shape[0], data.shape[0], config) != block_m:
@@ -198,13 +208,14 @@ def _gemm(a: torch.Tensor, w: torch.Tensor | Experts, out: torch.Tensor, n: int,
     else:
         block_n, block_k = _blocks(mode, s_bk, k, block_m)
     grid = (block_expert.numel() * cdiv(n, block_n),)
-    _sorted_gemm[grid](a, data, scales, out, sorted_slots, block_expert, total,
-                       route if route is not None else out, n, k, out.shape[0], a.stride(0),
-                       *data.stride(), *scales.stride(), out.stride(0), ONE_BITS,
-                       A_DIV=a_div, MODE=mode,
-                       S_BN=s_bn, S_BK=s_bk, GATED=gated, ROUTED=not gated,
-                       F32_DOT=_INTERPRET or a.dtype == torch.float32, BLOCK_M=block_m,
-                       BLOCK_N=block_n, BLOCK_K=block_k, **launch)
+    for first, last, part in parts:
+        scales = scales if mode else part
+        _sorted_gemm[grid](a, part, scales, out, sorted_slots, block_expert, total,
+                           route if route is not None else out, n, k, out.shape[0], first, last,
+                           a.stride(0), *part.stride(), *scales.stride(), out.stride(0),
+                           ONE_BITS, A_DIV=a_div, MODE=mode, S_BN=s_bn, S_BK=s_bk, GATED=gated,
+                           ROUTED=not gated, F32_DOT=_INTERPRET or a.dtype == torch.float32,
+                           BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **launch)
 
 
 def _blocks(mode: int, s_bk: int, k: int, block_m: int) -> tuple[int, int]:
@@ -278,6 +289,8 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor | Experts, down: torch.Tens
     num_experts, inter = gate_up.shape[0], down.shape[2]
     slots = tokens * top_k
     _, _, mode, _, s_bk, k = _operand(gate_up)
+    if moe_dense.takes(gate_up, slots):  # (multiplied as float experts: their tiles)
+        mode, s_bk = 0, 1
     config = lookup(x.device, "sorted", mode, inter, k, slots, s_bk)
     block_m = rows_per_block(slots, num_experts, config)
     sorted_slots, block_expert, total = align(ids, num_experts, block_m)

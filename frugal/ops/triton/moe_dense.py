@@ -1,0 +1,82 @@
+"""INT4 experts at prompt sizes: dequantized once a step, then multiplied as float experts.
+
+The sorted GEMM widens a weight tile in registers for every block of rows that reads it: at a
+few slots an expert that is each weight once, at thousands of tokens (hundreds of slots an
+expert) it is each weight many times over, and INT4's unpacking (~10 instructions a weight,
+benchmarks/moe_sass.py) then costs more than the products. Past DENSE_SLOTS slots an expert on
+average, moe._gemm instead has `chunks` write a chunk of experts in the activations' dtype
+(one kernel, each weight unpacked once) and multiplies it on the float path (MODE 0, its
+tuned tiles), chunk after chunk into one buffer of at most CHUNK_BYTES: as the dense INT4
+linears dequantize for prefill (ops.triton.linear).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import triton
+import triton.language as tl
+
+from frugal.ops.triton.sizes import cdiv
+from frugal.quant.experts import Int4Experts
+
+DENSE_SLOTS = 64  # average slots an expert from which INT4 experts are dequantized first
+CHUNK_BYTES = 512 << 20  # the dequantized chunk's buffer (a whole layer's experts if they fit)
+
+
+def takes(w, slots: int) -> bool:
+    """Whether fused_moe dequantizes these experts first for a step of this many slots."""
+    return isinstance(w, Int4Experts) and slots >= DENSE_SLOTS * w.shape[0]
+
+
+@triton.jit
+def _dequantize(w_ptr, s_ptr, out_ptr, first, rows, N, K, swe, swn, sse, ssn,
+                GROUP: tl.constexpr, BLOCK_R: tl.constexpr, WORDS: tl.constexpr):
+    """out[r, k] = (u - 8) · scale for rows r = (e - first) · N + n of the chunk, k = 8 · word
+    + j (nibble j of the word, low first: compressed-tensors packing), WORDS words a program."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    word = tl.program_id(1) * WORDS + tl.arange(0, WORDS)
+    ok = (r < rows)[:, None] & (word < K // 8)[None, :]
+    expert = (r // N + first).to(tl.int64)
+    n = r % N
+    words = tl.load(w_ptr + expert[:, None] * swe + n[:, None] * swn + word[None, :], mask=ok,
+                    other=0)
+    j = tl.arange(0, 8)
+    u = (words[:, :, None] >> (j * 4)[None, None, :]) & 0xF  # [BLOCK_R, WORDS, 8]
+    k = word[:, None] * 8 + j[None, :]  # [WORDS, 8]
+    s = tl.load(s_ptr + (expert * sse + n * ssn)[:, None, None] + (k // GROUP)[None, :, :],
+                mask=ok[:, :, None], other=0.0)
+    w = (u - 8).to(tl.float32) * s.to(tl.float32)
+    tl.store(out_ptr + r.to(tl.int64)[:, None, None] * K + k[None, :, :],
+             w.to(out_ptr.dtype.element_ty), mask=ok[:, :, None])
+
+
+def dequantize(w: Int4Experts, first: int, out: torch.Tensor) -> torch.Tensor:
+    """Experts first .. first + len(out) - 1 of w into out [count, N, K] (contiguous, any float
+    dtype), each as Int4Experts.expert(e).dequantize(out.dtype) computes it; returns out."""
+    count, n, k = out.shape
+    packed, scales = w.packed, w.scales
+    if (n, k) != w.shape[1:] or not 0 <= first <= w.shape[0] - count or not out.is_contiguous():
+        raise ValueError(f"moe_dense.dequantize: experts {first}+{count} of {w.shape} into "
+                         f"{tuple(out.shape)}")
+    if packed.stride(2) != 1 or scales.stride(2) != 1:
+        raise ValueError("moe_dense.dequantize: words and scales contiguous along K")
+    rows, block_r, words = count * n, 16, 64
+    _dequantize[(cdiv(rows, block_r), cdiv(k // 8, words))](
+        packed, scales, out, first, rows, n, k, packed.stride(0), packed.stride(1),
+        scales.stride(0), scales.stride(1), GROUP=w.group_size, BLOCK_R=block_r, WORDS=words,
+        num_warps=4)
+    return out
+
+
+def chunks(w: Int4Experts, dtype: torch.dtype) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """(first, last + 1, the experts [count, N, K] in dtype) chunk after chunk over all of w's
+    experts, every chunk written into the same buffer (the stream orders each chunk's use
+    before the next one's writing)."""
+    e, n, k = w.shape
+    per = max(1, min(e, CHUNK_BYTES // (n * k * torch.empty((), dtype=dtype).element_size())))
+    buffer = torch.empty(per, n, k, dtype=dtype, device=w.packed.device)
+    for first in range(0, e, per):
+        count = min(per, e - first)
+        yield first, first + count, dequantize(w, first, buffer[:count])
