@@ -47,7 +47,7 @@ def sass(n: int, k: int, mode: int, gated: bool, tile: tuple, path: str = "gemv"
     ty = {0: "*bf16", 1: "*fp8e4nv", 2: "*i32"}[mode]
     ints = {"N": n, "K": k, "sam": k, "swe": rows * words, "swn": words, "swk": 1,
             "sse": scales, "ssn": k // s_bk if mode else 1, "ssk": 1, "som": n,
-            "magic": moe_gemv.ONE_BITS, "num_slots": 1024, "first": 0, "last": 128}
+            "magic": moe_gemv.ONE_BITS, "num_slots": 1000, "first": 3, "last": 125}
     ptrs = {"a_ptr": "*bf16", "w_ptr": ty, "s_ptr": "*fp32" if mode == 1 else "*bf16",
             "out_ptr": "*bf16", "ids_ptr": "*i32", "route_ptr": "*fp32", "sorted_ptr": "*i32",
             "block_expert_ptr": "*i32", "total_ptr": "*i32"}

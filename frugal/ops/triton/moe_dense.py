@@ -30,26 +30,43 @@ def takes(w, slots: int) -> bool:
     return isinstance(w, Int4Experts) and slots >= DENSE_SLOTS * w.shape[0]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["first", "rows"])
 def _dequantize(w_ptr, s_ptr, out_ptr, first, rows, N, K, swe, swn, sse, ssn,
                 GROUP: tl.constexpr, BLOCK_R: tl.constexpr, WORDS: tl.constexpr):
     """out[r, k] = (u - 8) · scale for rows r = (e - first) · N + n of the chunk, k = 8 · word
-    + j (nibble j of the word, low first: compressed-tensors packing), WORDS words a program."""
+    + j (nibble j of the word, low first: compressed-tensors packing), WORDS words a program.
+    The scales load once a group (a [BLOCK_R, groups] tile) where a program's inputs hold whole
+    groups or lie within one; else one a weight."""
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    word = tl.program_id(1) * WORDS + tl.arange(0, WORDS)
-    ok = (r < rows)[:, None] & (word < K // 8)[None, :]
+    word0 = tl.program_id(1) * WORDS
+    word = word0 + tl.arange(0, WORDS)
+    r_ok = r < rows
+    ok = r_ok[:, None] & (word < K // 8)[None, :]
     expert = (r // N + first).to(tl.int64)
     n = r % N
-    words = tl.load(w_ptr + expert[:, None] * swe + n[:, None] * swn + word[None, :], mask=ok,
-                    other=0)
+    s_row = s_ptr + expert * sse + n * ssn  # [BLOCK_R]
+    words = tl.load(w_ptr + (expert * swe + n * swn)[:, None] + word[None, :], mask=ok, other=0)
     j = tl.arange(0, 8)
-    u = (words[:, :, None] >> (j * 4)[None, None, :]) & 0xF  # [BLOCK_R, WORDS, 8]
-    k = word[:, None] * 8 + j[None, :]  # [WORDS, 8]
-    s = tl.load(s_ptr + (expert * sse + n * ssn)[:, None, None] + (k // GROUP)[None, :, :],
-                mask=ok[:, :, None], other=0.0)
-    w = (u - 8).to(tl.float32) * s.to(tl.float32)
-    tl.store(out_ptr + r.to(tl.int64)[:, None, None] * K + k[None, :, :],
-             w.to(out_ptr.dtype.element_ty), mask=ok[:, :, None])
+    u = ((words[:, :, None] >> (j * 4)[None, None, :]) & 0xF) - 8  # [BLOCK_R, WORDS, 8]
+    INPUTS: tl.constexpr = WORDS * 8
+    if INPUTS % GROUP == 0:  # whole groups: [BLOCK_R, INPUTS / GROUP] scales
+        GROUPS: tl.constexpr = INPUTS // GROUP
+        group = word0 * 8 // GROUP + tl.arange(0, GROUPS)
+        s = tl.load(s_row[:, None] + group[None, :],
+                    mask=r_ok[:, None] & (group * GROUP < K)[None, :], other=0.0)
+        w = tl.reshape(u.to(tl.float32), (BLOCK_R, GROUPS, GROUP)) * s.to(tl.float32)[:, :, None]
+    elif GROUP % INPUTS == 0:  # within one group: a scale a row
+        s = tl.load(s_row + word0 * 8 // GROUP, mask=r_ok, other=0.0)
+        w = u.to(tl.float32) * s.to(tl.float32)[:, None, None]
+    else:
+        k = word[:, None] * 8 + j[None, :]  # [WORDS, 8]
+        s = tl.load(s_row[:, None, None] + (k // GROUP)[None, :, :], mask=ok[:, :, None],
+                    other=0.0)
+        w = u.to(tl.float32) * s.to(tl.float32)
+    offs_k = word0 * 8 + tl.arange(0, INPUTS)
+    tl.store(out_ptr + r.to(tl.int64)[:, None] * K + offs_k[None, :],
+             tl.reshape(w, (BLOCK_R, INPUTS)).to(out_ptr.dtype.element_ty),
+             mask=r_ok[:, None] & (offs_k < K)[None, :])
 
 
 def dequantize(w: Int4Experts, first: int, out: torch.Tensor) -> torch.Tensor:
@@ -71,11 +88,11 @@ def dequantize(w: Int4Experts, first: int, out: torch.Tensor) -> torch.Tensor:
 
 
 def chunks(w: Int4Experts, dtype: torch.dtype) -> Iterator[tuple[int, int, torch.Tensor]]:
-    """(first, last + 1, the experts [count, N, K] in dtype) chunk after chunk over all of w's
-    experts, every chunk written into the same buffer (the stream orders each chunk's use
-    before the next one's writing)."""
+    """(first, last, experts first .. last - 1 [count, N, K] in dtype) chunk after chunk over
+    all of w's experts, every chunk written into the same buffer (the stream orders each
+    chunk's use before the next one's writing) of CHUNK_BYTES at most, or one expert."""
     e, n, k = w.shape
-    per = max(1, min(e, CHUNK_BYTES // (n * k * torch.empty((), dtype=dtype).element_size())))
+    per = max(1, min(e, CHUNK_BYTES // (n * k * dtype.itemsize)))
     buffer = torch.empty(per, n, k, dtype=dtype, device=w.packed.device)
     for first in range(0, e, per):
         count = min(per, e - first)
