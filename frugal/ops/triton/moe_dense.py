@@ -21,7 +21,9 @@ import triton.language as tl
 from frugal.ops.triton.sizes import cdiv
 from frugal.quant.experts import Int4Experts
 
-DENSE_SLOTS = 64  # average slots an expert from which INT4 experts are dequantized first
+# average slots an expert from which INT4 experts are dequantized first (an H100, Qwen3-30B-A3B's
+# layer: at 128, 2,048 tokens, 1.97 ms against 3.05 in registers; at 64, 1.92 against 1.75)
+DENSE_SLOTS = 128
 CHUNK_BYTES = 512 << 20  # the dequantized chunk's buffer (a whole layer's experts if they fit)
 
 
