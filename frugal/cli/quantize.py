@@ -121,10 +121,14 @@ def run_quantize(args: argparse.Namespace) -> int:
             elif not int4:
                 q = fp8.quantize_fp8(w, args.weight_block_size)
             else:
-                q = quantize_rtn(w, args.group_size, symmetric=not args.asymmetric)
+                # (routed experts' scales in bf16, as quant.experts rounds them in memory)
+                expert = _EXPERT.search(name) is not None
+                q = quantize_rtn(w, args.group_size, symmetric=not args.asymmetric,
+                                 scale_dtype=torch.bfloat16 if expert else torch.float32)
             err = (q.dequantize() - w.float()).norm() / w.float().norm()
             errors.append((name, float(err)))
-            parts = compressed.to_tensors(prefix, q) if int4 else fp8.to_tensors(prefix, q)
+            parts = (compressed.to_tensors(prefix, q, q.scales.dtype) if int4
+                     else fp8.to_tensors(prefix, q))
             shards.add(parts)
             bf16_bytes += w.numel() * 2
             quant_bytes += sum(t.numel() * t.element_size() for t in parts.values())

@@ -87,9 +87,11 @@ def stack(parts: list[Fp8Weight] | list[Int4Weight]) -> Experts:
 
 def quantize_experts(weight: torch.Tensor, scheme: str) -> Experts:
     """Round-to-nearest of stacked float experts [E, N, K]: int4 symmetric in groups of
-    EXPERT_GROUP, or fp8 in EXPERT_BLOCK × EXPERT_BLOCK blocks."""
+    EXPERT_GROUP with bf16 scales (as Kimi K2 ships them), or fp8 in EXPERT_BLOCK ×
+    EXPERT_BLOCK blocks."""
     if scheme == "int4":
-        return stack([quantize_rtn(w, EXPERT_GROUP, symmetric=True) for w in weight])
+        return stack([quantize_rtn(w, EXPERT_GROUP, symmetric=True, scale_dtype=torch.bfloat16)
+                      for w in weight])
     return stack([quantize_fp8(w, EXPERT_BLOCK) for w in weight])
 
 

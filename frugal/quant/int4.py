@@ -132,17 +132,27 @@ def group_params(w: torch.Tensor, symmetric: bool) -> tuple[torch.Tensor, torch.
     return scale.float().to(w.dtype), zero
 
 
-def quantize_rtn(weight: torch.Tensor, group_size: int, symmetric: bool) -> Int4Weight:
+def quantize_rtn(weight: torch.Tensor, group_size: int, symmetric: bool,
+                 scale_dtype: torch.dtype = torch.float32) -> Int4Weight:
     """Round-to-nearest INT4 of a float [N, K] weight (K a multiple of group_size).
 
     symmetric: scale = amax / 7.5 per group (codes -8..7 around zero 8, like compressed-tensors'
     symmetric int4), zero 8. asymmetric: scale = (max - min) / 15 over a range that includes 0,
-    integer zero = round(-min / scale), clamped to [0, 15]. Scales are kept in fp32.
+    integer zero = round(-min / scale), clamped to [0, 15]. Scales are kept in fp32, or in bf16
+    (scale_dtype; as compressed-tensors checkpoints such as Kimi K2's store them: 0.5 bytes a
+    weight less at group 32) rounded up, so that the codes still span the group, and the codes
+    rounded with the scale as stored.
     """
     n, k = weight.shape
     if k % group_size:
         raise ValueError(f"group_size: {k} inputs do not split into groups of {group_size}")
+    if scale_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"quantize_rtn: scales in fp32 or bf16, not {scale_dtype}")
     w = weight.float().view(n, k // group_size, group_size)
     scale, zero = group_params(w, symmetric)
-    codes = torch.round(w / scale[..., None] + zero[..., None]).clamp(0, 15)
+    if scale_dtype == torch.bfloat16:  # (bf16: fp32's top half; one more is the next bf16 up)
+        rounded = scale.to(torch.bfloat16).float()
+        up = (rounded.view(torch.int32) + (1 << 16)).view(torch.float32)
+        scale = torch.where(rounded < scale, up, rounded).to(torch.bfloat16)
+    codes = torch.round(w / scale.float()[..., None] + zero[..., None]).clamp(0, 15)
     return Int4Weight(pack(codes.view(n, k)), scale, zeros=zero)

@@ -38,6 +38,8 @@ def test_experts_only_checkpoint_loads_stacked(scheme, args, form, tmp_path):
     for e in experts_of(q):
         assert isinstance(e.qgate_up, form) and isinstance(e.qdown, form)
         assert e.gate_up_proj.numel() == 0
+        if scheme == "int4":  # (group scales in bf16, as Kimi K2's)
+            assert e.qgate_up.scales.dtype == e.qdown.scales.dtype == torch.bfloat16
     for name, module in q.engine.runner.model.named_modules():  # the rest kept in float
         if hasattr(module, "qweight"):
             assert module.qweight is None, name

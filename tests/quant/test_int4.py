@@ -193,3 +193,20 @@ def test_quantize_again_into_the_same_folder_replaces_the_weights(tmp_path, monk
     assert cli(["quantize", str(src), "--output", str(src), "--group-size", "32"]) != 0
     assert "holds the input checkpoint" in capsys.readouterr().err
     assert (src / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_bf16_scales_round_up_and_keep_the_codes_error(symmetric):
+    """Scales in bf16 are fp32's rounded up (never below): every weight within half a scale of
+    its code's value, as with fp32 scales, and the codes computed with the stored scale."""
+    w = torch.randn(64, 256, generator=torch.Generator().manual_seed(4))
+    w[3, :32] = 0.0  # (an all-zero group: scale 1)
+    exact = quantize_rtn(w, 32, symmetric=symmetric)
+    q = quantize_rtn(w, 32, symmetric=symmetric, scale_dtype=torch.bfloat16)
+    assert q.scales.dtype == torch.bfloat16 and exact.scales.dtype == torch.float32
+    assert bool((q.scales.float() >= exact.scales).all())
+    assert bool((q.scales.float() <= exact.scales * (1 + 2**-7)).all())
+    err = (q.dequantize() - w).abs().view(64, 8, 32).amax(-1)
+    assert bool((err <= q.scales.float() * 0.5 * (1 + 1e-6)).all())
+    with pytest.raises(ValueError, match="fp32 or bf16"):
+        quantize_rtn(w, 32, symmetric=symmetric, scale_dtype=torch.float16)
