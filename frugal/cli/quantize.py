@@ -26,6 +26,7 @@ GPTQ_PROMPT_TOKENS = 192  # per built-in prompt, when there is no calibration te
 # layer matrices that are quantized; embeddings, norms and the LM head are kept
 _MATRICES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _EXPERT = re.compile(r"\.experts\.\d+\.")  # a routed expert's matrix
+_STACKED = re.compile(r"^(.*\.experts)\.(gate_up|down)_proj$")  # all of a layer's, stacked
 # config.json's ignore entries of an --experts-only checkpoint (compressed-tensors regexes)
 _NOT_EXPERTS = ["re:.*self_attn.*", "re:.*shared_experts.*",
                 r"re:.*mlp\.(gate|up|gate_up|down)_proj.*"]
@@ -103,7 +104,10 @@ def run_quantize(args: argparse.Namespace) -> int:
         done = _gptq(args, [(n, w) for n, w in names if wanted(n)], int4)
         weights = iter(names)
     else:  # round to nearest: one input tensor in memory at a time
-        done, weights = {}, ckpt.weights()
+        if int4 and args.asymmetric and ckpt.config.moe is not None:
+            raise ValueError("asymmetric: routed experts load symmetric only (zero point 8, as "
+                             "Kimi K2 ships them); drop --asymmetric for a MoE model")
+        done, weights = {}, _per_expert(ckpt.weights())
     hf = _hf_config(ckpt)
     shards = Shards(out, Path(args.model) if args.model else None)
     bf16_bytes = quant_bytes = kept_bytes = 0
@@ -132,6 +136,9 @@ def run_quantize(args: argparse.Namespace) -> int:
             shards.add(parts)
             bf16_bytes += w.numel() * 2
             quant_bytes += sum(t.numel() * t.element_size() for t in parts.values())
+        if not errors:
+            raise ValueError("nothing to quantize: no matrix matched (see --ignore, "
+                             "--experts-only)")
         shards.close()
     except BaseException:
         shards.remove()
@@ -154,6 +161,26 @@ def run_quantize(args: argparse.Namespace) -> int:
           f"{sum(e for _, e in errors) / max(len(errors), 1):.4f}")
     print(f"wrote {out}")
     return 0
+
+
+def _per_expert(weights):
+    """(name, tensor) pairs with stacked expert tensors (transformers 5's
+    `experts.gate_up_proj` [E, 2I, H], gate rows then up rows, and `experts.down_proj`
+    [E, H, I]) split into each expert's matrices under the per-expert names the loader reads
+    (`experts.N.gate_proj.weight`, ...); other tensors as they come."""
+    for name, w in weights:
+        m = _STACKED.match(name)
+        if m is None or w.dim() != 3:
+            yield name, w
+            continue
+        prefix, kind = m.groups()
+        for e in range(w.shape[0]):
+            if kind == "down":
+                yield f"{prefix}.{e}.down_proj.weight", w[e]
+            else:
+                half = w.shape[1] // 2
+                yield f"{prefix}.{e}.gate_proj.weight", w[e, :half]
+                yield f"{prefix}.{e}.up_proj.weight", w[e, half:]
 
 
 def _module_of(name: str) -> str:

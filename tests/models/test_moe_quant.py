@@ -54,6 +54,54 @@ def test_experts_only_checkpoint_loads_stacked(scheme, args, form, tmp_path):
     assert 0 < rel < 0.1, rel
 
 
+def test_stacked_experts_quantize_as_per_expert_ones(tmp_path):
+    """A checkpoint with transformers 5's stacked expert tensors (experts.gate_up_proj
+    [E, 2I, H], experts.down_proj [E, H, I]) quantizes expert by expert as the per-expert one
+    does: the same logits."""
+    from safetensors.torch import load_file, save_file
+
+    src, stacked = tmp_path / "src", tmp_path / "stacked"
+    write_model("qwen3-moe", src)
+    stacked.mkdir()
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            (stacked / f.name).write_bytes(f.read_bytes())
+    tensors = {}
+    for f in src.glob("*.safetensors"):
+        tensors.update(load_file(f))
+    layers = {n.split(".experts.")[0] for n in tensors if ".experts." in n}
+    for layer in layers:
+        count = len({n for n in tensors if n.startswith(f"{layer}.experts.")}) // 3
+        take = [[tensors.pop(f"{layer}.experts.{e}.{m}_proj.weight") for e in range(count)]
+                for m in ("gate", "up", "down")]
+        tensors[f"{layer}.experts.gate_up_proj"] = torch.stack(
+            [torch.cat([g, u]) for g, u in zip(take[0], take[1])])
+        tensors[f"{layer}.experts.down_proj"] = torch.stack(take[2])
+    index = stacked / "model.safetensors.index.json"
+    index.unlink(missing_ok=True)
+    save_file(tensors, stacked / "model.safetensors")
+    args = ["--experts-only", "--group-size", "32"]
+    ids = [5, 9, 2, 40, 7]
+    logits = []
+    for d in (src, stacked):
+        assert cli(["quantize", str(d), "--output", str(tmp_path / f"{d.name}_q"), *args]) == 0
+        logits.append(frugal_logits(LLM(str(tmp_path / f"{d.name}_q"), **KW), ids))
+    torch.testing.assert_close(logits[1], logits[0], atol=0, rtol=0)
+
+
+def test_quantize_refuses_what_would_not_load(tmp_path, capsys):
+    """Asymmetric INT4 for a MoE model (experts load symmetric only) and a run that matches no
+    matrix are refused, and leave no checkpoint behind."""
+    write_model("qwen3-moe", tmp_path / "src")
+    out = tmp_path / "q"
+    for extra, why in ((["--group-size", "32", "--asymmetric"], "asymmetric: routed experts"),
+                       (["--ignore", "experts"], "nothing to quantize")):
+        assert cli(["quantize", str(tmp_path / "src"), "--output", str(out), "--experts-only",
+                    *extra]) != 0
+        assert why in capsys.readouterr().err
+        assert not (out / "config.json").exists() and not list(out.glob("*.safetensors"))
+
+
 def test_quantization_flag_rounds_experts(tmp_path):
     write_model("qwen3-moe", tmp_path)
     llm = LLM(str(tmp_path), quantization="fp8", **KW)
