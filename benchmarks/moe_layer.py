@@ -1,14 +1,15 @@
 """Time one MoE layer's experts (ops.triton.fused_moe) at a real model's shapes, by tokens per
-step, float / FP8-block / INT4 experts, against the per-expert PyTorch loop (torch_ref), and
-print a table: microseconds per call and the weight bytes read per microsecond (the experts a
-step touches, each read once, with their scales: TB/s). A time is that of --calls calls replayed
-from one CUDA graph, each routing the tokens to other experts (the routing permuted), as
-consecutive layers read other weights: neither a graph launch nor weights still in L2 from the
-call before count (FP8 and INT4 experts of one Qwen3 step fit the L2). Up to moe_gemv.MAX_SLOTS
-slots fused_moe takes the small-batch path (each slot reads its expert, no sort); --sorted times
-the sorted grouped GEMMs there too, and the routing kernel (ops.triton.moe_route) against the
-torch ops it replaces is timed beside them. Where INT4 experts are dequantized first
-(ops.triton.moe_dense), their time widened in registers is given beside it.
+step, float / FP8-block (activations kept, and W8A8) / INT4 experts, against the per-expert
+PyTorch loop (torch_ref), and print a table: microseconds per call and the weight bytes read per
+microsecond (the experts a step touches, each read once, with their scales: TB/s). A time is
+that of --calls calls replayed from one CUDA graph, each routing the tokens to other experts
+(the routing permuted), as consecutive layers read other weights: neither a graph launch nor
+weights still in L2 from the call before count (FP8 and INT4 experts of one Qwen3 step fit the
+L2). Up to moe_gemv.MAX_SLOTS slots fused_moe takes the small-batch path (each slot reads its
+expert, no sort); --sorted times the sorted grouped GEMMs there too, and the routing kernel
+(ops.triton.moe_route) against the torch ops it replaces is timed beside them. Where INT4
+experts are dequantized first (ops.triton.moe_dense), their time widened in registers is given
+beside it.
 
     python benchmarks/moe_layer.py [--model qwen3-30b-a3b] [--tokens 1,8,32,64,256,2048]
         [--experts N] [--calls 16]
@@ -72,15 +73,17 @@ def main() -> None:
     down = torch.randn(e, h, i, device="cuda", generator=g).mul_(0.02).bfloat16()
     forms = {"bf16": (gate_up, down),
              "fp8": (quantize_experts(gate_up, "fp8"), quantize_experts(down, "fp8")),
-             "int4": (quantize_experts(gate_up, "int4"), quantize_experts(down, "int4"))}
+             "int4": (quantize_experts(gate_up, "int4"), quantize_experts(down, "int4")),
+             "fp8_w8a8": (quantize_experts(gate_up, "fp8", w8a8=True),
+                          quantize_experts(down, "fp8", w8a8=True))}
     # one expert's bytes in each form: its weights (packed INT4 words) and their scales
     expert_bytes = {name: sum(_expert_bytes(w) for w in pair) for name, pair in forms.items()}
     rows = []
     print(f"{args.model}: {e} experts, top {m.top_k}, hidden {h}, expert inter {i}; us per layer "
           f"(CUDA graph) on {torch.cuda.get_device_name()}")
     print("| tokens | experts hit | torch_ref bf16 | frugal bf16 | frugal FP8 | frugal INT4 | "
-          "TB/s bf16 / FP8 / INT4 | route: torch ops / kernel |")
-    print("|---|---|---|---|---|---|---|---|")
+          "frugal FP8 W8A8 | TB/s bf16 / FP8 / INT4 / W8A8 | route: torch ops / kernel |")
+    print("|---|---|---|---|---|---|---|---|---|")
     router_w = torch.randn(e, h, device="cuda", generator=g).mul_(0.02).bfloat16()
     for t in [int(s) for s in args.tokens.split(",")]:
         x = torch.randn(t, h, device="cuda", generator=g).bfloat16()
@@ -124,8 +127,9 @@ def main() -> None:
                      if "int4_registers_us" in row else "")
         print(f"| {t} | {hit} | {'-' if ref is None else f'{ref:.0f}'} | "
               f"{row['bf16_us']:.1f}{sorted_} | {row['fp8_us']:.1f} | "
-              f"{row['int4_us']:.1f}{registers} | "
-              f"{row['bf16_tbs']:.2f} / {row['fp8_tbs']:.2f} / {row['int4_tbs']:.2f} | "
+              f"{row['int4_us']:.1f}{registers} | {row['fp8_w8a8_us']:.1f} | "
+              f"{row['bf16_tbs']:.2f} / {row['fp8_tbs']:.2f} / {row['int4_tbs']:.2f} / "
+              f"{row['fp8_w8a8_tbs']:.2f} | "
               f"{row['route_torch_us']:.1f} / {row['route_kernel_us']:.1f} |")
     if args.json:
         with open(args.json, "w") as f:

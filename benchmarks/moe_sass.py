@@ -29,7 +29,7 @@ from triton.compiler import ASTSource
 
 from frugal.ops.triton import moe, moe_configs, moe_gemv
 
-MODES = {"float": 0, "fp8": 1, "int4": 2}
+MODES = {"float": 0, "fp8": 1, "int4": 2, "fp8_w8a8": 3}
 INSTRUCTION = re.compile(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)")
 
 
@@ -41,21 +41,26 @@ def sass(n: int, k: int, mode: int, gated: bool, tile: tuple, path: str = "gemv"
     num_warps[, num_stages]; options: the GEMV's PREFETCH and STAGES (moe_gemv.loop_options)."""
     block_n, block_k, warps, *stages = tile
     rows = 2 * n if gated else n
-    s_bn, s_bk = {0: (1, 1), 1: (128, 128), 2: (1, 32)}[mode]
+    s_bn, s_bk = {0: (1, 1), 1: (128, 128), 2: (1, 32), 3: (128, 128)}[mode]
     words = k // 8 if mode == 2 else k
     scales = (rows // s_bn) * (k // s_bk) if mode else 1
-    ty = {0: "*bf16", 1: "*fp8e4nv", 2: "*i32"}[mode]
+    ty = {0: "*bf16", 1: "*fp8e4nv", 2: "*i32", 3: "*fp8e4nv"}[mode]
     ints = {"N": n, "K": k, "sam": k, "swe": rows * words, "swn": words, "swk": 1,
             "sse": scales, "ssn": k // s_bk if mode else 1, "ssk": 1, "som": n,
-            "magic": moe_gemv.ONE_BITS, "num_slots": 1000, "first": 3, "last": 125}
-    ptrs = {"a_ptr": "*bf16", "w_ptr": ty, "s_ptr": "*fp32" if mode == 1 else "*bf16",
+            "magic": moe_gemv.ONE_BITS, "num_slots": 1000, "first": 3, "last": 125,
+            "sas": k // 128}
+    # (W8A8: blocks of 64 rows or more read codes rounded before, fewer round them: moe._gemm)
+    a_fp8 = 0 if mode != 3 else 2 if path == "sorted" and block_m >= 64 else 1
+    ptrs = {"a_ptr": "*fp8e4nv" if a_fp8 == 2 else "*bf16", "w_ptr": ty,
+            "s_ptr": "*fp32" if mode in (1, 3) else "*bf16",
             "out_ptr": "*bf16", "ids_ptr": "*i32", "route_ptr": "*fp32", "sorted_ptr": "*i32",
-            "block_expert_ptr": "*i32", "total_ptr": "*i32"}
-    const = {"A_DIV": 8 if gated else 1, "MODE": mode, "S_BN": s_bn, "S_BK": s_bk,
+            "block_expert_ptr": "*i32", "total_ptr": "*i32", "as_ptr": "*fp32"}
+    const = {"A_DIV": 8 if gated else 1, "MODE": 1 if mode == 3 else mode, "A_FP8": a_fp8,
+             "S_BN": s_bn, "S_BK": s_bk,
              "GATED": gated, "BLOCK_N": block_n, "BLOCK_K": block_k}
     if path == "gemv":
-        const["FP8_SCALES"] = moe_gemv._fp8_scales(mode, s_bn, s_bk, n, k, block_n)
-        const["PREFETCH"], const["STAGES"] = moe_gemv.loop_options(mode, options or {})
+        const["FP8_SCALES"] = moe_gemv._fp8_scales(const["MODE"], s_bn, s_bk, n, k, block_n)
+        const["PREFETCH"], const["STAGES"] = moe_gemv.loop_options(const["MODE"], options or {})
     if path == "sorted":
         const.update(ROUTED=not gated, F32_DOT=False, BLOCK_M=block_m)
     fn = moe_gemv._gemv if path == "gemv" else moe._sorted_gemm
@@ -104,9 +109,10 @@ def k_loop(text: str) -> list[str]:
 
 def default_tile(path: str, mode: int, k: int, block_m: int) -> tuple:
     """The kernels' own tiles without a table entry (moe_gemv._blocks, moe._blocks)."""
-    s_bk = {0: 1, 1: 128, 2: 32}[mode]
+    s_bk = {0: 1, 1: 128, 2: 32, 3: 128}[mode]
     if path == "gemv":
-        return (*moe_gemv._blocks(mode, s_bk, k), 4)
+        block_n, block_k = moe_gemv._blocks(1 if mode == 3 else mode, s_bk, k)
+        return block_n, max(block_k, 128) if mode == 3 else block_k, 4
     return (*moe._blocks(mode, s_bk, k, block_m), 4)
 
 

@@ -10,7 +10,7 @@ configuration's output, and the fastest kept (GEMV candidates with the K loop pi
 STAGES or not, INT4 also with PREFETCH). Prints a table of the default and tuned microseconds.
 
     python benchmarks/tune_moe.py --model qwen3-30b-a3b [--tokens 1,2,4,8,16,32,64,128,256]
-        [--forms bf16,fp8,int4] [--output frugal/ops/triton/moe_configs.json] [--experts N]
+        [--forms bf16,fp8,int4,fp8_w8a8] [--output frugal/ops/triton/moe_configs.json] [--experts N]
         [--calls 16]
 --model and --experts as in moe_layer.py (a config directory: .peer/models/kimi-k2-4l).
 """
@@ -104,6 +104,10 @@ def tune(path: str, runs: list, mode: int, scale_k: int, k: int, candidates: lis
     for config in candidates:
         if not moe_configs.tiles_scales(mode, config["BLOCK_K"], scale_k, k):
             continue
+        if mode == 3 and (config["BLOCK_K"] % 128 or path == "sorted" and (
+                config["BLOCK_K"] != 128 or config.get("BLOCK_M", block_m or 16) < 64
+                and config["BLOCK_N"] < 64)):
+            continue  # (W8A8: its inputs round per 128; moe._gemm would run its default)
         if block_m is not None:  # (down: at gate_up's rows, stated in the entry)
             if config.get("BLOCK_M", block_m) != block_m:
                 continue
@@ -155,8 +159,9 @@ def main() -> None:
     print("| form | matrix | tokens | path | default us | tuned us | config |")
     print("|---|---|---|---|---|---|---|")
     for form in args.forms.split(","):
+        scheme, w8a8 = form.removesuffix("_w8a8"), form.endswith("_w8a8")
         mats = ((gate_up, down) if form == "bf16" else
-                (quantize_experts(gate_up, form), quantize_experts(down, form)))
+                (quantize_experts(gate_up, scheme, w8a8), quantize_experts(down, scheme, w8a8)))
         for t in [int(s) for s in args.tokens.split(",")]:
             x = torch.randn(t, h, device="cuda", generator=g).bfloat16()
             weights, ids = torch.randn(t, e, device="cuda", generator=g).softmax(-1).topk(m.top_k)

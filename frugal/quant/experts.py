@@ -4,6 +4,9 @@ An MoE layer's routed experts share one shape, so their quantized weights stack 
 expert dim [E, ...] (the fused MoE kernels index it by expert):
   Fp8Experts:  data [E, N, K] float8_e4m3fn, scales [E, ceil(N / block), ceil(K / block)] fp32
                (128×128 blocks: DeepSeek / Kimi / GLM FP8) or [E, N, 1] (per output channel);
+               w8a8: the activations rounded to FP8 too, one scale per token (row) and 128
+               inputs (quant.fp8.quantize_groups, as DeepSeek's FP8 inference does), and
+               multiplied on FP8 tensor cores where the kernels can;
   Int4Experts: packed [E, N, K / 8] int32 (compressed-tensors pack-quantized, as Int4Weight),
                scales [E, N, K / group], symmetric codes (w = (u - 8) · scale: Kimi K2's
                routed experts, group 32).
@@ -29,16 +32,23 @@ class Fp8Experts:
     data: torch.Tensor
     scales: torch.Tensor
     block: int | None
+    w8a8: bool = False
 
     @property
     def shape(self) -> tuple[int, int, int]:
         return tuple(self.data.shape)
 
+    def __post_init__(self) -> None:
+        if self.w8a8 and self.block is not None and self.block % 128:
+            raise ValueError(f"W8A8 FP8 experts: weight blocks of a multiple of 128 or per "
+                             f"channel (their inputs round per 128), not {self.block}")
+
     def expert(self, e: int) -> Fp8Weight:
+        """Expert e's weight (its activations' rounding is the experts' own: w8a8 above)."""
         return Fp8Weight(self.data[e], self.scales[e], self.block)
 
     def to(self, device: torch.device | str) -> Fp8Experts:
-        return Fp8Experts(self.data.to(device), self.scales.to(device), self.block)
+        return Fp8Experts(self.data.to(device), self.scales.to(device), self.block, self.w8a8)
 
 
 @dataclass
@@ -73,11 +83,12 @@ def stack(parts: list[Fp8Weight] | list[Int4Weight]) -> Experts:
     if len(kinds) != 1:
         raise ValueError("experts quantized in different formats")
     if kinds.pop() is Fp8Weight:
-        blocks = {p.block for p in parts}
+        blocks = {(p.block, p.w8a8) for p in parts}
         if len(blocks) != 1:
             raise ValueError("FP8 experts differ in scaling")
+        block, w8a8 = blocks.pop()
         return Fp8Experts(torch.stack([p.data for p in parts]),
-                          torch.stack([p.scales for p in parts]), blocks.pop())
+                          torch.stack([p.scales for p in parts]), block, w8a8)
     for p in parts:
         if p.zeros is None or not bool((p.zeros == 8).all()):
             raise ValueError("INT4 experts must be symmetric (zero point 8)")
@@ -85,14 +96,14 @@ def stack(parts: list[Fp8Weight] | list[Int4Weight]) -> Experts:
                        torch.stack([p.scales for p in parts]))
 
 
-def quantize_experts(weight: torch.Tensor, scheme: str) -> Experts:
+def quantize_experts(weight: torch.Tensor, scheme: str, w8a8: bool = False) -> Experts:
     """Round-to-nearest of stacked float experts [E, N, K]: int4 symmetric in groups of
     EXPERT_GROUP with bf16 scales (as Kimi K2 ships them), or fp8 in EXPERT_BLOCK ×
-    EXPERT_BLOCK blocks."""
+    EXPERT_BLOCK blocks (w8a8: activations rounded to FP8 too, Fp8Experts.w8a8)."""
     if scheme == "int4":
         return stack([quantize_rtn(w, EXPERT_GROUP, symmetric=True, scale_dtype=torch.bfloat16)
                       for w in weight])
-    return stack([quantize_fp8(w, EXPERT_BLOCK) for w in weight])
+    return stack([quantize_fp8(w, EXPERT_BLOCK, w8a8=w8a8) for w in weight])
 
 
 def dequantize(w: torch.Tensor | Experts, e: int, dtype: torch.dtype) -> torch.Tensor:

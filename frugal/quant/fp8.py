@@ -95,6 +95,27 @@ def round_rows(x: torch.Tensor) -> torch.Tensor:
     return (q.float() * scale).to(x.dtype)
 
 
+def quantize_groups(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic FP8 of activations x [M, K] per row and group of `group` consecutive inputs ->
+    (q [M, K] e4m3, scales [M, ceil(K / group)] fp32): quantize_rows on each group (the last
+    one as long as K leaves it)."""
+    m, k = x.shape
+    groups = x.float().new_zeros(m, -(-k // group) * group)
+    groups[:, :k] = x.float()
+    groups = groups.view(m, -1, group)
+    scale = divide(groups.abs().amax(2, keepdim=True).clamp(min=1e-12), FP8_MAX)
+    inverse = torch.ones_like(scale) / scale
+    q = (groups * inverse).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q.view(m, -1)[:, :k], scale[:, :, 0]
+
+
+def round_groups(x: torch.Tensor, group: int = 128) -> torch.Tensor:
+    """x [M, K] as W8A8 experts see it: quantize_groups, then q · scale (fp32) in x's dtype."""
+    m, k = x.shape
+    q, scale = quantize_groups(x, group)
+    return (q.float() * scale.repeat_interleave(group, 1)[:, :k]).to(x.dtype)
+
+
 def quantize_fp8(weight: torch.Tensor, block: int | None = None, w8a8: bool = False
                  ) -> Fp8Weight:
     """Round-to-nearest FP8 of a float [N, K] weight: scale = amax / 448 per output channel

@@ -27,7 +27,8 @@ def experts_of(llm):
 
 @pytest.mark.parametrize("scheme,args,form", [
     ("int4", ["--scheme", "w4a16", "--group-size", "32"], Int4Experts),
-    ("fp8", ["--scheme", "w8a16", "--weight-block-size", "16"], Fp8Experts)])
+    ("fp8", ["--scheme", "w8a16", "--weight-block-size", "16"], Fp8Experts),
+    ("fp8", ["--scheme", "fp8"], Fp8Experts)])
 def test_experts_only_checkpoint_loads_stacked(scheme, args, form, tmp_path):
     src, out = tmp_path / "src", tmp_path / "q"
     write_model("glm4-moe", src)
@@ -40,6 +41,8 @@ def test_experts_only_checkpoint_loads_stacked(scheme, args, form, tmp_path):
         assert e.gate_up_proj.numel() == 0
         if scheme == "int4":  # (group scales in bf16, as Kimi K2's)
             assert e.qgate_up.scales.dtype == e.qdown.scales.dtype == torch.bfloat16
+        else:  # (a checkpoint whose activations are FP8 too: W8A8 experts)
+            assert e.qgate_up.w8a8 == e.qdown.w8a8 == ("fp8" in args)
     for name, module in q.engine.runner.model.named_modules():  # the rest kept in float
         if hasattr(module, "qweight"):
             assert module.qweight is None, name

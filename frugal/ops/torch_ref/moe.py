@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from frugal.quant.experts import Experts, dequantize
+from frugal.quant.experts import Experts, Fp8Experts, dequantize
+from frugal.quant.fp8 import round_groups
 
 
 def route_experts(x: torch.Tensor, router: torch.Tensor, correction_bias: torch.Tensor | None,
@@ -52,14 +53,21 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor | Experts, down: torch.Tens
     x: [num_tokens, hidden]; gate_up: [num_experts, 2 * inter, hidden] (gate rows, then up);
     down: [num_experts, hidden, inter], either float or quantized (quant.experts: dequantized
     one expert at a time); weights, ids: [num_tokens, top_k] (route_experts). Each expert's
-    matmuls run in x's dtype; the weighted sum is accumulated in fp32.
+    matmuls run in x's dtype, their inputs rounded to FP8 per row and 128 inputs first for
+    W8A8 experts (Fp8Experts.w8a8); the weighted sum is accumulated in fp32.
     """
     out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
     for expert in ids.unique().tolist():
         token, slot = (ids == expert).nonzero(as_tuple=True)
-        gate, up = F.linear(x[token], dequantize(gate_up, expert, x.dtype)).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, dequantize(down, expert, x.dtype))
+        gate, up = F.linear(_rounded(x[token], gate_up),
+                            dequantize(gate_up, expert, x.dtype)).chunk(2, dim=-1)
+        y = F.linear(_rounded(F.silu(gate) * up, down), dequantize(down, expert, x.dtype))
         out.index_add_(0, token, y.float() * weights[token, slot, None])
     if residual is not None:
         out += residual.float()
     return out.to(x.dtype)
+
+
+def _rounded(x: torch.Tensor, w: torch.Tensor | Experts) -> torch.Tensor:
+    """x as w's matmul sees it: rounded to FP8 per row and 128 inputs for W8A8 experts."""
+    return round_groups(x) if isinstance(w, Fp8Experts) and w.w8a8 else x

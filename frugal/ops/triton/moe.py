@@ -13,7 +13,11 @@ matrix, with the expert weights in one of three forms, widened in registers:
   MODE 1  FP8 e4m3 [E, N, K] with fp32 scales per (N / S_BN, K / S_BK) tile (128×128 blocks,
           or per channel: S_BN 1, S_BK K);
   MODE 2  INT4 [E, N, K / 8] int32 words (compressed-tensors packing, symmetric: w = (u - 8) ·
-          scale) with scales per (row, K / S_BK group).
+          scale) with scales per (row, K / S_BK group);
+  MODE 1 with A_FP8 (W8A8 experts, moe_configs' mode 3): the activations rounded to e4m3 per
+          row and 128 inputs (fp8_groups: in registers, A_FP8 1; once before, 2, for blocks of
+          64 rows or more) and multiplied with the weights as stored on FP8 tensor cores, a
+          group's products scaled once.
 gate_up runs GATED: the gate and up tiles of the same outputs (rows n and n + N of the
 expert's matrix) accumulate side by side and the block stores silu(gate) · up, per slot. down
 runs ROUTED: each slot's output times its routing weight. The top_k outputs of a token are
@@ -29,7 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-from frugal.ops.triton import moe_dense
+from frugal.ops.triton import fp8_groups, moe_dense
+from frugal.ops.triton.fp8_groups import quantize_group, w8a8_step
 from frugal.ops.triton.moe_align import align
 from frugal.ops.triton.moe_configs import lookup
 from frugal.ops.triton.sizes import cdiv, next_power_of_2
@@ -121,10 +126,12 @@ def _int4_dots(a_rows, row_ok, w_base, s_base, word, w_ok, offs_n, n_ok, swn, sw
 # (num_slots changes from step to step; first and last, an expert range, from chunk to chunk)
 @triton.jit(do_not_specialize=["num_slots", "first", "last"])
 def _sorted_gemm(a_ptr, w_ptr, s_ptr, out_ptr, sorted_ptr, block_expert_ptr, total_ptr, route_ptr,
-                 N, K, num_slots, first, last, sam, swe, swn, swk, sse, ssn, ssk, som, magic,
+                 as_ptr, N, K, num_slots, first, last, sam, swe, swn, swk, sse, ssn, ssk, som,
+                 sas, magic,
                  A_DIV: tl.constexpr, MODE: tl.constexpr, S_BN: tl.constexpr, S_BK: tl.constexpr,
                  GATED: tl.constexpr, ROUTED: tl.constexpr, F32_DOT: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 A_FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     pid_m = pid // num_n
@@ -160,13 +167,26 @@ def _sorted_gemm(a_ptr, w_ptr, s_ptr, out_ptr, sorted_ptr, block_expert_ptr, tot
             k_ok = offs_k < K
             a = tl.load(a_ptr + a_row[:, None] * sam + offs_k[None, :],
                         mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            w = _weight_tile(w_ptr, s_ptr, expert, k0, K, offs_n, n_ok, swe, swn, swk, sse,
-                             ssn, ssk, MODE, S_BN, S_BK, BLOCK_K, BLOCK_N)
-            acc = _dot(a, w, acc, F32_DOT)
-            if GATED:
-                w = _weight_tile(w_ptr, s_ptr, expert, k0, K, offs_n + N, n_ok, swe, swn,
-                                 swk, sse, ssn, ssk, MODE, S_BN, S_BK, BLOCK_K, BLOCK_N)
-                acc_up = _dot(a, w, acc_up, F32_DOT)
+            if A_FP8:  # (BLOCK_K 128: one group of inputs a step)
+                if A_FP8 == 2:  # a: the codes, as_ptr: their scales (fp8_groups.quantize)
+                    q = a
+                    s_a = tl.load(as_ptr + a_row * sas + k0 // 128, mask=row_ok, other=0.0)
+                else:  # rounded here
+                    q, s_a = quantize_group(a.to(tl.float32))
+                acc = w8a8_step(q, s_a, w_ptr, s_ptr, expert, k0, offs_k, k_ok, offs_n, n_ok,
+                                 swe, swn, swk, sse, ssn, ssk, acc, S_BN, S_BK, F32_DOT)
+                if GATED:
+                    acc_up = w8a8_step(q, s_a, w_ptr, s_ptr, expert, k0, offs_k, k_ok,
+                                        offs_n + N, n_ok, swe, swn, swk, sse, ssn, ssk, acc_up,
+                                        S_BN, S_BK, F32_DOT)
+            else:
+                w = _weight_tile(w_ptr, s_ptr, expert, k0, K, offs_n, n_ok, swe, swn, swk, sse,
+                                 ssn, ssk, MODE, S_BN, S_BK, BLOCK_K, BLOCK_N)
+                acc = _dot(a, w, acc, F32_DOT)
+                if GATED:
+                    w = _weight_tile(w_ptr, s_ptr, expert, k0, K, offs_n + N, n_ok, swe, swn,
+                                     swk, sse, ssn, ssk, MODE, S_BN, S_BK, BLOCK_K, BLOCK_N)
+                    acc_up = _dot(a, w, acc_up, F32_DOT)
     if GATED:
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up
     if ROUTED:
@@ -176,11 +196,12 @@ def _sorted_gemm(a_ptr, w_ptr, s_ptr, out_ptr, sorted_ptr, block_expert_ptr, tot
 
 
 def _operand(w: torch.Tensor | Experts) -> tuple:
-    """(tensor, scales, MODE, S_BN, S_BK, K) of a stacked expert weight."""
+    """(tensor, scales, mode, S_BN, S_BK, K) of a stacked expert weight; mode: the kernels'
+    MODE, 3 for W8A8 FP8 experts (MODE 1 with A_FP8; their own tiles in moe_configs)."""
     if isinstance(w, Fp8Experts):
         k = w.shape[2]
         block = (w.block, w.block) if w.block is not None else (1, k)
-        return w.data, w.scales, 1, *block, k
+        return w.data, w.scales, 3 if w.w8a8 else 1, *block, k
     if isinstance(w, Int4Experts):
         return w.packed, w.scales, 2, 1, w.group_size, w.shape[2]
     return w, w, 0, 1, 1, w.shape[2]
@@ -201,6 +222,9 @@ def _gemm(a: torch.Tensor, w: torch.Tensor | Experts, out: torch.Tensor, n: int,
     config = config or lookup(a.device, "sorted", mode, n, k, out.shape[0], s_bk)
     if config is not None and rows_per_block(out.shape[0], data.shape[0], config) != block_m:
         config = None  # (tuned for blocks of another size than the alignment's)
+    if config is not None and mode == 3 and (
+            config["BLOCK_K"] != 128 or (block_m < 64 and config["BLOCK_N"] < 64)):
+        config = None  # (W8A8: a group of 128 inputs a step, 64 rows on one MMA side)
     launch = {"num_warps": 4}
     if config is not None:
         block_n, block_k = config["BLOCK_N"], config["BLOCK_K"]
@@ -208,13 +232,20 @@ def _gemm(a: torch.Tensor, w: torch.Tensor | Experts, out: torch.Tensor, n: int,
     else:
         block_n, block_k = _blocks(mode, s_bk, k, block_m)
     grid = (block_expert.numel() * cdiv(n, block_n),)
+    a_scales, a_fp8 = out, 0
+    if mode == 3:  # W8A8: blocks of many rows take the inputs rounded once, fewer round them
+        a_fp8 = 1
+        if block_m >= 64:
+            (a, a_scales), a_fp8 = fp8_groups.quantize(a), 2
     for first, last, part in parts:
         scales = scales if mode else part
         _sorted_gemm[grid](a, part, scales, out, sorted_slots, block_expert, total,
-                           route if route is not None else out, n, k, out.shape[0], first, last,
-                           a.stride(0), *part.stride(), *scales.stride(), out.stride(0),
-                           ONE_BITS, A_DIV=a_div, MODE=mode, S_BN=s_bn, S_BK=s_bk, GATED=gated,
-                           ROUTED=not gated, F32_DOT=_INTERPRET or a.dtype == torch.float32,
+                           route if route is not None else out, a_scales, n, k, out.shape[0],
+                           first, last, a.stride(0), *part.stride(), *scales.stride(),
+                           out.stride(0), a_scales.stride(0), ONE_BITS, A_DIV=a_div,
+                           MODE=1 if mode == 3 else mode, S_BN=s_bn, S_BK=s_bk, A_FP8=a_fp8,
+                           GATED=gated, ROUTED=not gated,
+                           F32_DOT=_INTERPRET or a.dtype == torch.float32,
                            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **launch)
 
 
@@ -226,6 +257,8 @@ def _blocks(mode: int, s_bk: int, k: int, block_m: int) -> tuple[int, int]:
     if mode == 2:  # INT4: 16 words a step (a dot per nibble), whole groups of scales;
         block_k = 128  # wide N: ~6 instructions a weight at 128, ~7.6 at 32 (moe_sass.py)
         block_n = block_n if _INTERPRET else 128
+    elif mode == 3:  # W8A8: a group of 128 inputs a step, outputs on the MMA's 64 side
+        block_k, block_n = 128, max(block_n, 64)
     elif mode != 0 and s_bk < k:  # a tile within one scale's inputs
         block_k = min(block_k, s_bk)
         if s_bk % block_k:

@@ -80,6 +80,9 @@ def fields_valid(path: str, entry: dict) -> bool:
 
 
 def gemv_tile(mode: int, block_k: int) -> bool:
-    """Whether moe_gemv takes a K tile of block_k inputs: INT4 sums per 32 inputs; the other
-    forms sum the 16 bytes a thread loads at once (16 inputs at most) before accumulating."""
+    """Whether moe_gemv takes a K tile of block_k inputs: INT4 sums per 32 inputs; W8A8 FP8
+    rounds its inputs per 128; the other forms sum the 16 bytes a thread loads at once (16
+    inputs at most) before accumulating."""
+    if mode == 3:  # (W8A8: the inputs round per 128)
+        return block_k % 128 == 0
     return block_k % 32 == 0 if mode == 2 else block_k >= 16

@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from frugal.ops.triton.fp8_groups import round_inputs
 from frugal.ops.triton.moe import ONE_BITS, _operand, _weight_tile, combine
 from frugal.ops.triton.moe_configs import lookup, tiles_scales
 from frugal.ops.triton.sizes import cdiv
@@ -118,7 +119,7 @@ def _gemv(a_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, route_ptr, N, K, sam, swe, swn,
           ssk, som, magic, A_DIV: tl.constexpr, MODE: tl.constexpr, S_BN: tl.constexpr,
           S_BK: tl.constexpr, GATED: tl.constexpr, FP8_SCALES: tl.constexpr,
           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
-          STAGES: tl.constexpr):
+          STAGES: tl.constexpr, A_FP8: tl.constexpr):
     slot = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -176,6 +177,8 @@ def _gemv(a_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, route_ptr, N, K, sam, swe, swn,
         for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             a = tl.load(a_row + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+            if A_FP8:  # W8A8 experts: the inputs as FP8 per 128 (BLOCK_K a multiple of it)
+                a = round_inputs(a, BLOCK_K)
             if IN_PLACE:  # products summed in place, across threads once after the loop
                 a_up = a  # (the up half's rows, N on: read only GATED)
                 if FP8_SCALES == 1 and BLOCK_K <= S_BK:  # the scale of the inputs' block
@@ -245,8 +248,10 @@ def _launch(a: torch.Tensor, w: torch.Tensor | Experts, out: torch.Tensor, n: in
     table's, ops.triton.moe_configs, else _blocks')."""
     data, scales, mode, s_bn, s_bk, k = _operand(w)
     config = config or lookup(a.device, "gemv", mode, n, k, ids.numel(), s_bk)
+    w8a8, mode = mode == 3, 1 if mode == 3 else mode  # (W8A8: FP8's kernel, inputs rounded)
     if config is None:
         block_n, block_k = _blocks(mode, s_bk, k)
+        block_k = max(block_k, 128) if w8a8 else block_k
         num_warps = 4
     else:
         block_n, block_k, num_warps = config["BLOCK_N"], config["BLOCK_K"], config["num_warps"]
@@ -254,7 +259,7 @@ def _launch(a: torch.Tensor, w: torch.Tensor | Experts, out: torch.Tensor, n: in
     grid = (ids.numel(), cdiv(n, block_n))
     _gemv[grid](a, data, scales, out, ids, route if route is not None else out, n, k,
                 a.stride(0), *data.stride(), *scales.stride(), out.stride(0), ONE_BITS,
-                A_DIV=a_div, MODE=mode, S_BN=s_bn, S_BK=s_bk, GATED=route is None,
+                A_DIV=a_div, MODE=mode, S_BN=s_bn, S_BK=s_bk, GATED=route is None, A_FP8=w8a8,
                 FP8_SCALES=_fp8_scales(mode, s_bn, s_bk, n, k, block_n), BLOCK_N=block_n,
                 BLOCK_K=block_k, PREFETCH=prefetch, STAGES=stages, num_warps=num_warps)
 
