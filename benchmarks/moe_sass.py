@@ -151,6 +151,10 @@ def main() -> None:
             if entry is not None and args.path == "sorted" and moe.rows_per_block(
                     args.slots, mc.moe.num_experts, entry) != block_m:
                 entry = None  # (as moe._gemm drops it)
+            if entry is not None and mode == 3 and (
+                    entry["BLOCK_K"] % 128 or args.path == "sorted" and (
+                        entry["BLOCK_K"] != 128 or block_m < 64 and entry["BLOCK_N"] < 64)):
+                entry = None  # (W8A8's inputs round per 128: as moe._gemm and _launch)
             if args.tile:
                 tile = tuple(int(v) for v in args.tile.split(","))
             else:

@@ -53,7 +53,8 @@ def test_w8a8_experts_match_torch_ref(block, tokens, sorted_path, monkeypatch):
     """Both paths (hidden 320: a last group of 64 inputs; the sorted one's blocks of 16 rows
     rounding their inputs, of 64 taking them rounded once by fp8_groups.quantize), against
     torch_ref's rounding; the result differs from the same experts multiplied without rounding
-    their inputs."""
+    their inputs (by 3-5 %: the tolerance leaves room for an intermediate activation an ulp
+    apart, which moves its group's scale and so its rounding)."""
     g = torch.Generator().manual_seed(tokens + (block or 0))
     gate_up, down = experts(block, g)
     assert gate_up.w8a8 and down.w8a8
@@ -64,10 +65,26 @@ def test_w8a8_experts_match_torch_ref(block, tokens, sorted_path, monkeypatch):
     assert tri.rows_per_block(tokens * 2, 6) == (64 if tokens == 60 else 16)
     ref = torch_ref.fused_moe(x, gate_up, down, weights, ids)
     got = tri.fused_moe(*(t.to(DEVICE) for t in (x, gate_up, down, weights, ids))).cpu()
-    torch.testing.assert_close(got, ref, atol=1e-4 * ref.abs().max().item(), rtol=1e-4)
+    torch.testing.assert_close(got, ref, atol=2e-3 * ref.abs().max().item(), rtol=2e-3)
     plain = torch_ref.fused_moe(x, Fp8Experts(gate_up.data, gate_up.scales, block),
                                 Fp8Experts(down.data, down.scales, block), weights, ids)
     assert (plain - ref).abs().max() > 1e-2 * ref.abs().max()  # (the rounding shows)
+
+
+@pytest.mark.parametrize("tokens,sorted_path", [(3, False), (3, True), (60, True)])
+def test_a_nan_input_stays_nan(tokens, sorted_path, monkeypatch):
+    """A token whose activations hold a NaN gets NaN (as W8A16 and torch_ref give), not the
+    finite value a max or clamp that drops NaN would round it to; the others are finite."""
+    g = torch.Generator().manual_seed(9)
+    gate_up, down = experts(128, g)
+    x = torch.randn(tokens, 320, generator=g)
+    x[1, 5] = float("nan")
+    weights, ids = torch.rand(tokens, 6, generator=g).topk(2, dim=-1)
+    if sorted_path:
+        monkeypatch.setattr(gemv, "MAX_SLOTS", 0)
+    got = tri.fused_moe(*(t.to(DEVICE) for t in (x, gate_up, down, weights, ids))).cpu()
+    assert bool(got[1].isnan().all())
+    assert bool(got[torch.arange(tokens) != 1].isfinite().all())
 
 
 def test_w8a8_flag_travels_and_needs_groups_of_128():

@@ -33,8 +33,9 @@ def round_e4m3(v):
 def quantize_group(a):
     """a [ROWS, GROUP] fp32 -> (q [ROWS, GROUP] e4m3 values as fp32, s [ROWS] fp32), a ≈ q · s:
     s = max(max|a|, 1e-12) / 448 per row, q = round_e4m3(clamp(a · (1 / s), ±448)), as
-    quant.fp8.quantize_rows rounds a row."""
+    quant.fp8.quantize_rows rounds a row (a row holding NaN or inf: s NaN, so its products are)."""
     s = tl.math.div_rn(tl.maximum(tl.max(tl.abs(a), axis=1), 1e-12), 448.0)
+    s += tl.sum(a * 0.0, axis=1)  # (a NaN or inf input: NaN, which max and clamp would drop)
     q = round_e4m3(tl.clamp(a * tl.math.div_rn(1.0, s)[:, None], -448.0, 448.0))
     return q, s
 

@@ -27,7 +27,8 @@ import triton
 import triton.language as tl
 
 from frugal.ops.triton.fp8_groups import round_inputs
-from frugal.ops.triton.moe import ONE_BITS, _operand, _weight_tile, combine
+from frugal.ops.triton.moe import ONE_BITS, _operand, _weight_tile
+from frugal.ops.triton.moe_combine import combine
 from frugal.ops.triton.moe_configs import lookup, tiles_scales
 from frugal.ops.triton.sizes import cdiv
 from frugal.quant.experts import Experts, Int4Experts
@@ -249,6 +250,8 @@ def _launch(a: torch.Tensor, w: torch.Tensor | Experts, out: torch.Tensor, n: in
     data, scales, mode, s_bn, s_bk, k = _operand(w)
     config = config or lookup(a.device, "gemv", mode, n, k, ids.numel(), s_bk)
     w8a8, mode = mode == 3, 1 if mode == 3 else mode  # (W8A8: FP8's kernel, inputs rounded)
+    if w8a8 and config is not None and config["BLOCK_K"] % 128:
+        config = None  # (its inputs round per 128)
     if config is None:
         block_n, block_k = _blocks(mode, s_bk, k)
         block_k = max(block_k, 128) if w8a8 else block_k
