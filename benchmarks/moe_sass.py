@@ -55,7 +55,7 @@ def sass(n: int, k: int, mode: int, gated: bool, tile: tuple, path: str = "gemv"
             "s_ptr": "*fp32" if mode in (1, 3) else "*bf16",
             "out_ptr": "*bf16", "ids_ptr": "*i32", "route_ptr": "*fp32", "sorted_ptr": "*i32",
             "block_expert_ptr": "*i32", "total_ptr": "*i32", "as_ptr": "*fp32"}
-    const = {"A_DIV": 8 if gated else 1, "MODE": 1 if mode == 3 else mode, "A_FP8": a_fp8,
+    const = {"A_DIV": 8 if gated else 1, "MODE": moe.kernel_mode(mode), "A_FP8": a_fp8,
              "S_BN": s_bn, "S_BK": s_bk,
              "GATED": gated, "BLOCK_N": block_n, "BLOCK_K": block_k}
     if path == "gemv":
@@ -111,8 +111,7 @@ def default_tile(path: str, mode: int, k: int, block_m: int) -> tuple:
     """The kernels' own tiles without a table entry (moe_gemv._blocks, moe._blocks)."""
     s_bk = {0: 1, 1: 128, 2: 32, 3: 128}[mode]
     if path == "gemv":
-        block_n, block_k = moe_gemv._blocks(1 if mode == 3 else mode, s_bk, k)
-        return block_n, max(block_k, 128) if mode == 3 else block_k, 4
+        return (*moe_gemv._blocks(mode, s_bk, k), 4)
     return (*moe._blocks(mode, s_bk, k, block_m), 4)
 
 
@@ -151,10 +150,9 @@ def main() -> None:
             if entry is not None and args.path == "sorted" and moe.rows_per_block(
                     args.slots, mc.moe.num_experts, entry) != block_m:
                 entry = None  # (as moe._gemm drops it)
-            if entry is not None and mode == 3 and (
-                    entry["BLOCK_K"] % 128 or args.path == "sorted" and (
-                        entry["BLOCK_K"] != 128 or block_m < 64 and entry["BLOCK_N"] < 64)):
-                entry = None  # (W8A8's inputs round per 128: as moe._gemm and _launch)
+            if entry is not None and mode == 3 and not moe_configs.w8a8_tile(
+                    args.path, entry["BLOCK_K"], entry["BLOCK_N"], block_m):
+                entry = None  # (as moe._gemm and moe_gemv._launch drop it)
             if args.tile:
                 tile = tuple(int(v) for v in args.tile.split(","))
             else:

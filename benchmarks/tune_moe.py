@@ -104,10 +104,9 @@ def tune(path: str, runs: list, mode: int, scale_k: int, k: int, candidates: lis
     for config in candidates:
         if not moe_configs.tiles_scales(mode, config["BLOCK_K"], scale_k, k):
             continue
-        if mode == 3 and (config["BLOCK_K"] % 128 or path == "sorted" and (
-                config["BLOCK_K"] != 128 or config.get("BLOCK_M", block_m or 16) < 64
-                and config["BLOCK_N"] < 64)):
-            continue  # (W8A8: its inputs round per 128; moe._gemm would run its default)
+        if mode == 3 and not moe_configs.w8a8_tile(path, config["BLOCK_K"], config["BLOCK_N"],
+                                                   config.get("BLOCK_M", block_m or 16)):
+            continue  # (moe._gemm would run its default)
         if block_m is not None:  # (down: at gate_up's rows, stated in the entry)
             if config.get("BLOCK_M", block_m) != block_m:
                 continue

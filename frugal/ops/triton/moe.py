@@ -37,7 +37,7 @@ from frugal.ops.triton import fp8_groups, moe_dense
 from frugal.ops.triton.fp8_groups import quantize_group, w8a8_step
 from frugal.ops.triton.moe_align import align
 from frugal.ops.triton.moe_combine import combine
-from frugal.ops.triton.moe_configs import lookup
+from frugal.ops.triton.moe_configs import lookup, w8a8_tile
 from frugal.ops.triton.sizes import cdiv
 from frugal.quant.experts import Experts, Fp8Experts, Int4Experts
 
@@ -208,6 +208,12 @@ def _operand(w: torch.Tensor | Experts) -> tuple:
     return w, w, 0, 1, 1, w.shape[2]
 
 
+def kernel_mode(mode: int) -> int:
+    """The kernels' MODE of an _operand / moe_configs mode: W8A8's 3 runs FP8's 1, with
+    A_FP8."""
+    return 1 if mode == 3 else mode
+
+
 def _gemm(a: torch.Tensor, w: torch.Tensor | Experts, out: torch.Tensor, n: int,
           sorted_slots: torch.Tensor, block_expert: torch.Tensor, total: torch.Tensor,
           route: torch.Tensor | None, a_div: int, block_m: int, config: dict | None = None
@@ -223,9 +229,9 @@ def _gemm(a: torch.Tensor, w: torch.Tensor | Experts, out: torch.Tensor, n: int,
     config = config or lookup(a.device, "sorted", mode, n, k, out.shape[0], s_bk)
     if config is not None and rows_per_block(out.shape[0], data.shape[0], config) != block_m:
         config = None  # (tuned for blocks of another size than the alignment's)
-    if config is not None and mode == 3 and (
-            config["BLOCK_K"] != 128 or (block_m < 64 and config["BLOCK_N"] < 64)):
-        config = None  # (W8A8: a group of 128 inputs a step, 64 rows on one MMA side)
+    if config is not None and mode == 3 and not w8a8_tile("sorted", config["BLOCK_K"],
+                                                          config["BLOCK_N"], block_m):
+        config = None
     launch = {"num_warps": 4}
     if config is not None:
         block_n, block_k = config["BLOCK_N"], config["BLOCK_K"]
@@ -244,7 +250,7 @@ def _gemm(a: torch.Tensor, w: torch.Tensor | Experts, out: torch.Tensor, n: int,
                            route if route is not None else out, a_scales, n, k, out.shape[0],
                            first, last, a.stride(0), *part.stride(), *scales.stride(),
                            out.stride(0), a_scales.stride(0), ONE_BITS, A_DIV=a_div,
-                           MODE=1 if mode == 3 else mode, S_BN=s_bn, S_BK=s_bk, A_FP8=a_fp8,
+                           MODE=kernel_mode(mode), S_BN=s_bn, S_BK=s_bk, A_FP8=a_fp8,
                            GATED=gated, ROUTED=not gated,
                            F32_DOT=_INTERPRET or a.dtype == torch.float32,
                            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **launch)

@@ -83,6 +83,15 @@ def gemv_tile(mode: int, block_k: int) -> bool:
     """Whether moe_gemv takes a K tile of block_k inputs: INT4 sums per 32 inputs; W8A8 FP8
     rounds its inputs per 128; the other forms sum the 16 bytes a thread loads at once (16
     inputs at most) before accumulating."""
-    if mode == 3:  # (W8A8: the inputs round per 128)
-        return block_k % 128 == 0
+    if mode == 3:
+        return w8a8_tile("gemv", block_k)
     return block_k % 32 == 0 if mode == 2 else block_k >= 16
+
+
+def w8a8_tile(path: str, block_k: int, block_n: int = 0, block_m: int = 0) -> bool:
+    """Whether W8A8 experts' kernels (mode 3) take a tile: K steps of whole 128-input groups
+    (their inputs round per 128); on the sorted path one group a step and, in blocks of under
+    64 rows (block_m), 64 outputs or more (the FP8 MMA's 64-row side)."""
+    if path == "gemv":
+        return block_k % 128 == 0
+    return block_k == 128 and (block_m >= 64 or block_n >= 64)

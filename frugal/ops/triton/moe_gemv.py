@@ -27,9 +27,9 @@ import triton
 import triton.language as tl
 
 from frugal.ops.triton.fp8_groups import round_inputs
-from frugal.ops.triton.moe import ONE_BITS, _operand, _weight_tile
+from frugal.ops.triton.moe import ONE_BITS, _operand, _weight_tile, kernel_mode
 from frugal.ops.triton.moe_combine import combine
-from frugal.ops.triton.moe_configs import lookup, tiles_scales
+from frugal.ops.triton.moe_configs import gemv_tile, lookup, tiles_scales
 from frugal.ops.triton.sizes import cdiv
 from frugal.quant.experts import Experts, Int4Experts
 
@@ -229,6 +229,8 @@ def _blocks(mode: int, s_bk: int, k: int) -> tuple[int, int]:
         block_n, block_k = 16, 32
     else:
         block_n, block_k = 32, 256 if mode != 0 else 128
+    if mode == 3:  # (W8A8: its inputs round per 128)
+        block_k = max(block_k, 128)
     if not tiles_scales(mode, block_k, s_bk, k):
         raise ValueError(f"fused_moe: scales over {s_bk} inputs need a power of two")
     return block_n, block_k
@@ -249,15 +251,14 @@ def _launch(a: torch.Tensor, w: torch.Tensor | Experts, out: torch.Tensor, n: in
     table's, ops.triton.moe_configs, else _blocks')."""
     data, scales, mode, s_bn, s_bk, k = _operand(w)
     config = config or lookup(a.device, "gemv", mode, n, k, ids.numel(), s_bk)
-    w8a8, mode = mode == 3, 1 if mode == 3 else mode  # (W8A8: FP8's kernel, inputs rounded)
-    if w8a8 and config is not None and config["BLOCK_K"] % 128:
-        config = None  # (its inputs round per 128)
+    if config is not None and not gemv_tile(mode, config["BLOCK_K"]):
+        config = None  # (one given here is checked as the table's are)
     if config is None:
         block_n, block_k = _blocks(mode, s_bk, k)
-        block_k = max(block_k, 128) if w8a8 else block_k
         num_warps = 4
     else:
         block_n, block_k, num_warps = config["BLOCK_N"], config["BLOCK_K"], config["num_warps"]
+    w8a8, mode = mode == 3, kernel_mode(mode)  # (W8A8: FP8's kernel, its inputs rounded)
     prefetch, stages = loop_options(mode, config or {})
     grid = (ids.numel(), cdiv(n, block_n))
     _gemv[grid](a, data, scales, out, ids, route if route is not None else out, n, k,
