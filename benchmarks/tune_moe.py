@@ -6,8 +6,10 @@ For each expert matrix of a model (gate_up, gated; down, routed), each weight fo
 candidate configuration of the path fused_moe takes at that many slots (the small-batch GEMV up
 to moe_gemv.MAX_SLOTS, the sorted grouped GEMM past it) is timed from a CUDA graph of --calls
 launches, each routing to other experts (as moe_layer.py times), checked against the default
-configuration's output, and the fastest kept (GEMV candidates with the K loop pipelined in
-STAGES or not, INT4 also with PREFETCH). Prints a table of the default and tuned microseconds.
+configuration's output, and the fastest kept where it beats the default, what the table gives
+already (this GPU's entry, else one of a GPU of its compute capability, else the kernels'
+defaults) (GEMV candidates with the K loop pipelined in STAGES or not, INT4 also with
+PREFETCH). Prints a table of the default and tuned microseconds.
 
     python benchmarks/tune_moe.py --model qwen3-30b-a3b [--tokens 1,2,4,8,16,32,64,128,256]
         [--forms bf16,fp8,int4,fp8_w8a8] [--output frugal/ops/triton/moe_configs.json] [--experts N]
@@ -154,6 +156,7 @@ def main() -> None:
     except FileNotFoundError:
         table = {}
     entries = table.setdefault(device, {})
+    entries[moe_configs.CAPABILITY] = moe_configs.capability(torch.device("cuda"))
     print(f"{args.model} on {device}: {e} experts, top {m.top_k}, hidden {h}, inter {i}")
     print("| form | matrix | tokens | path | default us | tuned us | config |")
     print("|---|---|---|---|---|---|---|")

@@ -266,6 +266,7 @@ def test_committed_table_holds_valid_tiles():
     assert table, "no tuned tiles committed"
     scale_k = {0: 1, 1: 128, 2: 32}
     for entries in table.values():
+        assert entries.pop(moe_configs.CAPABILITY) == "9.0"  # (every GPU tuned: Hopper)
         for key, entry in entries.items():
             path, mode, n, k, slots = key.split()
             assert moe_configs.fields_valid(path, entry), key
@@ -283,6 +284,38 @@ def test_committed_table_holds_valid_tiles():
             if path == "sorted" and partner is not None and "BLOCK_M" in entry:
                 rows = entry["BLOCK_M"]
                 assert partner.get("BLOCK_M", rows if rows in (16, 64) else None) == rows, key
+
+
+def test_a_gpu_without_an_entry_takes_one_of_its_architecture(monkeypatch):
+    """A shape the GPU has no entry for takes that of another GPU of the same compute
+    capability (the first in the table), its own entry first; another architecture's never."""
+    from frugal.ops.triton import moe_configs
+
+    k, other = moe_configs.key("sorted", 0, 768, 2048, 8192), moe_configs.key("gemv", 0, 8, 8, 1)
+    tile = {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
+    table = {"GPU A": {"capability": "9.0", k: tile},
+             "GPU B": {"capability": "9.0", k: {**tile, "BLOCK_N": 64}},
+             "GPU C": {"capability": "8.0", other: {"BLOCK_N": 8, "BLOCK_K": 64,
+                                                    "num_warps": 1}}}
+    monkeypatch.setattr(moe_configs, "_table", lambda: table)
+    gpu = {"name": "", "capability": ""}
+    monkeypatch.setattr(moe_configs, "device_name", lambda device: gpu["name"])
+    monkeypatch.setattr(moe_configs, "capability", lambda device: gpu["capability"])
+
+    def found(key):
+        path, mode, n, kk, slots = key.split()
+        return moe_configs.lookup(torch.device("cpu"), path, int(mode[5:]), int(n[2:]),
+                                  int(kk[2:]), int(slots[6:]), 1)
+
+    for name, arch, want in (("GPU B", "9.0", 64), ("GPU D", "9.0", 128), ("GPU A", "9.0", 128),
+                             ("GPU E", "8.0", None), ("GPU C", "8.0", None)):
+        gpu.update(name=name, capability=arch)
+        got = found(k)
+        assert (got and got["BLOCK_N"]) == want, name
+    gpu.update(name="GPU D", capability="9.0")
+    assert found(other) is None  # (GPU C's entry is another architecture's)
+    gpu.update(name="GPU E", capability="8.0")
+    assert found(other)["BLOCK_N"] == 8
 
 
 def test_residual_joins_the_sum_on_both_paths(monkeypatch):

@@ -4,9 +4,13 @@ benchmarks/tune_moe.py times candidate configurations of both paths (moe_gemv's 
 GEMV and moe's sorted grouped GEMM) for each expert matrix of a model and each number of slots
 (tokens x top_k, in powers of two), and writes the fastest into moe_configs.json beside this
 file under the GPU's name ("NVIDIA H200"): as vLLM's fused_moe tables
-(configs/E=..,N=..,device_name=...json) do. A shape or device without an entry takes the
-kernel's defaults. Entries are checked before use: one that breaks a kernel's constraint (a
-quantized tile within one scale's inputs, or holding whole groups of them) is ignored.
+(configs/E=..,N=..,device_name=...json) do, with the GPU's compute capability beside them. A
+shape without an entry of its own GPU takes that of another GPU of the same capability in the
+table (the same SMs: the same tiles fit, and a tile fast on one is near the fastest on the
+other; an H200 takes an H100's prompt tiles, an H100 NVL or H800 those tuned on either), else
+the kernel's defaults (the tuner keeps a tile only where it beats what lookup gives). Entries
+are checked before use: one that breaks a kernel's constraint (a quantized tile within one
+scale's inputs, or holding whole groups of them) is ignored.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import pathlib
 import torch
 
 TABLE = pathlib.Path(__file__).with_name("moe_configs.json")
+CAPABILITY = "capability"  # a GPU's field beside its entries: "9.0" (sm_90, Hopper)
 FIELDS = {"gemv": ("BLOCK_N", "BLOCK_K", "num_warps"),
           "sorted": ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages")}
 # fields an entry may leave out, with the values they take: GEMV PREFETCH (INT4 K steps loaded
@@ -52,6 +57,30 @@ def device_name(device: torch.device) -> str | None:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else None
 
 
+@functools.cache
+def capability(device: torch.device) -> str | None:
+    """"major.minor" of a CUDA device, None elsewhere."""
+    if device.type != "cuda":
+        return None
+    return "{}.{}".format(*torch.cuda.get_device_capability(device))
+
+
+def _entry(device: torch.device, entry_key: str) -> dict | None:
+    """The device's own entry, else the first of another GPU of its capability."""
+    name = device_name(device)
+    if name is None:
+        return None
+    table = _table()
+    if entry_key in table.get(name, {}):
+        return table[name][entry_key]
+    arch = capability(device)
+    if arch is None:
+        return None
+    return next((entries[entry_key] for other, entries in table.items()
+                 if other != name and entries.get(CAPABILITY) == arch
+                 and entry_key in entries), None)
+
+
 def tiles_scales(mode: int, block_k: int, scale_k: int, k: int) -> bool:
     """Whether a K tile of block_k inputs suits the weights' scales over scale_k inputs: within
     one scale's inputs, or holding whole groups of them (float weights: any tile)."""
@@ -62,8 +91,7 @@ def lookup(device: torch.device, path: str, mode: int, n: int, k: int, slots: in
            scale_k: int) -> dict | None:
     """The tuned configuration for this shape on this device, or None. scale_k: inputs a
     scale covers (a quantized tile must stay within them)."""
-    name = device_name(device)
-    entry = _table().get(name, {}).get(key(path, mode, n, k, slots)) if name else None
+    entry = _entry(device, key(path, mode, n, k, slots))
     if entry is None or not fields_valid(path, entry):
         return None
     if path == "gemv" and not gemv_tile(mode, entry["BLOCK_K"]):
