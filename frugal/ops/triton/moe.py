@@ -38,11 +38,11 @@ from frugal.ops.triton.fp8_groups import quantize_group, w8a8_step
 from frugal.ops.triton.moe_align import align
 from frugal.ops.triton.moe_combine import combine
 from frugal.ops.triton.moe_configs import lookup, w8a8_tile
+from frugal.ops.triton.moe_int4 import ONE_BITS, int4_gemm
 from frugal.ops.triton.sizes import cdiv
 from frugal.quant.experts import Experts, Fp8Experts, Int4Experts
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-ONE_BITS = 0x3F800000  # 1.0 in fp32: INT4's `magic` (int4_nibble)
 
 
 @triton.jit
@@ -86,44 +86,6 @@ def _dot(a, w, acc, F32_DOT: tl.constexpr):
     return acc + tl.dot(a, w.to(a.dtype))
 
 
-@triton.jit
-def int4_words(w_base, s_base, word, w_ok, offs_n, n_ok, swn, swk, ssn, ssk,
-               S_BK: tl.constexpr):
-    """An INT4 expert's words [WORDS, BLOCK_N] (8 inputs each: k = 8 · word + j) for outputs
-    offs_n, and each word's group scale [WORDS, BLOCK_N] fp32 (0 where masked)."""
-    ok = w_ok[:, None] & n_ok[None, :]
-    words = tl.load(w_base + offs_n[None, :] * swn + word[:, None] * swk, mask=ok, other=0)
-    s = tl.load(s_base + offs_n[None, :] * ssn + (word * 8 // S_BK)[:, None] * ssk, mask=ok,
-                other=0.0)
-    return words, s.to(tl.float32)
-
-
-@triton.jit
-def int4_nibble(words, j: tl.constexpr, magic):
-    """The j-th inputs of INT4 words as the fp32 1 + u/16: nibble j rotated to bits 19-22 (the
-    top of the mantissa; one funnel shift) and put into 1.0's bits (one LOP3 with `magic`,
-    0x3F800000 in a register, so the AND and the OR fuse). (u - 8) · s = f · 16 s - 24 s."""
-    u = words.to(tl.uint32, bitcast=True)
-    rot: tl.constexpr = (4 * j + 13) % 32
-    f = (((u >> rot) | (u << (32 - rot))) & 0x780000) | magic
-    return f.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _int4_dots(a_rows, row_ok, w_base, s_base, word, w_ok, offs_n, n_ok, swn, swk, ssn, ssk,
-               acc, magic, S_BK: tl.constexpr, F32_DOT: tl.constexpr):
-    """acc + a · w over the inputs of `word` (16 or more words): one dot per nibble j, each over
-    the words' j-th inputs, so the unpacked tile needs no reshape. A weight costs a shift, a
-    LOP3, an FMA and half a conversion (int4_nibble)."""
-    words, s = int4_words(w_base, s_base, word, w_ok, offs_n, n_ok, swn, swk, ssn, ssk, S_BK)
-    s16, offset = s * 16.0, s * -24.0
-    for j in tl.static_range(8):
-        a = tl.load(a_rows + word[None, :] * 8 + j, mask=row_ok[:, None] & w_ok[None, :],
-                    other=0.0)
-        acc = _dot(a, int4_nibble(words, j, magic) * s16 + offset, acc, F32_DOT)
-    return acc
-
-
 # (num_slots changes from step to step; first and last, an expert range, from chunk to chunk)
 @triton.jit(do_not_specialize=["num_slots", "first", "last"])
 def _sorted_gemm(a_ptr, w_ptr, s_ptr, out_ptr, sorted_ptr, block_expert_ptr, total_ptr, route_ptr,
@@ -151,17 +113,10 @@ def _sorted_gemm(a_ptr, w_ptr, s_ptr, out_ptr, sorted_ptr, block_expert_ptr, tot
     n_ok = offs_n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if MODE == 2 and BLOCK_K >= 128:  # INT4, 16 words or more a step: a dot per nibble
-        w_base, s_base = w_ptr + expert * swe, s_ptr + expert * sse
-        a_rows = a_ptr + a_row[:, None] * sam
-        for k0 in range(0, K, BLOCK_K):
-            word = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-            w_ok = word < K // 8
-            acc = _int4_dots(a_rows, row_ok, w_base, s_base, word, w_ok, offs_n, n_ok, swn,
-                             swk, ssn, ssk, acc, magic, S_BK, F32_DOT)
-            if GATED:
-                acc_up = _int4_dots(a_rows, row_ok, w_base, s_base, word, w_ok, offs_n + N,
-                                    n_ok, swn, swk, ssn, ssk, acc_up, magic, S_BK, F32_DOT)
+    if MODE == 2 and BLOCK_K >= 128:  # INT4, 16 words or more a step (moe_int4)
+        acc, acc_up = int4_gemm(a_ptr + a_row[:, None] * sam, row_ok, w_ptr + expert * swe,
+                                s_ptr + expert * sse, offs_n, n_ok, N, K, swn, swk, ssn, ssk,
+                                magic, GATED, S_BK, F32_DOT, BLOCK_M, BLOCK_N, BLOCK_K)
     else:
         for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)

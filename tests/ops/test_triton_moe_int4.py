@@ -1,0 +1,47 @@
+"""INT4 experts on the sorted path's wide K steps (ops.triton.moe_int4: the activations split
+into nibble columns in registers, transposed products under 64 rows) against torch_ref."""
+
+import pytest
+import torch
+
+from frugal.ops import torch_ref
+from frugal.quant.experts import quantize_experts
+
+tri = pytest.importorskip("frugal.ops.triton.moe")
+gemv = pytest.importorskip("frugal.ops.triton.moe_gemv")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("block_m", [16, 64])
+@pytest.mark.parametrize("block_n,block_k", [(32, 128), (64, 256)])
+def test_sorted_int4_wide_steps(block_m, block_n, block_k, monkeypatch):
+    """Blocks of 16 rows (the transposed product) and 64, K steps of 128 and 256 inputs over
+    160 and 96 (the last step masked), output tiles past N (96 outputs, tiles of 64)."""
+    from frugal.ops.triton import moe_configs
+
+    g = torch.Generator().manual_seed(block_m + block_k)
+    experts, top_k, hidden, inter, tokens = 6, 2, 160, 96, 37
+    gate_up = torch.randn(experts, 2 * inter, hidden, generator=g) * hidden ** -0.5
+    down = torch.randn(experts, hidden, inter, generator=g) * inter ** -0.5
+    gate_up, down = quantize_experts(gate_up, "int4"), quantize_experts(down, "int4")
+    x = torch.randn(tokens, hidden, generator=g)
+    weights, ids = torch.rand(tokens, experts, generator=g).topk(top_k, dim=-1)
+    ref = torch_ref.fused_moe(x, gate_up, down, weights, ids)
+    entry = {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": 4, "num_stages": 2,
+             "BLOCK_M": block_m}
+    table = {moe_configs.key("sorted", 2, n, k, tokens * top_k): entry
+             for n, k in ((inter, hidden), (hidden, inter))}
+    monkeypatch.setattr(moe_configs, "device_name", lambda device: "a tuned GPU")
+    monkeypatch.setattr(moe_configs, "_table", lambda: {"a tuned GPU": table})
+    monkeypatch.setattr(gemv, "MAX_SLOTS", 0)  # the sorted path
+    launched, kernel = [], tri._sorted_gemm
+
+    class Spy:
+        def __getitem__(self, grid):
+            return lambda *a, **kw: (launched.append((kw["BLOCK_M"], kw["BLOCK_K"]))
+                                     or kernel[grid](*a, **kw))
+
+    monkeypatch.setattr(tri, "_sorted_gemm", Spy())
+    got = tri.fused_moe(*(t.to(DEVICE) for t in (x, gate_up, down, weights, ids)))
+    assert launched == [(block_m, block_k)] * 2
+    torch.testing.assert_close(got.cpu(), ref, atol=1e-4 * ref.abs().max().item(), rtol=1e-4)
