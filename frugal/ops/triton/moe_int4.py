@@ -7,7 +7,8 @@ rows' activations once, [BLOCK_M, BLOCK_K] contiguous, and splits them in regist
 each nibble j then multiplies as its own dot over the step's words, so the unpacked weights
 need no reshape. Under 64 rows the products are taken transposed, outᵀ = W · aᵀ: the weights'
 outputs on the MMA's 64-row side and the dequantized weights its A operand, from registers
-(Hopper's wgmma), where mma.sync's 16 rows would hold the few tokens.
+(Hopper's wgmma), where mma.sync's 16 rows would hold the few tokens. FRUGAL_INT4_TRANS_BELOW
+(default 64) sets the rows under which products are transposed (0: never).
 """
 
 from __future__ import annotations
@@ -48,8 +49,9 @@ def columns(a, BLOCK_M: tl.constexpr, WORDS: tl.constexpr):
 @triton.jit
 def _scales(s_base, word, w_ok, offs_n, n_ok, ssn, ssk, S_BK: tl.constexpr,
             TRANS: tl.constexpr):
-    """The group scale of each word of `word` for outputs offs_n, fp32 [BLOCK_N, WORDS] if
-    TRANS, else [WORDS, BLOCK_N] (0 where masked)."""
+    """The group scale of each word of `word` for outputs offs_n, as stored (bf16: half the
+    registers while held a step), [BLOCK_N, WORDS] if TRANS, else [WORDS, BLOCK_N] (0 where
+    masked)."""
     group = word * 8 // S_BK
     if TRANS:
         s = tl.load(s_base + offs_n[:, None] * ssn + group[None, :] * ssk,
@@ -57,7 +59,7 @@ def _scales(s_base, word, w_ok, offs_n, n_ok, ssn, ssk, S_BK: tl.constexpr,
     else:
         s = tl.load(s_base + offs_n[None, :] * ssn + group[:, None] * ssk,
                     mask=w_ok[:, None] & n_ok[None, :], other=0.0)
-    return s.to(tl.float32)
+    return s
 
 
 @triton.jit
@@ -72,6 +74,7 @@ def _step(cols, w_base, s, word, w_ok, offs_n, n_ok, swn, swk, acc, magic,
     else:  # [WORDS, BLOCK_N]
         words = tl.load(w_base + offs_n[None, :] * swn + word[:, None] * swk,
                         mask=w_ok[:, None] & n_ok[None, :], other=0)
+    s = s.to(tl.float32)
     s16, offset = s * 16.0, s * -24.0
     for j in tl.static_range(8):
         w = nibble(words, j, magic) * s16 + offset
