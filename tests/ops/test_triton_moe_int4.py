@@ -45,3 +45,27 @@ def test_sorted_int4_wide_steps(block_m, block_n, block_k, monkeypatch):
     got = tri.fused_moe(*(t.to(DEVICE) for t in (x, gate_up, down, weights, ids)))
     assert launched == [(block_m, block_k)] * 2
     torch.testing.assert_close(got.cpu(), ref, atol=1e-4 * ref.abs().max().item(), rtol=1e-4)
+
+
+@pytest.mark.parametrize("block_k,prefetch", [(1024, 0), (2048, 1)])
+def test_gemv_int4_k_steps_past_the_inputs(block_k, prefetch):
+    """The small-batch GEMV with a whole row's words in one K step (tune_moe's widest INT4
+    candidates: one load of every word in flight), K steps wider than both matrices' inputs
+    (160 and 96), loaded ahead or not, against torch_ref."""
+    g = torch.Generator().manual_seed(block_k)
+    experts, top_k, hidden, inter, tokens = 4, 2, 160, 96, 3
+    gate_up = quantize_experts(torch.randn(experts, 2 * inter, hidden, generator=g) * 0.1, "int4")
+    down = quantize_experts(torch.randn(experts, hidden, inter, generator=g) * 0.1, "int4")
+    x = torch.randn(tokens, hidden, generator=g)
+    weights, ids = torch.rand(tokens, experts, generator=g).topk(top_k, dim=-1)
+    ref = torch_ref.fused_moe(x, gate_up, down, weights, ids)
+    x, gate_up, down, weights, ids = (t.to(DEVICE) for t in (x, gate_up, down, weights, ids))
+    config = {"BLOCK_N": 8, "BLOCK_K": block_k, "num_warps": 4, "PREFETCH": prefetch}
+    flat = ids.reshape(-1).contiguous()
+    act = torch.empty(tokens * top_k, inter, dtype=x.dtype, device=x.device)
+    gemv._launch(x, gate_up, act, inter, flat, None, top_k, config)
+    out = torch.empty(tokens * top_k, hidden, dtype=torch.float32, device=x.device)
+    gemv._launch(act, down, out, hidden, flat, weights.reshape(-1).float().contiguous(), 1,
+                 config)
+    got = out.reshape(tokens, top_k, hidden).sum(1)
+    torch.testing.assert_close(got.cpu(), ref, atol=1e-4 * ref.abs().max().item(), rtol=1e-4)
