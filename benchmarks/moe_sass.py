@@ -8,10 +8,10 @@ take half of that, so ~4 instructions a weight cap INT4 near 4 TB/s and ~8 near 
         [--slots 8] [--tile BLOCK_N,BLOCK_K,num_warps] [--prefetch 0|1|2] [--stages 1-4]
         [--gpu "NVIDIA H200"] [--dump out.sass]
 
-Tiles: --tile (and --prefetch, --stages), else the tuned table's for --gpu
-(ops.triton.moe_configs, with its PREFETCH and STAGES), else the kernel's defaults. Prints, per
-form and matrix, the loop's instructions, weights per loop step and thread instructions per
-weight, the registers a thread and stack bytes, and the most frequent opcodes.
+Tiles: --tile (and --prefetch, --stages), else the tuned table's for --gpu, or a GPU of its
+capability (ops.triton.moe_configs, with its PREFETCH and STAGES), else the kernel's defaults.
+Prints, per form and matrix, the loop's instructions, weights per loop step and thread
+instructions per weight, the registers a thread and stack bytes, and the most frequent opcodes.
 """
 
 from __future__ import annotations
@@ -132,7 +132,11 @@ def main() -> None:
     p.add_argument("--dump", help="write the last kernel's SASS here")
     args = p.parse_args()
     mc = model_config(args.model)
-    table = moe_configs._table().get(args.gpu, {})
+    arch = moe_configs._table().get(args.gpu, {}).get(moe_configs.CAPABILITY)
+
+    def table_entry(key: str) -> dict | None:  # (as lookup: else a GPU's of its capability)
+        return moe_configs.entry(args.gpu, arch, key)
+
     print("| form | matrix | tile (N, K, warps) | loop instructions | weights a step "
           "| instructions / weight | registers / stack bytes | top opcodes |\n"
           "|---|---|---|---|---|---|---|---|")
@@ -141,11 +145,11 @@ def main() -> None:
         inter, hidden = mc.moe.intermediate_size, mc.hidden_size
         # (the sorted path's rows a block: gate_up's entry's, for both matrices)
         block_m = moe.rows_per_block(args.slots, mc.moe.num_experts, None if args.tile else
-                                     table.get(moe_configs.key("sorted", mode, inter, hidden,
-                                                               args.slots)))
+                                     table_entry(moe_configs.key("sorted", mode, inter,
+                                                                 hidden, args.slots)))
         for name, n, k, gated in (("gate_up", inter, hidden, True),
                                   ("down", hidden, inter, False)):
-            entry = None if args.tile else table.get(
+            entry = None if args.tile else table_entry(
                 moe_configs.key(args.path, mode, n, k, args.slots))
             if entry is not None and args.path == "sorted" and moe.rows_per_block(
                     args.slots, mc.moe.num_experts, entry) != block_m:

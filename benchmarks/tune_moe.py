@@ -191,8 +191,10 @@ def main() -> None:
                 entry = moe_configs.key(path, mode, n, k, t * m.top_k)
                 if best is not None and us < default:
                     entries[entry] = best
-                if path == "sorted":  # (what fused_moe will align gate_up's slots by)
-                    block_m = moe.rows_per_block(t * m.top_k, e, entries.get(entry))
+                if path == "sorted":  # (what fused_moe will align gate_up's slots by: the
+                    # entry kept, else the table's, maybe another GPU's of this capability)
+                    block_m = moe.rows_per_block(t * m.top_k, e, entries.get(entry) or (
+                        moe_configs.lookup(a.device, path, mode, n, k, t * m.top_k, scale_k)))
                 print(f"| {form} | {name} | {t} | {path} | {default:.1f} | {us:.1f} | "
                       f"{best} |", flush=True)
                 save(table, args.output)  # (a cut-off run keeps what it found)

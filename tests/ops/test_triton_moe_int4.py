@@ -69,3 +69,21 @@ def test_gemv_int4_k_steps_past_the_inputs(block_k, prefetch):
                  config)
     got = out.reshape(tokens, top_k, hidden).sum(1)
     torch.testing.assert_close(got.cpu(), ref, atol=1e-4 * ref.abs().max().item(), rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [2, 16])
+def test_sorted_int4_bf16_gpu(tokens, monkeypatch):
+    """bf16 activations on the GPU (the interpreter multiplies in fp32): blocks of 16 rows, the
+    products transposed on wgmma, against torch_ref in fp32."""
+    monkeypatch.setattr(gemv, "MAX_SLOTS", 0)  # the sorted path
+    g = torch.Generator().manual_seed(tokens)
+    experts, top_k, hidden, inter = 16, 4, 512, 256
+    gate_up = quantize_experts(torch.randn(experts, 2 * inter, hidden, generator=g) * 0.05, "int4")
+    down = quantize_experts(torch.randn(experts, hidden, inter, generator=g) * 0.05, "int4")
+    x = torch.randn(tokens, hidden, generator=g).bfloat16()
+    weights, ids = torch.rand(tokens, experts, generator=g).topk(top_k, dim=-1)
+    ref = torch_ref.fused_moe(x.float(), gate_up, down, weights, ids)
+    got = tri.fused_moe(x.cuda(), gate_up.to("cuda"), down.to("cuda"), weights.cuda(), ids.cuda())
+    torch.testing.assert_close(got.float().cpu(), ref, atol=2e-2 * ref.abs().max().item(),
+                               rtol=2e-2)

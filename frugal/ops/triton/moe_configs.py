@@ -65,15 +65,14 @@ def capability(device: torch.device) -> str | None:
     return "{}.{}".format(*torch.cuda.get_device_capability(device))
 
 
-def _entry(device: torch.device, entry_key: str) -> dict | None:
-    """The device's own entry, else the first of another GPU of its capability."""
-    name = device_name(device)
+def entry(name: str | None, arch: str | None, entry_key: str) -> dict | None:
+    """GPU `name`'s own entry (compute capability arch), else the first of another GPU of
+    that capability, unchecked."""
     if name is None:
         return None
     table = _table()
     if entry_key in table.get(name, {}):
         return table[name][entry_key]
-    arch = capability(device)
     if arch is None:
         return None
     return next((entries[entry_key] for other, entries in table.items()
@@ -91,12 +90,12 @@ def lookup(device: torch.device, path: str, mode: int, n: int, k: int, slots: in
            scale_k: int) -> dict | None:
     """The tuned configuration for this shape on this device, or None. scale_k: inputs a
     scale covers (a quantized tile must stay within them)."""
-    entry = _entry(device, key(path, mode, n, k, slots))
-    if entry is None or not fields_valid(path, entry):
+    found = entry(device_name(device), capability(device), key(path, mode, n, k, slots))
+    if found is None or not fields_valid(path, found):
         return None
-    if path == "gemv" and not gemv_tile(mode, entry["BLOCK_K"]):
+    if path == "gemv" and not gemv_tile(mode, found["BLOCK_K"]):
         return None
-    return entry if tiles_scales(mode, entry["BLOCK_K"], scale_k, k) else None
+    return found if tiles_scales(mode, found["BLOCK_K"], scale_k, k) else None
 
 
 def fields_valid(path: str, entry: dict) -> bool:
