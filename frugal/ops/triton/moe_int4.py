@@ -13,11 +13,13 @@ outputs on the MMA's 64-row side and the dequantized weights its A operand, from
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
 
 ONE_BITS = 0x3F800000  # 1.0 in fp32: `magic` (nibble)
-TRANS_BELOW = tl.constexpr(int(__import__("os").environ.get("FRUGAL_INT4_TRANS_BELOW", "64")))
+TRANS_BELOW = tl.constexpr(int(os.environ.get("FRUGAL_INT4_TRANS_BELOW", "64")))
 
 
 @triton.jit
@@ -109,11 +111,12 @@ def int4_gemm(a_rows, row_ok, w_base, s_base, offs_n, n_ok, N, K, swn, swk, ssn,
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     # (the scales are loaded a step ahead: 2-byte loads, which Triton's pipelining of the
     # words and activations through shared memory leaves in the loop, their latency exposed)
+    up_w, up_s = w_base + N * swn, s_base + N * ssn  # (the up half: rows N on)
     word = tl.arange(0, WORDS)
     s = _scales(s_base, word, word < K // 8, offs_n, n_ok, ssn, ssk, S_BK, TRANS)
     s_up = s
     if GATED:
-        s_up = _scales(s_base, word, word < K // 8, offs_n + N, n_ok, ssn, ssk, S_BK, TRANS)
+        s_up = _scales(up_s, word, word < K // 8, offs_n, n_ok, ssn, ssk, S_BK, TRANS)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(a_rows + ks[None, :], mask=row_ok[:, None] & (ks < K)[None, :], other=0.0)
@@ -126,10 +129,9 @@ def int4_gemm(a_rows, row_ok, w_base, s_base, offs_n, n_ok, N, K, swn, swk, ssn,
                     TRANS)
         s = s_next
         if GATED:
-            s_next = _scales(s_base, after, after < K // 8, offs_n + N, n_ok, ssn, ssk, S_BK,
-                             TRANS)
-            acc_up = _step(cols, w_base + N * swn, s_up, word, w_ok, offs_n, n_ok, swn, swk,
-                           acc_up, magic, F32_DOT, TRANS)
+            s_next = _scales(up_s, after, after < K // 8, offs_n, n_ok, ssn, ssk, S_BK, TRANS)
+            acc_up = _step(cols, up_w, s_up, word, w_ok, offs_n, n_ok, swn, swk, acc_up, magic,
+                           F32_DOT, TRANS)
             s_up = s_next
     if TRANS:
         acc, acc_up = tl.trans(acc), tl.trans(acc_up)
