@@ -7,6 +7,7 @@ import torch
 from frugal.ops import torch_ref
 from frugal.quant.experts import Fp8Experts, Int4Experts, quantize_experts
 from frugal.quant.fp8 import quantize_fp8
+from tests.ops import launches
 
 tri = pytest.importorskip("frugal.ops.triton.moe")
 GPU = torch.cuda.is_available()
@@ -167,14 +168,8 @@ def test_tuned_configurations_compute_what_the_defaults_do(form, monkeypatch):
     scale_k = {"float": 1, "fp8": 128, "int4": 32}[form]
     monkeypatch.setattr(moe_configs, "device_name", lambda device: "a tuned GPU")
     max_slots = gemv.MAX_SLOTS  # (each tile below takes both paths)
-    launched, kernel = [], gemv._gemv  # (the PREFETCH and STAGES each GEMV launch gets)
-
-    class Spy:
-        def __getitem__(self, grid):
-            return lambda *a, **kw: (launched.append((kw["PREFETCH"], kw["STAGES"]))
-                                     or kernel[grid](*a, **kw))
-
-    monkeypatch.setattr(gemv, "_gemv", Spy())
+    # (the PREFETCH and STAGES each GEMV launch gets)
+    launched = launches.record(monkeypatch, gemv, "_gemv", "PREFETCH", "STAGES")
     # (N tiles of 256 straddle FP8's blocks of 128 rows: scales on each block's partial sum)
     # (BLOCK_N, BLOCK_K, num_warps, PREFETCH, STAGES): K tiles past the down projection's 128
     # inputs too (STAGES: Triton pipelines the loop on a GPU; the interpreter runs it plainly)
@@ -231,14 +226,7 @@ def test_sorted_blocks_hold_the_gate_up_entrys_rows(monkeypatch):
     assert tri.rows_per_block(slots, 4) == 16
     monkeypatch.setattr(gemv, "MAX_SLOTS", 0)
     monkeypatch.setattr(moe_configs, "device_name", lambda device: "a tuned GPU")
-    launched, kernel = [], tri._sorted_gemm
-
-    class Spy:
-        def __getitem__(self, grid):
-            return lambda *a, **kw: (launched.append((kw["BLOCK_M"], kw["BLOCK_N"]))
-                                     or kernel[grid](*a, **kw))
-
-    monkeypatch.setattr(tri, "_sorted_gemm", Spy())
+    launched = launches.record(monkeypatch, tri, "_sorted_gemm", "BLOCK_M", "BLOCK_N")
     tile = {"BLOCK_K": 32, "num_warps": 4, "num_stages": 2}
     # (gate_up's BLOCK_M, down's): down's tiles are 16 wide, the defaults 32 (interpreter)
     # (None: an entry without BLOCK_M, tuned at rows_per_block's 16)
@@ -253,69 +241,6 @@ def test_sorted_blocks_hold_the_gate_up_entrys_rows(monkeypatch):
                                    rtol=1e-4)
     assert launched == [(32, 32), (32, 32), (16, 32), (16, 32), (32, 32), (32, 16),
                         (32, 32), (32, 32), (16, 32), (16, 16)], launched
-
-
-def test_committed_table_holds_valid_tiles():
-    """Every entry of moe_configs.json (written on a GPU by benchmarks/tune_moe.py) names its
-    path's fields, in powers of two the kernels take, and suits its form's scales."""
-    import json
-
-    from frugal.ops.triton import moe_configs
-
-    table = json.loads(moe_configs.TABLE.read_text())
-    assert table, "no tuned tiles committed"
-    scale_k = {0: 1, 1: 128, 2: 32}
-    for entries in table.values():
-        assert entries.pop(moe_configs.CAPABILITY) == "9.0"  # (every GPU tuned: Hopper)
-        for key, entry in entries.items():
-            path, mode, n, k, slots = key.split()
-            assert moe_configs.fields_valid(path, entry), key
-            assert all(v > 0 and v & (v - 1) == 0 for f, v in entry.items()
-                       if f in set(moe_configs.FIELDS[path]) - {"num_stages"}), key
-            mode, k = int(mode.split("=")[1]), int(k.split("=")[1])
-            assert moe_configs.tiles_scales(mode, entry["BLOCK_K"], scale_k[mode], k), key
-            assert path != "gemv" or moe_configs.gemv_tile(mode, entry["BLOCK_K"]), key
-        # a sorted gate_up entry's rows a block are its down partner's (one alignment; an
-        # entry without BLOCK_M was tuned at rows_per_block's 16 or 64)
-        for key, entry in entries.items():
-            path, mode, n, k, slots = key.split()
-            partner = entries.get(" ".join((path, mode, k.replace("K", "N"),
-                                            n.replace("N", "K"), slots)))
-            if path == "sorted" and partner is not None and "BLOCK_M" in entry:
-                rows = entry["BLOCK_M"]
-                assert partner.get("BLOCK_M", rows if rows in (16, 64) else None) == rows, key
-
-
-def test_a_gpu_without_an_entry_takes_one_of_its_architecture(monkeypatch):
-    """A shape the GPU has no entry for takes that of another GPU of the same compute
-    capability (the first in the table), its own entry first; another architecture's never."""
-    from frugal.ops.triton import moe_configs
-
-    k, other = moe_configs.key("sorted", 0, 768, 2048, 8192), moe_configs.key("gemv", 0, 8, 8, 1)
-    tile = {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
-    table = {"GPU A": {"capability": "9.0", k: tile},
-             "GPU B": {"capability": "9.0", k: {**tile, "BLOCK_N": 64}},
-             "GPU C": {"capability": "8.0", other: {"BLOCK_N": 8, "BLOCK_K": 64,
-                                                    "num_warps": 1}}}
-    monkeypatch.setattr(moe_configs, "_table", lambda: table)
-    gpu = {"name": "", "capability": ""}
-    monkeypatch.setattr(moe_configs, "device_name", lambda device: gpu["name"])
-    monkeypatch.setattr(moe_configs, "capability", lambda device: gpu["capability"])
-
-    def found(key):
-        path, mode, n, kk, slots = key.split()
-        return moe_configs.lookup(torch.device("cpu"), path, int(mode[5:]), int(n[2:]),
-                                  int(kk[2:]), int(slots[6:]), 1)
-
-    for name, arch, want in (("GPU B", "9.0", 64), ("GPU D", "9.0", 128), ("GPU A", "9.0", 128),
-                             ("GPU E", "8.0", None), ("GPU C", "8.0", None)):
-        gpu.update(name=name, capability=arch)
-        got = found(k)
-        assert (got and got["BLOCK_N"]) == want, name
-    gpu.update(name="GPU D", capability="9.0")
-    assert found(other) is None  # (GPU C's entry is another architecture's)
-    gpu.update(name="GPU E", capability="8.0")
-    assert found(other)["BLOCK_N"] == 8
 
 
 def test_residual_joins_the_sum_on_both_paths(monkeypatch):

@@ -6,6 +6,7 @@ import torch
 
 from frugal.ops import torch_ref
 from frugal.quant.experts import quantize_experts
+from tests.ops import launches
 
 tri = pytest.importorskip("frugal.ops.triton.moe")
 gemv = pytest.importorskip("frugal.ops.triton.moe_gemv")
@@ -34,14 +35,7 @@ def test_sorted_int4_wide_steps(block_m, block_n, block_k, monkeypatch):
     monkeypatch.setattr(moe_configs, "device_name", lambda device: "a tuned GPU")
     monkeypatch.setattr(moe_configs, "_table", lambda: {"a tuned GPU": table})
     monkeypatch.setattr(gemv, "MAX_SLOTS", 0)  # the sorted path
-    launched, kernel = [], tri._sorted_gemm
-
-    class Spy:
-        def __getitem__(self, grid):
-            return lambda *a, **kw: (launched.append((kw["BLOCK_M"], kw["BLOCK_K"]))
-                                     or kernel[grid](*a, **kw))
-
-    monkeypatch.setattr(tri, "_sorted_gemm", Spy())
+    launched = launches.record(monkeypatch, tri, "_sorted_gemm", "BLOCK_M", "BLOCK_K")
     got = tri.fused_moe(*(t.to(DEVICE) for t in (x, gate_up, down, weights, ids)))
     assert launched == [(block_m, block_k)] * 2
     torch.testing.assert_close(got.cpu(), ref, atol=1e-4 * ref.abs().max().item(), rtol=1e-4)

@@ -5,6 +5,8 @@ scores so close that only a key's lowest bytes tell them apart."""
 import pytest
 import torch
 
+from tests.ops import launches
+
 tri = pytest.importorskip("frugal.ops.triton.topk")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -53,13 +55,7 @@ def test_a_first_pass_counted_elsewhere(monkeypatch):
     work = tri.work_area(3, "cpu")
     for r in range(3):
         work[r, :256] = torch.bincount(keys[r][torch.isfinite(scores[r])] >> 24, minlength=256)
-    levels, kernel = [], tri._histogram
-
-    class Spy:
-        def __getitem__(self, grid):
-            return lambda *a, **kw: levels.append(kw["LEVEL"]) or kernel[grid](*a, **kw)
-
-    monkeypatch.setattr(tri, "_histogram", Spy())
+    levels = launches.record(monkeypatch, tri, "_histogram", "LEVEL")
     got = tri.top_positions(scores.to(DEVICE), 100, work=work.to(DEVICE)).cpu()
     want = tri.top_positions(scores.to(DEVICE), 100).cpu()
     assert torch.equal(chosen_values(scores, got), chosen_values(scores, want))
