@@ -68,8 +68,9 @@ def test_gemv_int4_k_steps_past_the_inputs(block_k, prefetch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [2, 16])
 def test_sorted_int4_bf16_gpu(tokens, monkeypatch):
-    """bf16 activations on the GPU (the interpreter multiplies in fp32): blocks of 16 rows, the
-    products transposed on wgmma, against torch_ref in fp32."""
+    """bf16 activations on the GPU (the interpreter multiplies in fp32): blocks of 16 rows, as
+    FRUGAL_INT4_TRANS_BELOW and FRUGAL_INT4_BF16 set them (transposed on wgmma, dequantized in
+    bf16 pairs), against torch_ref in fp32."""
     monkeypatch.setattr(gemv, "MAX_SLOTS", 0)  # the sorted path
     g = torch.Generator().manual_seed(tokens)
     experts, top_k, hidden, inter = 16, 4, 512, 256
