@@ -30,7 +30,7 @@ from timing import graph_time
 from frugal.loader.dummy import PRESETS
 from frugal.model_config import ModelConfig
 from frugal.ops import torch_ref
-from frugal.ops.triton import moe_dense, moe_gemv
+from frugal.ops.triton import moe_dense, moe_gemv, pack_experts
 from frugal.ops.triton.moe import _operand, fused_moe
 from frugal.ops.triton.moe_route import route_experts
 from frugal.quant.experts import quantize_experts
@@ -73,7 +73,8 @@ def main() -> None:
     down = torch.randn(e, h, i, device="cuda", generator=g).mul_(0.02).bfloat16()
     forms = {"bf16": (gate_up, down),
              "fp8": (quantize_experts(gate_up, "fp8"), quantize_experts(down, "fp8")),
-             "int4": (quantize_experts(gate_up, "int4"), quantize_experts(down, "int4")),
+             "int4": tuple(pack_experts(quantize_experts(w, "int4"), w.dtype)
+                           for w in (gate_up, down)),  # (as the worker packs them)
              "fp8_w8a8": (quantize_experts(gate_up, "fp8", w8a8=True),
                           quantize_experts(down, "fp8", w8a8=True))}
     # one expert's bytes in each form: its weights (packed INT4 words) and their scales

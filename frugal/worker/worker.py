@@ -97,6 +97,8 @@ class Worker:
                 module.qweight = self.backend.pack_weight(module.qweight, self.dtype)
             if getattr(module, "qgate_up", None) is not None:  # routed experts (layers.moe)
                 kinds.add("fp8" if isinstance(module.qgate_up, Fp8Experts) else "int4")
+                module.qgate_up = self.backend.pack_experts(module.qgate_up, self.dtype)
+                module.qdown = self.backend.pack_experts(module.qdown, self.dtype)
         self.weights_quantization = "+".join(sorted(kinds)) or "none"
         self.backend.configure(kinds)  # launch settings for these weights (see ops.triton.launch)
         logger.info("loaded %s (%s, %d layers) in %.1f s as %s on %s, %s ops", mc.architecture,

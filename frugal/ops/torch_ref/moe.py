@@ -10,6 +10,11 @@ from frugal.quant.experts import Experts, Fp8Experts, dequantize
 from frugal.quant.fp8 import round_groups
 
 
+def pack_experts(w: torch.Tensor | Experts, dtype: torch.dtype) -> torch.Tensor | Experts:
+    """Routed experts as this backend's ops read them: as they are."""
+    return w
+
+
 def route_experts(x: torch.Tensor, router: torch.Tensor, correction_bias: torch.Tensor | None,
                   top_k: int, scoring: str, renormalize: bool, n_group: int, topk_group: int,
                   scaling: float) -> tuple[torch.Tensor, torch.Tensor]:

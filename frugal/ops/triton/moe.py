@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from frugal.ops.triton import fp8_groups, moe_dense
+from frugal.ops.triton import fp8_groups, moe_dense, moe_int4_wgmma
 from frugal.ops.triton.fp8_groups import quantize_group, w8a8_step
 from frugal.ops.triton.moe_align import align
 from frugal.ops.triton.moe_combine import combine
@@ -180,6 +180,9 @@ def _gemm(a: torch.Tensor, w: torch.Tensor | Experts, out: torch.Tensor, n: int,
     parts = [(0, data.shape[0], data)]
     if moe_dense.takes(w, out.shape[0]):
         parts, mode, s_bn, s_bk = moe_dense.chunks(w, a.dtype), 0, 1, 1
+    elif moe_int4_wgmma.takes(w, a, block_m):  # (INT4 experts repacked for it at load time)
+        return moe_int4_wgmma.gemm(a, w.tiles, out, n, sorted_slots, block_expert, total, route,
+                                   a_div, block_m)
     gated = route is None
     config = config or lookup(a.device, "sorted", mode, n, k, out.shape[0], s_bk)
     if config is not None and rows_per_block(out.shape[0], data.shape[0], config) != block_m:

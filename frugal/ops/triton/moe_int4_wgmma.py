@@ -1,0 +1,236 @@
+"""INT4 experts on Hopper's warpgroup MMA: int4_wgmma's kernel over the sorted path's blocks.
+
+Each program takes one block of BLOCK_M slots routed to one expert (moe_align's blocks) and
+BLOCK_N of that expert's outputs, and computes outᵀ = W_e · xᵀ as int4_wgmma does for a dense
+matrix: the expert's words dequantized in registers as the wgmma A operand (int4_wgmma_tile),
+the block's activation rows gathered into shared memory as its B operand (N = BLOCK_M, 16 to
+64), tiles of 128 inputs streamed through a STAGES-deep cp.async ring. One read of an expert's
+weights serves all its rows, and no layout passes through shared memory on the way to the
+tensor cores (the Triton kernel's dequantized tiles do, with a barrier each).
+
+Weights: Int4ExpertTiles, every expert's matrix in int4_linear's layout (repacked once at load
+time), stacked: words [E, R / 64, Kp / 128, 64, 16] int32, params [E, Kp / group, R, 2] (scale,
+min) in the activations' dtype. Outputs as moe._sorted_gemm's: gate_up (GATED, rows 0..N-1 the
+gate, N..2N-1 the up half) writes silu(gate) · up of each slot; down (ROUTED) each slot's
+product times its routing weight.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
+
+from frugal.ops.triton.int4_linear import _OFFSET, TILE_K, repack
+from frugal.ops.triton.int4_wgmma import _issue, row_offsets
+from frugal.ops.triton.int4_wgmma_tile import tile
+from frugal.quant.experts import Int4Experts
+
+ROWS = (16, 32, 64)  # BLOCK_M the kernel takes (the alignment's rows)
+
+
+@dataclass
+class Int4ExpertTiles:
+    """Stacked experts [E, R, K] in int4_linear's layout (see the module docstring)."""
+
+    words: torch.Tensor
+    params: torch.Tensor
+    in_features: int
+    group: int
+    centered: bool
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return self.params.shape[0], self.params.shape[2], self.in_features
+
+    @property
+    def padded_k(self) -> int:  # Kp
+        return self.words.shape[2] * TILE_K
+
+
+def repack_experts(w: Int4Experts, dtype: torch.dtype) -> Int4ExpertTiles:
+    """Every expert of w in the kernel's layout, scales and mins in dtype (the activations')."""
+    tiles = [repack(w.expert(e), dtype) for e in range(w.shape[0])]
+    return Int4ExpertTiles(torch.stack([t.words for t in tiles]),
+                           torch.stack([t.params for t in tiles]), tiles[0].in_features,
+                           tiles[0].group, all(t.centered for t in tiles))
+
+
+@functools.cache
+def _hopper(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+
+
+def pack_experts(w, dtype: torch.dtype):
+    """Routed experts as the kernels read them: INT4 experts on a Hopper GPU also in this
+    kernel's layout (w.tiles) where FRUGAL_INT4_MOE_WGMMA=1 (the experts' memory twice, until
+    the other INT4 paths read this layout too); anything else unchanged."""
+    if (os.environ.get("FRUGAL_INT4_MOE_WGMMA") != "1" or not isinstance(w, Int4Experts)
+            or not _hopper(w.packed.device) or dtype not in _OFFSET
+            or w.group_size > TILE_K or w.shape[2] % 2):
+        return w
+    return dataclasses.replace(w, tiles=repack_experts(w, dtype))
+
+
+def takes(w, x: torch.Tensor, block_m: int) -> bool:
+    """Whether `gemm` runs these experts for blocks of block_m rows of x."""
+    return (isinstance(w, Int4Experts) and isinstance(w.tiles, Int4ExpertTiles)
+            and block_m in ROWS and x.dtype == w.tiles.params.dtype)
+
+
+@gluon.jit(do_not_specialize=["num_slots"])  # (num_slots changes from step to step)
+def _kernel(x_ptr, w_ptr, p_ptr, out_ptr, sorted_ptr, block_expert_ptr, total_ptr, route_ptr,
+            num_slots, N, K_PARTS, som,
+            KP: gl.constexpr, GROUP: gl.constexpr, A_DIV: gl.constexpr, GATED: gl.constexpr,
+            BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, WARPS: gl.constexpr,
+            STAGES: gl.constexpr, UNROLL: gl.constexpr, CENTERED: gl.constexpr,
+            OFFSET: gl.constexpr, EVEN_K: gl.constexpr, K_ALIGN: gl.constexpr):
+    """One block of BLOCK_M sorted slots (grid axis 1) times BLOCK_N outputs (axis 0) of its
+    expert's [N (2N if GATED), K] matrix. x [*, K]: slot s reads row s // A_DIV; out [slots,
+    N] (row stride som). Layouts and the K loop as int4_wgmma._kernel's (one split)."""
+    ASYNC: gl.constexpr = BLOCK_M <= 16 or CENTERED
+    GK: gl.constexpr = GROUP if GROUP < 128 else 128
+    G: gl.constexpr = 128 // GK
+    TILES_PER_GROUP: gl.constexpr = GROUP // 128 if GROUP > 128 else 1
+    HALVES: gl.constexpr = 2 if GATED else 1
+    S: gl.constexpr = BLOCK_N // 16
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, BLOCK_M, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    w_layout: gl.constexpr = gl.BlockedLayout([1, 2, 1, 1, 4], [1, 1, 8, 4, 1],
+                                              [WARPS, 1, 1, 1, 1], [4, 3, 2, 1, 0])
+    x_layout: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [WARPS, 1], [1, 0])
+    p_layout: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, WARPS], [1, 0])
+    w_smem = gl.allocate_shared_memory(gl.int32, [STAGES * HALVES, S, 2, 8, 4, 4],
+                                       gl.SwizzledSharedLayout(4, 1, 1, [4, 3, 2, 1, 0]))
+    x_smem = gl.allocate_shared_memory(
+        x_ptr.dtype.element_ty, [STAGES, 4 * BLOCK_M, 32],
+        gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2))
+    p_smem = gl.allocate_shared_memory(gl.int32, [STAGES, HALVES * G, BLOCK_N],
+                                       gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    K = K_PARTS * K_ALIGN
+    pid_n = gl.program_id(0)
+    pid_m = gl.program_id(1)
+    if pid_m * BLOCK_M >= gl.load(total_ptr):
+        return
+    expert = gl.load(block_expert_ptr + pid_m).to(gl.int64)
+    width = 2 * N if GATED else N
+    w_ptr += expert * (((width + 63) // 64) * (KP * 8))  # (blocks of 64 rows, KP / 8 words)
+    p_ptr += expert * ((KP // GROUP) * width)  # ((scale, min) pairs as int32)
+    tiles = KP // 128
+
+    L4: gl.constexpr = gl.SliceLayout(4, w_layout)
+    L3: gl.constexpr = gl.SliceLayout(3, L4)
+    L2: gl.constexpr = gl.SliceLayout(2, L3)
+    ws = gl.arange(0, S, gl.SliceLayout(1, L2))
+    wh = gl.arange(0, 2, gl.SliceLayout(0, L2))
+    wg = gl.arange(0, 8, gl.SliceLayout(0, gl.SliceLayout(1, L3)))
+    wt = gl.arange(0, 4, gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, L4))))
+    wq = gl.arange(0, 4, gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(
+        3, w_layout)))))
+    rows = (pid_n * BLOCK_N + gl.expand_dims(gl.expand_dims(ws * 16, 1) + gl.expand_dims(wh * 8, 0),
+                                             2) + gl.expand_dims(gl.expand_dims(wg, 0), 1))
+    rows4 = gl.expand_dims(rows, 3)
+    wt5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(wt * 4, 0), 1), 2), 4)
+    wq5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(wq, 0), 1), 2), 3)
+    cols = wt5 + wq5
+    w_ptrs = w_ptr + gl.expand_dims(row_offsets(rows4, KP), 4) + cols
+    w_up = w_ptrs
+    if GATED:
+        w_up = w_ptr + gl.expand_dims(row_offsets(rows4 + N, KP), 4) + cols
+    w_mask = gl.expand_dims(rows4 < N, 4)
+    # the block's rows: slot s (sorted) reads x's row s // A_DIV; padding slots read nothing
+    xr = gl.arange(0, 4 * BLOCK_M, gl.SliceLayout(1, x_layout))  # chunk · BM + row
+    x_slot = gl.load(sorted_ptr + pid_m * BLOCK_M + xr % BLOCK_M)
+    x_cols = gl.expand_dims((xr // BLOCK_M) * 32, 1) + gl.expand_dims(
+        gl.arange(0, 32, gl.SliceLayout(0, x_layout)), 0)
+    x_ptrs = x_ptr + gl.expand_dims((x_slot // A_DIV).to(gl.int64) * K, 1) + x_cols
+    x_mask = gl.expand_dims(x_slot < num_slots, 1)
+    pr = gl.arange(0, HALVES * G, gl.SliceLayout(1, p_layout))
+    pn = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, p_layout))
+    p_offs = gl.expand_dims((pr // G) * N + (pr % G) * width, 1) + gl.expand_dims(pn, 0)
+    p_mask = gl.expand_dims(pn < N, 0)
+
+    ones = gl.full([BLOCK_N, 32], 1.0, x_ptr.dtype.element_ty, layout=a_layout)
+    acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=acc_layout)
+    acc_up = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=acc_layout)
+    for i in gl.static_range(STAGES - 1):
+        _issue(i, tiles, w_ptrs, w_up, w_mask, x_ptrs, x_mask, x_cols, K, p_ptr + p_offs,
+               p_mask, w_smem, x_smem, p_smem.index(i), i, G * width, GATED, EVEN_K,
+               TILES_PER_GROUP)
+    for t0 in range(0, tiles, UNROLL):
+        for u in gl.static_range(UNROLL):
+            t = t0 + u
+            if t < tiles:
+                async_copy.wait_group(STAGES - 2)
+                gl.thread_barrier()
+                fence_async_shared()
+                if UNROLL == STAGES:
+                    stage = u
+                    refill = (u + STAGES - 1) % STAGES
+                else:
+                    stage = t % STAGES
+                    refill = (t + STAGES - 1) % STAGES
+                _issue(t + STAGES - 1, tiles, w_ptrs, w_up, w_mask, x_ptrs, x_mask, x_cols, K,
+                       p_ptr + p_offs, p_mask, w_smem, x_smem, p_smem.index(refill), refill,
+                       G * width, GATED, EVEN_K, TILES_PER_GROUP)
+                words = w_smem.index(stage * HALVES).load(w_layout)
+                words_up = w_smem.index(stage * HALVES + 1).load(w_layout) if GATED else words
+                acc, acc_up = tile(words, words_up, x_smem, stage, p_smem.index(stage), ones,
+                                    acc, acc_up, GATED, G, OFFSET, a_layout, acc_layout, ASYNC,
+                                    CENTERED)
+    async_copy.wait_group(0)
+    acc = gl.permute(acc, (1, 0))  # [BM, BN]
+    acc_up = gl.permute(acc_up, (1, 0))
+    out_layout: gl.constexpr = acc.type.layout
+    offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, out_layout))
+    slot = gl.load(sorted_ptr + pid_m * BLOCK_M
+                   + gl.arange(0, BLOCK_M, gl.SliceLayout(1, out_layout)))
+    _store(acc, acc_up, slot, offs_n, num_slots, N, som, route_ptr, out_ptr, GATED)
+
+
+@triton.jit
+def _store(acc, acc_up, slot, offs_n, num_slots, N, som, route_ptr, out_ptr,
+           GATED: tl.constexpr):
+    """out[slot, n] = silu(gate) · up if GATED, else the product times the slot's routing
+    weight (plain tl: the layouts follow acc's)."""
+    row_ok = slot < num_slots
+    if GATED:
+        y = acc / (1.0 + tl.exp(-acc)) * acc_up
+    else:
+        y = acc * tl.load(route_ptr + slot, mask=row_ok, other=0.0)[:, None]
+    tl.store(out_ptr + slot.to(tl.int64)[:, None] * som + offs_n[None, :],
+             y.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_n < N)[None, :])
+
+
+def gemm(x: torch.Tensor, w: Int4ExpertTiles, out: torch.Tensor, n: int,
+         sorted_slots: torch.Tensor, block_expert: torch.Tensor, total: torch.Tensor,
+         route: torch.Tensor | None, a_div: int, block_m: int,
+         config: tuple[int, int, int] = (64, 4, 4)) -> None:
+    """moe._gemm's launch for experts in the tile layout: x [*, K] bf16 or fp16 (K even),
+    out [slots, n]; route None: gate_up (w has 2n rows), else down. config: BLOCK_N,
+    num_warps, STAGES."""
+    block_n, warps, stages = config
+    k = x.shape[1]
+    if block_m not in ROWS or x.dtype not in _OFFSET or k != w.in_features or k % 2:
+        raise ValueError(f"moe_int4_wgmma: blocks of {block_m} rows, {x.dtype} activations "
+                         f"with {k} inputs (weights {w.in_features}) are not taken")
+    align = 8 if k % 8 == 0 else 2
+    gated = route is None
+    unroll = stages if (block_m <= 16 if gated else block_m <= 32) else 1
+    grid = (triton.cdiv(n, block_n), block_expert.numel())
+    _kernel[grid](x, w.words, w.params.view(torch.int32), out, sorted_slots, block_expert,
+                  total, route if route is not None else out, out.shape[0], n, k // align,
+                  out.stride(0), KP=w.padded_k, GROUP=w.group, A_DIV=a_div, GATED=gated,
+                  BLOCK_N=block_n, BLOCK_M=block_m, WARPS=warps, STAGES=stages,
+                  UNROLL=unroll, CENTERED=w.centered, OFFSET=_OFFSET[x.dtype],
+                  EVEN_K=k % TILE_K == 0, K_ALIGN=align, num_warps=warps)

@@ -1,0 +1,67 @@
+"""INT4 experts on Hopper's warpgroup MMA (ops.triton.moe_int4_wgmma): the stacked layout on any
+machine, the kernel on the GPU against torch_ref."""
+
+import pytest
+import torch
+
+from frugal.ops import torch_ref
+from frugal.quant.experts import quantize_experts
+from tests.ops import launches
+
+wg = pytest.importorskip("frugal.ops.triton.moe_int4_wgmma")
+lin = pytest.importorskip("frugal.ops.triton.int4_linear")
+
+
+def experts(e, n, k, seed):
+    g = torch.Generator().manual_seed(seed)
+    return quantize_experts(torch.randn(e, n, k, generator=g) * k ** -0.5, "int4")
+
+
+def test_repack_experts_stacks_each_experts_tiles():
+    """Expert e's words and (scale, min) pairs are int4_linear.repack's of expert e (rows
+    padded to blocks of 64, inputs to tiles of 128); symmetric codes: centered."""
+    w = experts(3, 80, 160, 0)
+    t = wg.repack_experts(w, torch.float32)
+    assert t.shape == (3, 80, 160) and t.padded_k == 256 and t.group == 32 and t.centered
+    assert t.words.shape == (3, 2, 2, 64, 16) and t.params.shape == (3, 8, 80, 2)
+    for e in range(3):
+        one = lin.repack(w.expert(e), torch.float32)
+        assert torch.equal(t.words[e], one.words) and torch.equal(t.params[e], one.params)
+
+
+def test_pack_experts_only_where_asked_on_hopper(monkeypatch):
+    """Unset, or off a Hopper GPU, or FP8 experts: the experts come back as they were."""
+    w = experts(2, 64, 128, 1)
+    monkeypatch.delenv("FRUGAL_INT4_MOE_WGMMA", raising=False)
+    assert wg.pack_experts(w, torch.bfloat16) is w
+    monkeypatch.setenv("FRUGAL_INT4_MOE_WGMMA", "1")
+    if not torch.cuda.is_available():
+        assert wg.pack_experts(w, torch.bfloat16) is w
+    fp8 = quantize_experts(torch.randn(2, 64, 128), "fp8")
+    assert wg.pack_experts(fp8, torch.bfloat16) is fp8
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 5, 16, 40, 80])
+def test_moe_int4_wgmma_gpu(tokens, monkeypatch):
+    """fused_moe's sorted path on the kernel: blocks of 16 rows (64 at 80 tokens: 320 slots over
+    16 experts), 192 outputs (blocks of 64) and 192 inputs for down (a tile padded), padding
+    slots in every block, against torch_ref in fp32."""
+    from frugal.ops.triton import moe, moe_gemv
+
+    monkeypatch.setenv("FRUGAL_INT4_MOE_WGMMA", "1")
+    monkeypatch.setattr(moe_gemv, "MAX_SLOTS", 0)  # the sorted path
+    num, top_k, hidden, inter = 16, 4, 256, 192
+    gate_up, down = experts(num, 2 * inter, hidden, tokens), experts(num, hidden, inter, tokens + 1)
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, hidden, generator=g).bfloat16()
+    weights, ids = torch.rand(tokens, num, generator=g).topk(top_k, dim=-1)
+    ref = torch_ref.fused_moe(x.float(), gate_up, down, weights, ids)
+    packed = [wg.pack_experts(w.to("cuda"), torch.bfloat16) for w in (gate_up, down)]
+    assert all(p.tiles is not None for p in packed)
+    launched = launches.record(monkeypatch, wg, "_kernel", "BLOCK_M", "GATED")
+    got = moe.fused_moe(x.cuda(), *packed, weights.cuda(), ids.cuda())
+    block_m = 64 if tokens * top_k > 16 * num else 16
+    assert launched == [(block_m, True), (block_m, False)]
+    torch.testing.assert_close(got.float().cpu(), ref, atol=2e-2 * ref.abs().max().item(),
+                               rtol=2e-2)
