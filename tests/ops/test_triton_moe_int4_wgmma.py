@@ -24,6 +24,10 @@ def test_repack_experts_stacks_each_experts_tiles():
     t = wg.repack_experts(w, torch.float32)
     assert t.shape == (3, 80, 160) and t.padded_k == 256 and t.group == 32 and t.centered
     assert t.words.shape == (3, 2, 2, 64, 16) and t.params.shape == (3, 8, 80, 2)
+    # (the kernel's offsets of an expert: rows in blocks of 64, Kp / 8 words each; its 16-bit
+    # (scale, min) pairs one int32 each)
+    b = wg.repack_experts(w, torch.bfloat16)
+    assert b.words.stride(0) == 2 * 256 * 8 and b.params.view(torch.int32).stride(0) == 8 * 80
     for e in range(3):
         one = lin.repack(w.expert(e), torch.float32)
         assert torch.equal(t.words[e], one.words) and torch.equal(t.params[e], one.params)
@@ -35,23 +39,24 @@ def test_pack_experts_only_where_asked_on_hopper(monkeypatch):
     monkeypatch.delenv("FRUGAL_INT4_MOE_WGMMA", raising=False)
     assert wg.pack_experts(w, torch.bfloat16) is w
     monkeypatch.setenv("FRUGAL_INT4_MOE_WGMMA", "1")
-    if not torch.cuda.is_available():
-        assert wg.pack_experts(w, torch.bfloat16) is w
+    assert wg.pack_experts(w, torch.bfloat16) is w  # (on the CPU)
     fp8 = quantize_experts(torch.randn(2, 64, 128), "fp8")
     assert wg.pack_experts(fp8, torch.bfloat16) is fp8
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [1, 5, 16, 40, 80])
-def test_moe_int4_wgmma_gpu(tokens, monkeypatch):
-    """fused_moe's sorted path on the kernel: blocks of 16 rows (64 at 80 tokens: 320 slots over
-    16 experts), 192 outputs (blocks of 64) and 192 inputs for down (a tile padded), padding
-    slots in every block, against torch_ref in fp32."""
+@pytest.mark.parametrize("tokens,block_m", [(1, 16), (5, 16), (16, 16), (24, 32), (40, 16),
+                                            (80, 64), (80, 32)])
+def test_moe_int4_wgmma_gpu(tokens, block_m, monkeypatch):
+    """fused_moe's sorted path on the kernel, blocks of 16, 32 and 64 rows: 160 outputs of 160
+    inputs (rows padded to blocks of 64, the up half starting inside one, a partial block of
+    64 outputs, K padded to 256), padding slots in every block, against torch_ref in fp32."""
     from frugal.ops.triton import moe, moe_gemv
 
     monkeypatch.setenv("FRUGAL_INT4_MOE_WGMMA", "1")
     monkeypatch.setattr(moe_gemv, "MAX_SLOTS", 0)  # the sorted path
-    num, top_k, hidden, inter = 16, 4, 256, 192
+    monkeypatch.setattr(moe, "rows_per_block", lambda *args: block_m)
+    num, top_k, hidden, inter = 16, 4, 160, 160
     gate_up, down = experts(num, 2 * inter, hidden, tokens), experts(num, hidden, inter, tokens + 1)
     g = torch.Generator().manual_seed(tokens)
     x = torch.randn(tokens, hidden, generator=g).bfloat16()
@@ -61,7 +66,6 @@ def test_moe_int4_wgmma_gpu(tokens, monkeypatch):
     assert all(p.tiles is not None for p in packed)
     launched = launches.record(monkeypatch, wg, "_kernel", "BLOCK_M", "GATED")
     got = moe.fused_moe(x.cuda(), *packed, weights.cuda(), ids.cuda())
-    block_m = 64 if tokens * top_k > 16 * num else 16
     assert launched == [(block_m, True), (block_m, False)]
     torch.testing.assert_close(got.float().cpu(), ref, atol=2e-2 * ref.abs().max().item(),
                                rtol=2e-2)

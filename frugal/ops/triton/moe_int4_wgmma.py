@@ -75,16 +75,21 @@ def pack_experts(w, dtype: torch.dtype):
     kernel's layout (w.tiles) where FRUGAL_INT4_MOE_WGMMA=1 (the experts' memory twice, until
     the other INT4 paths read this layout too); anything else unchanged."""
     if (os.environ.get("FRUGAL_INT4_MOE_WGMMA") != "1" or not isinstance(w, Int4Experts)
-            or not _hopper(w.packed.device) or dtype not in _OFFSET
-            or w.group_size > TILE_K or w.shape[2] % 2):
+            or not _hopper(w.packed.device) or dtype not in _OFFSET or w.shape[2] % 2):
+        return w
+    group = w.group_size  # (int4_linear.repack's groups: 32, 64 or multiples of 128)
+    if group < 32 or (TILE_K % group and group % TILE_K):
         return w
     return dataclasses.replace(w, tiles=repack_experts(w, dtype))
 
 
 def takes(w, x: torch.Tensor, block_m: int) -> bool:
     """Whether `gemm` runs these experts for blocks of block_m rows of x."""
-    return (isinstance(w, Int4Experts) and isinstance(w.tiles, Int4ExpertTiles)
-            and block_m in ROWS and x.dtype == w.tiles.params.dtype)
+    if not (isinstance(w, Int4Experts) and isinstance(w.tiles, Int4ExpertTiles)):
+        return False
+    return (block_m in ROWS and x.dtype == w.tiles.params.dtype
+            and x.shape[1] == w.tiles.in_features and x.stride(1) == 1
+            and x.stride(0) == x.shape[1])  # (rows read K apart)
 
 
 @gluon.jit(do_not_specialize=["num_slots"])  # (num_slots changes from step to step)
