@@ -55,9 +55,6 @@ class Fp8Experts:
 class Int4Experts:
     packed: torch.Tensor
     scales: torch.Tensor
-    # the same experts in a kernel's own layout, set by a backend at load time where it has one
-    # (ops.triton.moe_int4_wgmma.pack_experts); dropped by `to`
-    tiles: object | None = None
 
     @property
     def shape(self) -> tuple[int, int, int]:

@@ -44,17 +44,43 @@ def test_pack_experts_only_where_asked_on_hopper(monkeypatch):
     assert wg.pack_experts(fp8, torch.bfloat16) is fp8
 
 
+def test_dequantize_expert_tiles():
+    """Experts first.. of the stacked tiles, dequantized in one launch, are each expert's own
+    dequantized weight."""
+    w = experts(5, 96, 160, 2)
+    t = wg.repack_experts(w, torch.float32)
+    out = wg.dequantize(t, 1, torch.empty(3, 96, 160))
+    for i in range(3):
+        torch.testing.assert_close(out[i], w.expert(1 + i).dequantize(), atol=1e-6, rtol=1e-6)
+
+
+def test_fused_moe_dequantizes_expert_tiles_at_prompt_sizes():
+    """Past moe_dense.DENSE_SLOTS slots an expert, repacked experts are dequantized from their
+    tiles and multiplied as float experts: torch_ref's result."""
+    from frugal.ops.triton import moe
+
+    g = torch.Generator().manual_seed(3)
+    num, top_k, hidden, inter, tokens = 2, 2, 64, 32, 130
+    gate_up, down = experts(num, 2 * inter, hidden, 4), experts(num, hidden, inter, 5)
+    x = torch.randn(tokens, hidden, generator=g)
+    weights, ids = torch.rand(tokens, num, generator=g).topk(top_k, dim=-1)
+    ref = torch_ref.fused_moe(x, gate_up, down, weights, ids)
+    tiles = [wg.repack_experts(w, torch.float32) for w in (gate_up, down)]
+    got = moe.fused_moe(x, *tiles, weights, ids)
+    torch.testing.assert_close(got, ref, atol=1e-4 * ref.abs().max().item(), rtol=1e-4)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens,block_m", [(1, 16), (5, 16), (16, 16), (24, 32), (40, 16),
                                             (80, 64), (80, 32)])
 def test_moe_int4_wgmma_gpu(tokens, block_m, monkeypatch):
-    """fused_moe's sorted path on the kernel, blocks of 16, 32 and 64 rows: 160 outputs of 160
+    """fused_moe on the kernel at every size (the GEMV does not take the tiles), blocks of 16,
+    32 and 64 rows: 160 outputs of 160
     inputs (rows padded to blocks of 64, the up half starting inside one, a partial block of
     64 outputs, K padded to 256), padding slots in every block, against torch_ref in fp32."""
-    from frugal.ops.triton import moe, moe_gemv
+    from frugal.ops.triton import moe
 
     monkeypatch.setenv("FRUGAL_INT4_MOE_WGMMA", "1")
-    monkeypatch.setattr(moe_gemv, "MAX_SLOTS", 0)  # the sorted path
     monkeypatch.setattr(moe, "rows_per_block", lambda *args: block_m)
     num, top_k, hidden, inter = 16, 4, 160, 160
     gate_up, down = experts(num, 2 * inter, hidden, tokens), experts(num, hidden, inter, tokens + 1)
@@ -63,7 +89,7 @@ def test_moe_int4_wgmma_gpu(tokens, block_m, monkeypatch):
     weights, ids = torch.rand(tokens, num, generator=g).topk(top_k, dim=-1)
     ref = torch_ref.fused_moe(x.float(), gate_up, down, weights, ids)
     packed = [wg.pack_experts(w.to("cuda"), torch.bfloat16) for w in (gate_up, down)]
-    assert all(p.tiles is not None for p in packed)
+    assert all(isinstance(p, wg.Int4ExpertTiles) for p in packed)
     launched = launches.record(monkeypatch, wg, "_kernel", "BLOCK_M", "GATED")
     got = moe.fused_moe(x.cuda(), *packed, weights.cuda(), ids.cuda())
     assert launched == [(block_m, True), (block_m, False)]

@@ -157,13 +157,19 @@ def int4_linear(x: torch.Tensor, w: Int4Tiles, bias: torch.Tensor | None = None,
     return out
 
 
-@triton.jit
-def _dequantize_kernel(w_ptr, p_ptr, out_ptr, N, K, KP: tl.constexpr, GROUP: tl.constexpr,
-                       BLOCK_N: tl.constexpr):
+@triton.jit(do_not_specialize=["first"])
+def _dequantize_kernel(w_ptr, p_ptr, out_ptr, N, K, first, swe, spe, soe, KP: tl.constexpr,
+                       GROUP: tl.constexpr, BLOCK_N: tl.constexpr):
     """out[n, k] = u · scale + min for one block of rows and one 128-input tile, stored as whole
     rows: the eight nibbles of the tile's words [BN, 4 (t), 4 (q)] are joined into
-    [BN, t, q, b, a, c] (nibble 2 a + b + 4 c) and permuted to input order (q, a, b, t, c)."""
+    [BN, t, q, b, a, c] (nibble 2 a + b + 4 c) and permuted to input order (q, a, b, t, c).
+    Grid axis 2: stacked weights (experts first.., their words, params and outputs swe, spe and
+    soe elements apart; one weight: 0)."""
     GK: tl.constexpr = GROUP if GROUP < 128 else 128
+    e = tl.program_id(2).to(tl.int64)
+    w_ptr += (first + e) * swe
+    p_ptr += (first + e) * spe
+    out_ptr += e * soe
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     tile = tl.program_id(1)
@@ -190,6 +196,6 @@ def dequantize(w: Int4Tiles, dtype: torch.dtype) -> torch.Tensor:
     """The weight [N, K] in dtype (for matmuls of many rows, which cuBLAS then runs)."""
     n, k = w.shape
     out = torch.empty(n, k, dtype=dtype, device=w.words.device)
-    _dequantize_kernel[(cdiv(n, 64), w.words.shape[1])](
-        w.words, w.params, out, n, k, KP=w.padded_k, GROUP=w.group, BLOCK_N=64)
+    _dequantize_kernel[(cdiv(n, 64), w.words.shape[1], 1)](
+        w.words, w.params, out, n, k, 0, 0, 0, 0, KP=w.padded_k, GROUP=w.group, BLOCK_N=64)
     return out

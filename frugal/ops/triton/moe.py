@@ -39,6 +39,7 @@ from frugal.ops.triton.moe_align import align
 from frugal.ops.triton.moe_combine import combine
 from frugal.ops.triton.moe_configs import lookup, w8a8_tile
 from frugal.ops.triton.moe_int4 import ONE_BITS, int4_gemm
+from frugal.ops.triton.moe_int4_wgmma import Int4ExpertTiles
 from frugal.ops.triton.sizes import cdiv
 from frugal.quant.experts import Experts, Fp8Experts, Int4Experts
 
@@ -160,6 +161,8 @@ def _operand(w: torch.Tensor | Experts) -> tuple:
         return w.data, w.scales, 3 if w.w8a8 else 1, *block, k
     if isinstance(w, Int4Experts):
         return w.packed, w.scales, 2, 1, w.group_size, w.shape[2]
+    if isinstance(w, Int4ExpertTiles):
+        return w.words, w.params, 2, 1, w.group, w.in_features
     return w, w, 0, 1, 1, w.shape[2]
 
 
@@ -180,8 +183,12 @@ def _gemm(a: torch.Tensor, w: torch.Tensor | Experts, out: torch.Tensor, n: int,
     parts = [(0, data.shape[0], data)]
     if moe_dense.takes(w, out.shape[0]):
         parts, mode, s_bn, s_bk = moe_dense.chunks(w, a.dtype), 0, 1, 1
-    elif moe_int4_wgmma.takes(w, a, block_m):  # (INT4 experts repacked for it at load time)
-        return moe_int4_wgmma.gemm(a, w.tiles, out, n, sorted_slots, block_expert, total, route,
+    elif isinstance(w, Int4ExpertTiles):  # (INT4 experts repacked for it at load time)
+        if not moe_int4_wgmma.takes(w, a, block_m):
+            raise ValueError(f"fused_moe: INT4 expert tiles take {w.params.dtype} activations "
+                             f"in blocks of {moe_int4_wgmma.ROWS} rows, not {a.dtype} in "
+                             f"{block_m}")
+        return moe_int4_wgmma.gemm(a, w, out, n, sorted_slots, block_expert, total, route,
                                    a_div, block_m)
     gated = route is None
     config = config or lookup(a.device, "sorted", mode, n, k, out.shape[0], s_bk)
@@ -259,6 +266,8 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor | Experts, down: torch.Tens
         mode, s_bk = 0, 1
     config = lookup(x.device, "sorted", mode, inter, k, slots, s_bk)
     block_m = rows_per_block(slots, num_experts, config)
+    if isinstance(gate_up, Int4ExpertTiles) and mode == 2:  # (the wgmma kernel's rows)
+        block_m = min(block_m, moe_int4_wgmma.ROWS[-1])
     sorted_slots, block_expert, total = align(ids, num_experts, block_m)
     act = torch.empty(slots, inter, dtype=x.dtype, device=x.device)
     _gemm(x, gate_up, act, inter, sorted_slots, block_expert, total, None, top_k, block_m,

@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from frugal.ops.triton import moe_int4_wgmma
+from frugal.ops.triton.moe_int4_wgmma import Int4ExpertTiles
 from frugal.ops.triton.sizes import cdiv
 from frugal.quant.experts import Int4Experts
 
@@ -29,7 +31,7 @@ CHUNK_BYTES = 512 << 20  # the dequantized chunk's buffer (a whole layer's exper
 
 def takes(w, slots: int) -> bool:
     """Whether fused_moe dequantizes these experts first for a step of this many slots."""
-    return isinstance(w, Int4Experts) and slots >= DENSE_SLOTS * w.shape[0]
+    return isinstance(w, Int4Experts | Int4ExpertTiles) and slots >= DENSE_SLOTS * w.shape[0]
 
 
 @triton.jit(do_not_specialize=["first", "rows"])
@@ -89,13 +91,17 @@ def dequantize(w: Int4Experts, first: int, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def chunks(w: Int4Experts, dtype: torch.dtype) -> Iterator[tuple[int, int, torch.Tensor]]:
+def chunks(w: Int4Experts | Int4ExpertTiles, dtype: torch.dtype
+           ) -> Iterator[tuple[int, int, torch.Tensor]]:
     """(first, last, experts first .. last - 1 [count, N, K] in dtype) chunk after chunk over
     all of w's experts, every chunk written into the same buffer (the stream orders each
     chunk's use before the next one's writing) of CHUNK_BYTES at most, or one expert."""
     e, n, k = w.shape
     per = max(1, min(e, CHUNK_BYTES // (n * k * dtype.itemsize)))
-    buffer = torch.empty(per, n, k, dtype=dtype, device=w.packed.device)
+    tiles = isinstance(w, Int4ExpertTiles)
+    buffer = torch.empty(per, n, k, dtype=dtype, device=(w.words if tiles else w.packed).device)
     for first in range(0, e, per):
         count = min(per, e - first)
-        yield first, first + count, dequantize(w, first, buffer[:count])
+        part = buffer[:count]
+        yield first, first + count, (moe_int4_wgmma.dequantize(w, first, part) if tiles
+                                     else dequantize(w, first, part))

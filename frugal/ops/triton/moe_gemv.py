@@ -30,6 +30,7 @@ from frugal.ops.triton.fp8_groups import round_inputs
 from frugal.ops.triton.moe import ONE_BITS, _operand, _weight_tile, kernel_mode
 from frugal.ops.triton.moe_combine import combine
 from frugal.ops.triton.moe_configs import gemv_tile, lookup, tiles_scales
+from frugal.ops.triton.moe_int4_wgmma import Int4ExpertTiles
 from frugal.ops.triton.sizes import cdiv
 from frugal.quant.experts import Experts, Int4Experts
 
@@ -238,7 +239,10 @@ def _blocks(mode: int, s_bk: int, k: int) -> tuple[int, int]:
 
 def takes(w: torch.Tensor | Experts) -> bool:
     """Whether this path takes w: any float or FP8 form; INT4 with groups of a multiple of 32
-    inputs (its partial sums are per 32 inputs)."""
+    inputs (its partial sums are per 32 inputs); not INT4 experts repacked for moe_int4_wgmma
+    (the sorted path runs those at every size)."""
+    if isinstance(w, Int4ExpertTiles):
+        return False
     return not isinstance(w, Int4Experts) or (w.group_size % 32 == 0 and w.shape[2] % 32 == 0)
 
 

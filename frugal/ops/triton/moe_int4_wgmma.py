@@ -8,16 +8,17 @@ the block's activation rows gathered into shared memory as its B operand (N = BL
 weights serves all its rows, and no layout passes through shared memory on the way to the
 tensor cores (the Triton kernel's dequantized tiles do, with a barrier each).
 
-Weights: Int4ExpertTiles, every expert's matrix in int4_linear's layout (repacked once at load
-time), stacked: words [E, R / 64, Kp / 128, 64, 16] int32, params [E, Kp / group, R, 2] (scale,
-min) in the activations' dtype. Outputs as moe._sorted_gemm's: gate_up (GATED, rows 0..N-1 the
-gate, N..2N-1 the up half) writes silu(gate) · up of each slot; down (ROUTED) each slot's
-product times its routing weight.
+Weights: Int4ExpertTiles, every expert's matrix in int4_linear's layout, stacked (repacked once
+at load time by pack_experts, in place of quant.experts.Int4Experts): words [E, R / 64,
+Kp / 128, 64, 16] int32, params [E, Kp / group, R, 2] (scale, min) in the activations' dtype.
+The small-batch GEMV does not read them: fused_moe runs these experts on the sorted path at
+every size (blocks of 16 rows at least), and dequantizes them at prompt sizes (moe_dense).
+Outputs as moe._sorted_gemm's: gate_up (GATED, rows 0..N-1 the gate, N..2N-1 the up half)
+writes silu(gate) · up of each slot; down (ROUTED) each slot's product times its routing weight.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
 
-from frugal.ops.triton.int4_linear import _OFFSET, TILE_K, repack
+from frugal.ops.triton.int4_linear import _OFFSET, TILE_K, _dequantize_kernel, repack
 from frugal.ops.triton.int4_wgmma import _issue, row_offsets
 from frugal.ops.triton.int4_wgmma_tile import tile
 from frugal.quant.experts import Int4Experts
@@ -71,25 +72,37 @@ def _hopper(device: torch.device) -> bool:
 
 
 def pack_experts(w, dtype: torch.dtype):
-    """Routed experts as the kernels read them: INT4 experts on a Hopper GPU also in this
-    kernel's layout (w.tiles) where FRUGAL_INT4_MOE_WGMMA=1 (the experts' memory twice, until
-    the other INT4 paths read this layout too); anything else unchanged."""
+    """Routed experts as the kernels read them: INT4 experts on a Hopper GPU, where
+    FRUGAL_INT4_MOE_WGMMA=1, repacked into this kernel's layout (in place of the packed words:
+    fused_moe then takes the sorted path at every size, and dequantizes these tiles at prompt
+    sizes); anything else unchanged."""
     if (os.environ.get("FRUGAL_INT4_MOE_WGMMA") != "1" or not isinstance(w, Int4Experts)
             or not _hopper(w.packed.device) or dtype not in _OFFSET or w.shape[2] % 2):
         return w
     group = w.group_size  # (int4_linear.repack's groups: 32, 64 or multiples of 128)
     if group < 32 or (TILE_K % group and group % TILE_K):
         return w
-    return dataclasses.replace(w, tiles=repack_experts(w, dtype))
+    return repack_experts(w, dtype)
 
 
 def takes(w, x: torch.Tensor, block_m: int) -> bool:
-    """Whether `gemm` runs these experts for blocks of block_m rows of x."""
-    if not (isinstance(w, Int4Experts) and isinstance(w.tiles, Int4ExpertTiles)):
-        return False
-    return (block_m in ROWS and x.dtype == w.tiles.params.dtype
-            and x.shape[1] == w.tiles.in_features and x.stride(1) == 1
+    """Whether `gemm` runs experts w for blocks of block_m rows of x."""
+    return (isinstance(w, Int4ExpertTiles) and block_m in ROWS and x.dtype == w.params.dtype
+            and x.shape[1] == w.in_features and x.stride(1) == 1
             and x.stride(0) == x.shape[1])  # (rows read K apart)
+
+
+def dequantize(w: Int4ExpertTiles, first: int, out: torch.Tensor) -> torch.Tensor:
+    """Experts first .. first + len(out) - 1 of w into out [count, R, K] (contiguous), as
+    int4_linear.dequantize computes each; returns out."""
+    count, rows, k = out.shape
+    if (rows, k) != w.shape[1:] or not 0 <= first <= w.shape[0] - count or not out.is_contiguous():
+        raise ValueError(f"moe_int4_wgmma.dequantize: experts {first}+{count} of {w.shape} "
+                         f"into {tuple(out.shape)}")
+    _dequantize_kernel[(triton.cdiv(rows, 64), w.words.shape[2], count)](
+        w.words, w.params, out, rows, k, first, w.words.stride(0), w.params.stride(0),
+        out.stride(0), KP=w.padded_k, GROUP=w.group, BLOCK_N=64)
+    return out
 
 
 @gluon.jit(do_not_specialize=["num_slots"])  # (num_slots changes from step to step)
