@@ -70,19 +70,30 @@ def test_fused_moe_dequantizes_expert_tiles_at_prompt_sizes():
     torch.testing.assert_close(got, ref, atol=1e-4 * ref.abs().max().item(), rtol=1e-4)
 
 
+def test_split_for_few_programs():
+    """Splits double while the busy programs stay within 512 and each keeps 4 tiles: Qwen3-30B-A3B
+    at one token, gate_up 12 output blocks x 8 experts over 16 tiles (4 splits), down 32 x 8
+    over 6 (none); at 16 tokens, none."""
+    assert wg.split_for(12 * 8, 16) == 4 and wg.split_for(32 * 8, 6) == 1
+    assert wg.split_for(12 * 128, 16) == 1 and wg.split_for(3 * 4, 8) == 2
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens,block_m", [(1, 16), (5, 16), (16, 16), (24, 32), (40, 16),
-                                            (80, 64), (80, 32)])
-def test_moe_int4_wgmma_gpu(tokens, block_m, monkeypatch):
+@pytest.mark.parametrize("tokens,block_m,hidden", [(1, 16, 160), (5, 16, 160), (16, 16, 160),
+                                                   (24, 32, 160), (40, 16, 160),
+                                                   (80, 64, 160), (80, 32, 160), (1, 16, 1024),
+                                                   (2, 32, 1024)])
+def test_moe_int4_wgmma_gpu(tokens, block_m, hidden, monkeypatch):
     """fused_moe on the kernel at every size (the GEMV does not take the tiles), blocks of 16,
-    32 and 64 rows: 160 outputs of 160
-    inputs (rows padded to blocks of 64, the up half starting inside one, a partial block of
-    64 outputs, K padded to 256), padding slots in every block, against torch_ref in fp32."""
+    32 and 64 rows: 160 outputs of 160 inputs (rows padded to blocks of 64, the up half starting
+    inside one, a partial block of 64 outputs, K padded to 256), padding slots in every block;
+    gate_up over 1024 inputs at 1-2 tokens split in two (reduced by the last program), against
+    torch_ref in fp32."""
     from frugal.ops.triton import moe
 
     monkeypatch.setenv("FRUGAL_INT4_MOE_WGMMA", "1")
     monkeypatch.setattr(moe, "rows_per_block", lambda *args: block_m)
-    num, top_k, hidden, inter = 16, 4, 160, 160
+    num, top_k, inter = 16, 4, 160
     gate_up, down = experts(num, 2 * inter, hidden, tokens), experts(num, hidden, inter, tokens + 1)
     g = torch.Generator().manual_seed(tokens)
     x = torch.randn(tokens, hidden, generator=g).bfloat16()
@@ -90,8 +101,8 @@ def test_moe_int4_wgmma_gpu(tokens, block_m, monkeypatch):
     ref = torch_ref.fused_moe(x.float(), gate_up, down, weights, ids)
     packed = [wg.pack_experts(w.to("cuda"), torch.bfloat16) for w in (gate_up, down)]
     assert all(isinstance(p, wg.Int4ExpertTiles) for p in packed)
-    launched = launches.record(monkeypatch, wg, "_kernel", "BLOCK_M", "GATED")
+    launched = launches.record(monkeypatch, wg, "_kernel", "BLOCK_M", "GATED", "SPLIT_K")
     got = moe.fused_moe(x.cuda(), *packed, weights.cuda(), ids.cuda())
-    assert launched == [(block_m, True), (block_m, False)]
+    assert launched == [(block_m, True, 2 if hidden == 1024 else 1), (block_m, False, 1)]
     torch.testing.assert_close(got.float().cpu(), ref, atol=2e-2 * ref.abs().max().item(),
                                rtol=2e-2)

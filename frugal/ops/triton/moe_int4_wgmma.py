@@ -34,6 +34,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
 from frugal.ops.triton.int4_linear import _OFFSET, TILE_K, _dequantize_kernel, repack
 from frugal.ops.triton.int4_wgmma import _issue, row_offsets
 from frugal.ops.triton.int4_wgmma_tile import tile
+from frugal.ops.triton.split_k import counters, grid, partials
 from frugal.quant.experts import Int4Experts
 
 ROWS = (16, 32, 64)  # BLOCK_M the kernel takes (the alignment's rows)
@@ -107,14 +108,16 @@ def dequantize(w: Int4ExpertTiles, first: int, out: torch.Tensor) -> torch.Tenso
 
 @gluon.jit(do_not_specialize=["num_slots"])  # (num_slots changes from step to step)
 def _kernel(x_ptr, w_ptr, p_ptr, out_ptr, sorted_ptr, block_expert_ptr, total_ptr, route_ptr,
-            num_slots, N, K_PARTS, som,
+            part_ptr, count_ptr, num_slots, N, K_PARTS, som,
             KP: gl.constexpr, GROUP: gl.constexpr, A_DIV: gl.constexpr, GATED: gl.constexpr,
             BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, WARPS: gl.constexpr,
             STAGES: gl.constexpr, UNROLL: gl.constexpr, CENTERED: gl.constexpr,
-            OFFSET: gl.constexpr, EVEN_K: gl.constexpr, K_ALIGN: gl.constexpr):
+            OFFSET: gl.constexpr, EVEN_K: gl.constexpr, K_ALIGN: gl.constexpr,
+            SPLIT_K: gl.constexpr):
     """One block of BLOCK_M sorted slots (grid axis 1) times BLOCK_N outputs (axis 0) of its
-    expert's [N (2N if GATED), K] matrix. x [*, K]: slot s reads row s // A_DIV; out [slots,
-    N] (row stride som). Layouts and the K loop as int4_wgmma._kernel's (one split)."""
+    expert's [N (2N if GATED), K] matrix, over this program's share of the 128-input tiles
+    (axis 2: SPLIT_K > 1, reduced by the last, _finish). x [*, K]: slot s reads row
+    s // A_DIV; out [slots, N] (row stride som). Layouts and the K loop as int4_wgmma._kernel's."""
     ASYNC: gl.constexpr = BLOCK_M <= 16 or CENTERED
     GK: gl.constexpr = GROUP if GROUP < 128 else 128
     G: gl.constexpr = 128 // GK
@@ -144,7 +147,9 @@ def _kernel(x_ptr, w_ptr, p_ptr, out_ptr, sorted_ptr, block_expert_ptr, total_pt
     width = 2 * N if GATED else N
     w_ptr += expert * (((width + 63) // 64) * (KP * 8))  # (blocks of 64 rows, KP / 8 words)
     p_ptr += expert * ((KP // GROUP) * width)  # ((scale, min) pairs as int32)
-    tiles = KP // 128
+    per = gl.cdiv(KP // 128, SPLIT_K)
+    first = gl.program_id(2) * per
+    last = gl.minimum(first + per, KP // 128)
 
     L4: gl.constexpr = gl.SliceLayout(4, w_layout)
     L3: gl.constexpr = gl.SliceLayout(3, L4)
@@ -182,13 +187,13 @@ def _kernel(x_ptr, w_ptr, p_ptr, out_ptr, sorted_ptr, block_expert_ptr, total_pt
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=acc_layout)
     acc_up = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=acc_layout)
     for i in gl.static_range(STAGES - 1):
-        _issue(i, tiles, w_ptrs, w_up, w_mask, x_ptrs, x_mask, x_cols, K, p_ptr + p_offs,
+        _issue(first + i, last, w_ptrs, w_up, w_mask, x_ptrs, x_mask, x_cols, K, p_ptr + p_offs,
                p_mask, w_smem, x_smem, p_smem.index(i), i, G * width, GATED, EVEN_K,
                TILES_PER_GROUP)
-    for t0 in range(0, tiles, UNROLL):
+    for t0 in range(first, last, UNROLL):
         for u in gl.static_range(UNROLL):
             t = t0 + u
-            if t < tiles:
+            if t < last:
                 async_copy.wait_group(STAGES - 2)
                 gl.thread_barrier()
                 fence_async_shared()
@@ -196,9 +201,9 @@ def _kernel(x_ptr, w_ptr, p_ptr, out_ptr, sorted_ptr, block_expert_ptr, total_pt
                     stage = u
                     refill = (u + STAGES - 1) % STAGES
                 else:
-                    stage = t % STAGES
-                    refill = (t + STAGES - 1) % STAGES
-                _issue(t + STAGES - 1, tiles, w_ptrs, w_up, w_mask, x_ptrs, x_mask, x_cols, K,
+                    stage = (t - first) % STAGES
+                    refill = (t - first + STAGES - 1) % STAGES
+                _issue(t + STAGES - 1, last, w_ptrs, w_up, w_mask, x_ptrs, x_mask, x_cols, K,
                        p_ptr + p_offs, p_mask, w_smem, x_smem, p_smem.index(refill), refill,
                        G * width, GATED, EVEN_K, TILES_PER_GROUP)
                 words = w_smem.index(stage * HALVES).load(w_layout)
@@ -213,7 +218,41 @@ def _kernel(x_ptr, w_ptr, p_ptr, out_ptr, sorted_ptr, block_expert_ptr, total_pt
     offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, out_layout))
     slot = gl.load(sorted_ptr + pid_m * BLOCK_M
                    + gl.arange(0, BLOCK_M, gl.SliceLayout(1, out_layout)))
-    _store(acc, acc_up, slot, offs_n, num_slots, N, som, route_ptr, out_ptr, GATED)
+    _finish(acc, acc_up, slot, offs_n, num_slots, N, som, part_ptr, count_ptr, route_ptr,
+            out_ptr, GATED, SPLIT_K)
+
+
+@triton.jit
+def _finish(acc, acc_up, slot, offs_n, num_slots, N, som, part_ptr, count_ptr, route_ptr,
+            out_ptr, GATED: tl.constexpr, SPLIT_K: tl.constexpr):
+    """_store this program's sums, or (SPLIT_K > 1) keep them in part_ptr [SPLIT_K, slots,
+    width] by slot and let the last program of the block (a ticket from count_ptr, as
+    split_k.finish) add them up in split order and _store them (plain tl)."""
+    if SPLIT_K == 1:
+        _store(acc, acc_up, slot, offs_n, num_slots, N, som, route_ptr, out_ptr, GATED)
+    else:
+        width = 2 * N if GATED else N
+        mask = (slot < num_slots)[:, None] & (offs_n < N)[None, :]
+        rows = slot.to(tl.int64)[:, None] * width + offs_n[None, :]
+        stride = num_slots.to(tl.int64) * width
+        tl.store(part_ptr + tl.program_id(2) * stride + rows, acc, mask=mask)
+        if GATED:
+            tl.store(part_ptr + tl.program_id(2) * stride + rows + N, acc_up, mask=mask)
+        tl.debug_barrier()  # every thread's partials stored before the ticket is taken
+        block = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+        ticket = tl.atomic_add(count_ptr + block, 1, sem="acq_rel", scope="gpu")
+        if ticket == SPLIT_K - 1:  # (.cg: from L2, never a stale L1 line)
+            acc = tl.load(part_ptr + rows, mask=mask, other=0.0, cache_modifier=".cg")
+            if GATED:
+                acc_up = tl.load(part_ptr + rows + N, mask=mask, other=0.0, cache_modifier=".cg")
+            for s in tl.static_range(1, SPLIT_K):
+                acc += tl.load(part_ptr + s * stride + rows, mask=mask, other=0.0,
+                               cache_modifier=".cg")
+                if GATED:
+                    acc_up += tl.load(part_ptr + s * stride + rows + N, mask=mask, other=0.0,
+                                      cache_modifier=".cg")
+            tl.store(count_ptr + block, 0)
+            _store(acc, acc_up, slot, offs_n, num_slots, N, som, route_ptr, out_ptr, GATED)
 
 
 @triton.jit
@@ -245,10 +284,25 @@ def gemm(x: torch.Tensor, w: Int4ExpertTiles, out: torch.Tensor, n: int,
     align = 8 if k % 8 == 0 else 2
     gated = route is None
     unroll = stages if (block_m <= 16 if gated else block_m <= 32) else 1
-    grid = (triton.cdiv(n, block_n), block_expert.numel())
-    _kernel[grid](x, w.words, w.params.view(torch.int32), out, sorted_slots, block_expert,
-                  total, route if route is not None else out, out.shape[0], n, k // align,
-                  out.stride(0), KP=w.padded_k, GROUP=w.group, A_DIV=a_div, GATED=gated,
-                  BLOCK_N=block_n, BLOCK_M=block_m, WARPS=warps, STAGES=stages,
-                  UNROLL=unroll, CENTERED=w.centered, OFFSET=_OFFSET[x.dtype],
-                  EVEN_K=k % TILE_K == 0, K_ALIGN=align, num_warps=warps)
+    slots = out.shape[0]
+    n_blocks = triton.cdiv(n, block_n)
+    split = split_for(n_blocks * min(slots, w.shape[0]), w.padded_k // TILE_K)
+    launch, split = grid(n_blocks, block_expert.numel(), split)
+    _kernel[launch](x, w.words, w.params.view(torch.int32), out, sorted_slots, block_expert,
+                    total, route if route is not None else out,
+                    partials(split, slots, 2 * n if gated else n, x.device), counters(x.device),
+                    slots, n, k // align, out.stride(0), KP=w.padded_k, GROUP=w.group,
+                    A_DIV=a_div, GATED=gated, BLOCK_N=block_n, BLOCK_M=block_m, WARPS=warps,
+                    STAGES=stages, UNROLL=unroll, CENTERED=w.centered,
+                    OFFSET=_OFFSET[x.dtype], EVEN_K=k % TILE_K == 0, K_ALIGN=align,
+                    SPLIT_K=split, num_warps=warps)
+
+
+def split_for(programs: int, tiles: int, target: int = 512, least: int = 4) -> int:
+    """Splits of the inputs' tiles for a launch of `programs` busy programs (output blocks x
+    the blocks of rows that can hold slots): doubled while the programs stay within `target`
+    (the dense kernel's at up to 8 rows) and each split keeps `least` tiles or more."""
+    split = 1
+    while programs * split * 2 <= target and tiles >= 2 * least * split:
+        split *= 2
+    return split
