@@ -23,7 +23,7 @@ import triton.language as tl
 
 ONE_BITS = 0x3F800000  # 1.0 in fp32: `magic` (nibble)
 TRANS_BELOW = tl.constexpr(int(os.environ.get("FRUGAL_INT4_TRANS_BELOW", "0")))
-BF16_MAGIC = tl.constexpr(os.environ.get("FRUGAL_INT4_BF16", "0") == "1")
+BF16_MAGIC = tl.constexpr(os.environ.get("FRUGAL_INT4_BF16", "1") == "1")
 
 
 @triton.jit
