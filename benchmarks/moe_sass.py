@@ -34,7 +34,7 @@ INSTRUCTION = re.compile(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)")
 
 
 def sass(n: int, k: int, mode: int, gated: bool, tile: tuple, path: str = "gemv",
-         block_m: int = 16, options: dict | None = None, tiles: bool = False) -> str:
+         block_m: int = 16, options: dict | None = None) -> str:
     """The kernel's SASS for one matrix ([E, (2 if gated) n, k]) on `path` (gemv: moe_gemv;
     sorted: moe's grouped GEMM with BLOCK_M rows), specialized as a launch would be (ints
     equal to 1 are constants, pointers and multiples of 16 aligned). tile: BLOCK_N, BLOCK_K,
@@ -49,8 +49,6 @@ def sass(n: int, k: int, mode: int, gated: bool, tile: tuple, path: str = "gemv"
             "sse": scales, "ssn": k // s_bk if mode else 1, "ssk": 1, "som": n,
             "magic": moe_gemv.ONE_BITS, "num_slots": 1000, "first": 3, "last": 125,
             "sas": k // 128}
-    if tiles:  # (the GEMV on INT4 experts in int4_linear's layout: moe_gemv_int4)
-        ints.update(swn=k * 8, ssn=2, ssk=2 * rows)
     # (W8A8: blocks of 64 rows or more read codes rounded before, fewer round them: moe._gemm)
     a_fp8 = 0 if mode != 3 else 2 if path == "sorted" and block_m >= 64 else 1
     ptrs = {"a_ptr": "*fp8e4nv" if a_fp8 == 2 else "*bf16", "w_ptr": ty,
@@ -63,7 +61,6 @@ def sass(n: int, k: int, mode: int, gated: bool, tile: tuple, path: str = "gemv"
     if path == "gemv":
         const["FP8_SCALES"] = moe_gemv._fp8_scales(const["MODE"], s_bn, s_bk, n, k, block_n)
         const["PREFETCH"], const["STAGES"] = moe_gemv.loop_options(const["MODE"], options or {})
-        const["TILES"] = tiles
     if path == "sorted":
         const.update(ROUTED=not gated, F32_DOT=False, BLOCK_M=block_m)
     fn = moe_gemv._gemv if path == "gemv" else moe._sorted_gemm
@@ -133,8 +130,6 @@ def main() -> None:
                         "default: the table entry's, else 1)")
     p.add_argument("--gpu", default="NVIDIA H200", help="whose tuned tiles to take")
     p.add_argument("--dump", help="write the last kernel's SASS here")
-    p.add_argument("--tiles", action="store_true",
-                   help="INT4 experts in int4_linear's layout (moe_int4_wgmma's; GEMV path)")
     args = p.parse_args()
     mc = model_config(args.model)
     arch = moe_configs._table().get(args.gpu, {}).get(moe_configs.CAPABILITY)
@@ -170,7 +165,7 @@ def main() -> None:
             options = {f: v for f, v in (entry or {}).items() if f in ("PREFETCH", "STAGES")}
             options.update({f: v for f, v in (("PREFETCH", args.prefetch),
                                               ("STAGES", args.stages)) if v is not None})
-            text = sass(n, k, mode, gated, tile, args.path, block_m, options, args.tiles)
+            text = sass(n, k, mode, gated, tile, args.path, block_m, options)
             body = k_loop(text)
             weights = tile[0] * tile[1] * (2 if gated else 1)  # (a loop step's, dequantized once)
             top = collections.Counter(op.split(".")[0] for op in body).most_common(5)

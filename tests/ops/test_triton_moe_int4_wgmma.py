@@ -49,8 +49,8 @@ def test_dequantize_expert_tiles():
     """Experts first.. of the stacked tiles, dequantized in one launch, are each expert's own
     dequantized weight."""
     w = experts(5, 96, 160, 2)
-    t = wg.repack_experts(w, torch.float32)
-    out = wg.dequantize(t, 1, torch.empty(3, 96, 160))
+    t = wg.repack_experts(w.to(DEVICE), torch.float32)
+    out = wg.dequantize(t, 1, torch.empty(3, 96, 160, device=DEVICE)).cpu()
     for i in range(3):
         torch.testing.assert_close(out[i], w.expert(1 + i).dequantize(), atol=1e-6, rtol=1e-6)
 
@@ -66,9 +66,9 @@ def test_fused_moe_dequantizes_expert_tiles_at_prompt_sizes():
     x = torch.randn(tokens, hidden, generator=g)
     weights, ids = torch.rand(tokens, num, generator=g).topk(top_k, dim=-1)
     ref = torch_ref.fused_moe(x, gate_up, down, weights, ids)
-    tiles = [wg.repack_experts(w, torch.float32) for w in (gate_up, down)]
-    got = moe.fused_moe(x, *tiles, weights, ids)
-    torch.testing.assert_close(got, ref, atol=1e-4 * ref.abs().max().item(), rtol=1e-4)
+    tiles = [wg.repack_experts(w.to(DEVICE), torch.float32) for w in (gate_up, down)]
+    got = moe.fused_moe(x.to(DEVICE), *tiles, weights.to(DEVICE), ids.to(DEVICE))
+    torch.testing.assert_close(got.cpu(), ref, atol=1e-4 * ref.abs().max().item(), rtol=1e-4)
 
 
 def test_split_for_few_programs():
@@ -79,51 +79,20 @@ def test_split_for_few_programs():
     assert wg.split_for(12 * 128, 16) == 1 and wg.split_for(3 * 4, 8) == 2
 
 
-@pytest.mark.parametrize("block_k,prefetch,stages", [(128, 0, 1), (256, 1, 1), (512, 0, 2),
-                                                   (64, 2, 1)])
-def test_gemv_reads_expert_tiles(block_k, prefetch, stages):
-    """The small-batch GEMV on repacked experts (whole tiles a K step: 64 is widened to 128),
-    160 inputs (a tile padded) and 96 outputs (the up half's rows inside a block of 64), its K
-    loop plain, prefetched or pipelined, against torch_ref."""
-    from frugal.ops.triton import moe_gemv
-
-    g = torch.Generator().manual_seed(block_k + prefetch)
-    num, top_k, hidden, inter, tokens = 4, 2, 160, 96, 3
-    gate_up, down = experts(num, 2 * inter, hidden, 6), experts(num, hidden, inter, 7)
-    x = torch.randn(tokens, hidden, generator=g)
-    weights, ids = torch.rand(tokens, num, generator=g).topk(top_k, dim=-1)
-    ref = torch_ref.fused_moe(x, gate_up, down, weights, ids)
-    tiles = [wg.repack_experts(w.to(DEVICE), torch.float32) for w in (gate_up, down)]
-    assert all(moe_gemv.takes(t) for t in tiles)
-    config = {"BLOCK_N": 16, "BLOCK_K": block_k, "num_warps": 4, "PREFETCH": prefetch,
-              "STAGES": stages}
-    x, weights, ids = x.to(DEVICE), weights.to(DEVICE), ids.to(DEVICE)
-    flat = ids.reshape(-1).contiguous()
-    act = torch.empty(tokens * top_k, inter, device=DEVICE)
-    moe_gemv._launch(x, tiles[0], act, inter, flat, None, top_k, config)
-    out = torch.empty(tokens * top_k, hidden, device=DEVICE)
-    moe_gemv._launch(act, tiles[1], out, hidden, flat, weights.reshape(-1).float().contiguous(),
-                     1, config)
-    got = out.reshape(tokens, top_k, hidden).sum(1).cpu()
-    torch.testing.assert_close(got, ref, atol=1e-4 * ref.abs().max().item(), rtol=1e-4)
-    torch.testing.assert_close(moe_gemv.fused_moe_gemv(x, *tiles, weights, ids).cpu(), ref,
-                               atol=1e-4 * ref.abs().max().item(), rtol=1e-4)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens,block_m,hidden", [(1, 16, 160), (5, 16, 160), (16, 16, 160),
                                                    (24, 32, 160), (40, 16, 160),
                                                    (80, 64, 160), (80, 32, 160), (1, 16, 1024),
                                                    (2, 32, 1024)])
 def test_moe_int4_wgmma_gpu(tokens, block_m, hidden, monkeypatch):
-    """fused_moe's sorted path on the kernel, blocks of 16, 32 and 64 rows: 160 outputs of 160
-    inputs (rows padded to blocks of 64, the up half starting inside one, a partial block of 64
-    outputs, K padded to 256), padding slots in every block; gate_up over 1024 inputs at 1-2
-    tokens split in two (reduced by the last program), against torch_ref in fp32."""
-    from frugal.ops.triton import moe, moe_gemv
+    """fused_moe on the kernel at every size (the GEMV does not take the tiles), blocks of 16,
+    32 and 64 rows: 160 outputs of 160 inputs (rows padded to blocks of 64, the up half starting
+    inside one, a partial block of 64 outputs, K padded to 256), padding slots in every block;
+    gate_up over 1024 inputs at 1-2 tokens split in two (reduced by the last program), against
+    torch_ref in fp32."""
+    from frugal.ops.triton import moe
 
     monkeypatch.setenv("FRUGAL_INT4_MOE_WGMMA", "1")
-    monkeypatch.setattr(moe_gemv, "MAX_SLOTS", 0)  # the sorted path at every size
     monkeypatch.setattr(moe, "rows_per_block", lambda *args: block_m)
     num, top_k, inter = 16, 4, 160
     gate_up, down = experts(num, 2 * inter, hidden, tokens), experts(num, hidden, inter, tokens + 1)

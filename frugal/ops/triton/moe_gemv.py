@@ -30,13 +30,68 @@ from frugal.ops.triton.fp8_groups import round_inputs
 from frugal.ops.triton.moe import ONE_BITS, _operand, _weight_tile, kernel_mode
 from frugal.ops.triton.moe_combine import combine
 from frugal.ops.triton.moe_configs import gemv_tile, lookup, tiles_scales
-from frugal.ops.triton.moe_gemv_int4 import int4_inputs, int4_load, int4_pair, int4_sum
 from frugal.ops.triton.moe_int4_wgmma import Int4ExpertTiles
 from frugal.ops.triton.sizes import cdiv
 from frugal.quant.experts import Experts, Int4Experts
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_SLOTS = 64  # tokens · top_k up to which fused_moe takes this path
+
+
+@triton.jit
+def _int4_load(w_base, s_base, k0, K, offs_n, n_ok, swn, swk, ssn, ssk, S_BK: tl.constexpr,
+               GROUPS: tl.constexpr):
+    """The words [1, BLOCK_N, GROUPS, 4] (int32: word q of a group holds its inputs 8q .. 8q+7,
+    a nibble each) and the scales [BLOCK_N, GROUPS] of inputs k0 .. k0 + 32 · GROUPS; zeros
+    past K (a load past the end reads nothing)."""
+    group = k0 // 32 + tl.arange(0, GROUPS)
+    g_ok = group < K // 32
+    word = group[None, None, :, None] * 4 + tl.arange(0, 4)[None, None, None, :]
+    ok = n_ok[None, :, None, None] & g_ok[None, None, :, None]
+    words = tl.load(w_base + offs_n[None, :, None, None] * swn + word * swk, mask=ok, other=0)
+    s = tl.load(s_base + offs_n[:, None] * ssn + (group * 32 // S_BK)[None, :] * ssk,
+                mask=n_ok[:, None] & g_ok[None, :], other=0.0)
+    return words, s
+
+
+@triton.jit
+def _int4_pair(w_base, s_base, k0, K, N, offs_n, n_ok, swn, swk, ssn, ssk, S_BK: tl.constexpr,
+               GROUPS: tl.constexpr, GATED: tl.constexpr):
+    """_int4_load's words and scales of the rows offs_n and, GATED, of their up rows (N on);
+    not GATED, the same rows twice (loaded once)."""
+    w, s = _int4_load(w_base, s_base, k0, K, offs_n, n_ok, swn, swk, ssn, ssk, S_BK, GROUPS)
+    w_up, s_up = w, s
+    if GATED:
+        w_up, s_up = _int4_load(w_base, s_base, k0, K, offs_n + N, n_ok, swn, swk, ssn, ssk,
+                                S_BK, GROUPS)
+    return w, s, w_up, s_up
+
+
+@triton.jit
+def _int4_inputs(a_row, k0, K, GROUPS: tl.constexpr):
+    """Inputs k0 .. k0 + 32 · GROUPS as a [8 (j), 1, GROUPS, 4 (q)] fp32 (k = 32 · group + 8 · q
+    + j: nibble j of the group's word q), and 1.5 · their sum over each group [GROUPS]."""
+    group = k0 // 32 + tl.arange(0, GROUPS)
+    g_ok = group < K // 32
+    k = (group[None, None, :, None] * 32 + tl.arange(0, 4)[None, None, None, :] * 8
+         + tl.arange(0, 8)[:, None, None, None])
+    a = tl.load(a_row + k, mask=g_ok[None, None, :, None], other=0.0).to(tl.float32)
+    return a, tl.sum(tl.sum(tl.sum(a, axis=0), axis=0), axis=1) * 1.5
+
+
+@triton.jit
+def _int4_sum(words, s, a, a_sum, magic):
+    """[BLOCK_N, GROUPS] fp32: for each output and group of 32 inputs, Σ_k a_k · (u_k - 8) / 16
+    times the group's scale (words, s: _int4_load's; a, a_sum: _int4_inputs').
+    A nibble becomes the fp32 1 + u/16 in two integer instructions: rotated to bits 19-22 (the
+    top of the mantissa; one funnel shift) and put into 1.0's bits (one LOP3 with `magic`,
+    0x3F800000, a register so the AND and the OR fuse). Σ a (1 + u/16) - 1.5 Σ a is
+    Σ a (u - 8) / 16: the offset leaves per group, not per weight."""
+    u = words.to(tl.uint32, bitcast=True)
+    rot = ((tl.arange(0, 8) * 4 + 13) % 32).to(tl.uint32)[:, None, None, None]
+    f = ((((u >> rot) | (u << (32 - rot))) & 0x780000) | magic).to(tl.float32, bitcast=True)
+    part = tl.sum(tl.sum(f * a, axis=0), axis=2) - a_sum[None, :]
+    return part * s.to(tl.float32)
 
 
 @triton.jit
@@ -66,7 +121,7 @@ def _gemv(a_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, route_ptr, N, K, sam, swe, swn,
           ssk, som, magic, A_DIV: tl.constexpr, MODE: tl.constexpr, S_BN: tl.constexpr,
           S_BK: tl.constexpr, GATED: tl.constexpr, FP8_SCALES: tl.constexpr,
           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
-          STAGES: tl.constexpr, A_FP8: tl.constexpr, TILES: tl.constexpr = False):
+          STAGES: tl.constexpr, A_FP8: tl.constexpr):
     slot = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -80,19 +135,19 @@ def _gemv(a_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, route_ptr, N, K, sam, swe, swn,
         w_base, s_base = w_ptr + expert * swe, s_ptr + expert * sse
         tl.static_assert(PREFETCH >= 0 and PREFETCH <= 2)
         if PREFETCH:  # the words and scales PREFETCH steps ahead load while this step sums
-            w, s, w_up, s_up = int4_pair(w_base, s_base, 0, K, N, offs_n, n_ok, swn, swk, ssn,
-                                         ssk, S_BK, GROUPS, GATED, TILES)
+            w, s, w_up, s_up = _int4_pair(w_base, s_base, 0, K, N, offs_n, n_ok, swn, swk, ssn,
+                                          ssk, S_BK, GROUPS, GATED)
             if PREFETCH == 2:
-                w1, s1, w1_up, s1_up = int4_pair(w_base, s_base, BLOCK_K, K, N, offs_n, n_ok,
-                                                 swn, swk, ssn, ssk, S_BK, GROUPS, GATED, TILES)
+                w1, s1, w1_up, s1_up = _int4_pair(w_base, s_base, BLOCK_K, K, N, offs_n, n_ok,
+                                                  swn, swk, ssn, ssk, S_BK, GROUPS, GATED)
             for k0 in range(0, K, BLOCK_K):
-                a, a_sum = int4_inputs(a_row, k0, K, GROUPS, TILES)
-                wn, sn, wn_up, sn_up = int4_pair(w_base, s_base, k0 + PREFETCH * BLOCK_K, K, N,
-                                                 offs_n, n_ok, swn, swk, ssn, ssk, S_BK,
-                                                 GROUPS, GATED, TILES)
-                acc2 += int4_sum(w, s, a, a_sum, magic, TILES)
+                a, a_sum = _int4_inputs(a_row, k0, K, GROUPS)
+                wn, sn, wn_up, sn_up = _int4_pair(w_base, s_base, k0 + PREFETCH * BLOCK_K, K, N,
+                                                  offs_n, n_ok, swn, swk, ssn, ssk, S_BK,
+                                                  GROUPS, GATED)
+                acc2 += _int4_sum(w, s, a, a_sum, magic)
                 if GATED:
-                    up2 += int4_sum(w_up, s_up, a, a_sum, magic, TILES)
+                    up2 += _int4_sum(w_up, s_up, a, a_sum, magic)
                 if PREFETCH == 2:
                     w, s, w_up, s_up = w1, s1, w1_up, s1_up
                     w1, s1, w1_up, s1_up = wn, sn, wn_up, sn_up
@@ -100,14 +155,14 @@ def _gemv(a_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, route_ptr, N, K, sam, swe, swn,
                     w, s, w_up, s_up = wn, sn, wn_up, sn_up
         else:
             for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
-                a, a_sum = int4_inputs(a_row, k0, K, GROUPS, TILES)
-                w, s = int4_load(w_base, s_base, k0, K, offs_n, n_ok, swn, swk, ssn, ssk, S_BK,
-                                 GROUPS, TILES)
-                acc2 += int4_sum(w, s, a, a_sum, magic, TILES)
+                a, a_sum = _int4_inputs(a_row, k0, K, GROUPS)
+                w, s = _int4_load(w_base, s_base, k0, K, offs_n, n_ok, swn, swk, ssn, ssk, S_BK,
+                                  GROUPS)
+                acc2 += _int4_sum(w, s, a, a_sum, magic)
                 if GATED:
-                    w, s = int4_load(w_base, s_base, k0, K, offs_n + N, n_ok, swn, swk, ssn,
-                                     ssk, S_BK, GROUPS, TILES)
-                    up2 += int4_sum(w, s, a, a_sum, magic, TILES)
+                    w, s = _int4_load(w_base, s_base, k0, K, offs_n + N, n_ok, swn, swk, ssn,
+                                      ssk, S_BK, GROUPS)
+                    up2 += _int4_sum(w, s, a, a_sum, magic)
         acc = tl.sum(acc2, axis=1) * 16.0
         acc_up = tl.sum(up2, axis=1) * 16.0
     else:
@@ -183,10 +238,11 @@ def _blocks(mode: int, s_bk: int, k: int) -> tuple[int, int]:
 
 
 def takes(w: torch.Tensor | Experts) -> bool:
-    """Whether this path takes w: any float or FP8 form; INT4 (either layout: moe_gemv_int4)
-    with groups of a multiple of 32 inputs (its partial sums are per 32 inputs)."""
+    """Whether this path takes w: any float or FP8 form; INT4 with groups of a multiple of 32
+    inputs (its partial sums are per 32 inputs); not INT4 experts repacked for moe_int4_wgmma
+    (the sorted path runs those at every size)."""
     if isinstance(w, Int4ExpertTiles):
-        return w.group % 32 == 0 and w.in_features % 32 == 0
+        return False
     return not isinstance(w, Int4Experts) or (w.group_size % 32 == 0 and w.shape[2] % 32 == 0)
 
 
@@ -208,19 +264,12 @@ def _launch(a: torch.Tensor, w: torch.Tensor | Experts, out: torch.Tensor, n: in
         block_n, block_k, num_warps = config["BLOCK_N"], config["BLOCK_K"], config["num_warps"]
     w8a8, mode = mode == 3, kernel_mode(mode)  # (W8A8: FP8's kernel, its inputs rounded)
     prefetch, stages = loop_options(mode, config or {})
-    tiles = isinstance(w, Int4ExpertTiles)
-    w_strides, s_strides = data.stride()[:3], scales.stride()[:3]
-    if tiles:  # (whole 128-input tiles a step; see moe_gemv_int4)
-        block_k = max(block_k, 128)
-        w_strides = (data.stride(0), w.padded_k * 8, 1)
-        s_strides = (scales.stride(0), 2, 2 * w.shape[1])
     grid = (ids.numel(), cdiv(n, block_n))
     _gemv[grid](a, data, scales, out, ids, route if route is not None else out, n, k,
-                a.stride(0), *w_strides, *s_strides, out.stride(0), ONE_BITS,
+                a.stride(0), *data.stride(), *scales.stride(), out.stride(0), ONE_BITS,
                 A_DIV=a_div, MODE=mode, S_BN=s_bn, S_BK=s_bk, GATED=route is None, A_FP8=w8a8,
                 FP8_SCALES=_fp8_scales(mode, s_bn, s_bk, n, k, block_n), BLOCK_N=block_n,
-                BLOCK_K=block_k, PREFETCH=prefetch, STAGES=stages, TILES=tiles,
-                num_warps=num_warps)
+                BLOCK_K=block_k, PREFETCH=prefetch, STAGES=stages, num_warps=num_warps)
 
 
 def loop_options(mode: int, config: dict) -> tuple[int, int]:

@@ -11,8 +11,8 @@ tensor cores (the Triton kernel's dequantized tiles do, with a barrier each).
 Weights: Int4ExpertTiles, every expert's matrix in int4_linear's layout, stacked (repacked once
 at load time by pack_experts, in place of quant.experts.Int4Experts): words [E, R / 64,
 Kp / 128, 64, 16] int32, params [E, Kp / group, R, 2] (scale, min) in the activations' dtype.
-fused_moe runs them on the small-batch GEMV up to its slots (moe_gemv_int4 reads this layout
-too), here beyond (blocks of 16 to 64 rows), and dequantizes them at prompt sizes (moe_dense).
+The small-batch GEMV does not read them: fused_moe runs these experts on the sorted path at
+every size (blocks of 16 rows at least), and dequantizes them at prompt sizes (moe_dense).
 Outputs as moe._sorted_gemm's: gate_up (GATED, rows 0..N-1 the gate, N..2N-1 the up half)
 writes silu(gate) · up of each slot; down (ROUTED) each slot's product times its routing weight.
 """
@@ -74,8 +74,9 @@ def _hopper(device: torch.device) -> bool:
 
 def pack_experts(w, dtype: torch.dtype):
     """Routed experts as the kernels read them: INT4 experts on a Hopper GPU, where
-    FRUGAL_INT4_MOE_WGMMA=1, repacked into this kernel's layout (in place of the packed words;
-    every INT4 path of fused_moe reads it); anything else unchanged."""
+    FRUGAL_INT4_MOE_WGMMA=1, repacked into this kernel's layout (in place of the packed words:
+    fused_moe then takes the sorted path at every size, and dequantizes these tiles at prompt
+    sizes); anything else unchanged."""
     if (os.environ.get("FRUGAL_INT4_MOE_WGMMA") != "1" or not isinstance(w, Int4Experts)
             or not _hopper(w.packed.device) or dtype not in _OFFSET or w.shape[2] % 2):
         return w
