@@ -9,6 +9,7 @@ from frugal.quant.experts import quantize_experts
 from tests.ops import launches
 
 wg = pytest.importorskip("frugal.ops.triton.moe_int4_wgmma")
+tiles_mod = pytest.importorskip("frugal.ops.triton.moe_int4_tiles")
 lin = pytest.importorskip("frugal.ops.triton.int4_linear")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -22,12 +23,12 @@ def test_repack_experts_stacks_each_experts_tiles():
     """Expert e's words and (scale, min) pairs are int4_linear.repack's of expert e (rows
     padded to blocks of 64, inputs to tiles of 128); symmetric codes: centered."""
     w = experts(3, 80, 160, 0)
-    t = wg.repack_experts(w, torch.float32)
+    t = tiles_mod.repack_experts(w, torch.float32)
     assert t.shape == (3, 80, 160) and t.padded_k == 256 and t.group == 32 and t.centered
     assert t.words.shape == (3, 2, 2, 64, 16) and t.params.shape == (3, 8, 80, 2)
     # (the kernel's offsets of an expert: rows in blocks of 64, Kp / 8 words each; its 16-bit
     # (scale, min) pairs one int32 each)
-    b = wg.repack_experts(w, torch.bfloat16)
+    b = tiles_mod.repack_experts(w, torch.bfloat16)
     assert b.words.stride(0) == 2 * 256 * 8 and b.params.view(torch.int32).stride(0) == 8 * 80
     for e in range(3):
         one = lin.repack(w.expert(e), torch.float32)
@@ -38,19 +39,19 @@ def test_pack_experts_only_where_asked_on_hopper(monkeypatch):
     """Unset, or off a Hopper GPU, or FP8 experts: the experts come back as they were."""
     w = experts(2, 64, 128, 1)
     monkeypatch.delenv("FRUGAL_INT4_MOE_WGMMA", raising=False)
-    assert wg.pack_experts(w, torch.bfloat16) is w
+    assert tiles_mod.pack_experts(w, torch.bfloat16) is w
     monkeypatch.setenv("FRUGAL_INT4_MOE_WGMMA", "1")
-    assert wg.pack_experts(w, torch.bfloat16) is w  # (on the CPU)
+    assert tiles_mod.pack_experts(w, torch.bfloat16) is w  # (on the CPU)
     fp8 = quantize_experts(torch.randn(2, 64, 128), "fp8")
-    assert wg.pack_experts(fp8, torch.bfloat16) is fp8
+    assert tiles_mod.pack_experts(fp8, torch.bfloat16) is fp8
 
 
 def test_dequantize_expert_tiles():
     """Experts first.. of the stacked tiles, dequantized in one launch, are each expert's own
     dequantized weight."""
     w = experts(5, 96, 160, 2)
-    t = wg.repack_experts(w.to(DEVICE), torch.float32)
-    out = wg.dequantize(t, 1, torch.empty(3, 96, 160, device=DEVICE)).cpu()
+    t = tiles_mod.repack_experts(w.to(DEVICE), torch.float32)
+    out = tiles_mod.dequantize(t, 1, torch.empty(3, 96, 160, device=DEVICE)).cpu()
     for i in range(3):
         torch.testing.assert_close(out[i], w.expert(1 + i).dequantize(), atol=1e-6, rtol=1e-6)
 
@@ -66,7 +67,7 @@ def test_fused_moe_dequantizes_expert_tiles_at_prompt_sizes():
     x = torch.randn(tokens, hidden, generator=g)
     weights, ids = torch.rand(tokens, num, generator=g).topk(top_k, dim=-1)
     ref = torch_ref.fused_moe(x, gate_up, down, weights, ids)
-    tiles = [wg.repack_experts(w.to(DEVICE), torch.float32) for w in (gate_up, down)]
+    tiles = [tiles_mod.repack_experts(w.to(DEVICE), torch.float32) for w in (gate_up, down)]
     got = moe.fused_moe(x.to(DEVICE), *tiles, weights.to(DEVICE), ids.to(DEVICE))
     torch.testing.assert_close(got.cpu(), ref, atol=1e-4 * ref.abs().max().item(), rtol=1e-4)
 
@@ -80,19 +81,21 @@ def test_split_for_few_programs():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens,block_m,hidden", [(1, 16, 160), (5, 16, 160), (16, 16, 160),
-                                                   (24, 32, 160), (40, 16, 160),
-                                                   (80, 64, 160), (80, 32, 160), (1, 16, 1024),
-                                                   (2, 32, 1024)])
-def test_moe_int4_wgmma_gpu(tokens, block_m, hidden, monkeypatch):
-    """fused_moe on the kernel at every size (the GEMV does not take the tiles), blocks of 16,
-    32 and 64 rows: 160 outputs of 160 inputs (rows padded to blocks of 64, the up half starting
-    inside one, a partial block of 64 outputs, K padded to 256), padding slots in every block;
-    gate_up over 1024 inputs at 1-2 tokens split in two (reduced by the last program), against
-    torch_ref in fp32."""
-    from frugal.ops.triton import moe
+@pytest.mark.parametrize("tokens,block_m,hidden,per_slot", [
+    (1, 16, 160, True), (5, 16, 160, True), (16, 16, 160, True), (1, 16, 1024, True),
+    (1, 16, 160, False), (16, 16, 160, False), (24, 32, 160, False), (40, 16, 160, False),
+    (80, 64, 160, False), (80, 32, 160, False), (2, 32, 1024, False)])
+def test_moe_int4_wgmma_gpu(tokens, block_m, hidden, per_slot, monkeypatch):
+    """fused_moe on the kernel: up to 64 slots a block per slot (per_slot; else the GEMV's limit
+    set to 0) and the sorted path's blocks of 16, 32 and 64 rows; 160 outputs of 160 inputs
+    (rows padded to blocks of 64, the up half starting inside one, a partial block of 64
+    outputs, K padded to 256), padding rows in every block; gate_up over 1024 inputs at 1-2
+    tokens split in two (reduced by the last program), against torch_ref in fp32."""
+    from frugal.ops.triton import moe, moe_gemv
 
     monkeypatch.setenv("FRUGAL_INT4_MOE_WGMMA", "1")
+    if not per_slot:
+        monkeypatch.setattr(moe_gemv, "MAX_SLOTS", 0)
     monkeypatch.setattr(moe, "rows_per_block", lambda *args: block_m)
     num, top_k, inter = 16, 4, 160
     gate_up, down = experts(num, 2 * inter, hidden, tokens), experts(num, hidden, inter, tokens + 1)
@@ -100,10 +103,12 @@ def test_moe_int4_wgmma_gpu(tokens, block_m, hidden, monkeypatch):
     x = torch.randn(tokens, hidden, generator=g).bfloat16()
     weights, ids = torch.rand(tokens, num, generator=g).topk(top_k, dim=-1)
     ref = torch_ref.fused_moe(x.float(), gate_up, down, weights, ids)
-    packed = [wg.pack_experts(w.to("cuda"), torch.bfloat16) for w in (gate_up, down)]
-    assert all(isinstance(p, wg.Int4ExpertTiles) for p in packed)
-    launched = launches.record(monkeypatch, wg, "_kernel", "BLOCK_M", "GATED", "SPLIT_K")
+    packed = [tiles_mod.pack_experts(w.to("cuda"), torch.bfloat16) for w in (gate_up, down)]
+    assert all(isinstance(p, tiles_mod.Int4ExpertTiles) for p in packed)
+    launched = launches.record(monkeypatch, wg, "_kernel", "BLOCK_M", "GATED", "SPLIT_K",
+                               "PER_SLOT")
     got = moe.fused_moe(x.cuda(), *packed, weights.cuda(), ids.cuda())
-    assert launched == [(block_m, True, 2 if hidden == 1024 else 1), (block_m, False, 1)]
+    split = 2 if hidden == 1024 else 1
+    assert launched == [(block_m, True, split, per_slot), (block_m, False, 1, per_slot)]
     torch.testing.assert_close(got.float().cpu(), ref, atol=2e-2 * ref.abs().max().item(),
                                rtol=2e-2)

@@ -21,7 +21,7 @@ from frugal.ops.triton.launch import set_default
 from frugal.ops.triton.linear import linear, pack_weight
 from frugal.ops.triton.mla_decode import mla_attention
 from frugal.ops.triton.moe import fused_moe
-from frugal.ops.triton.moe_int4_wgmma import pack_experts
+from frugal.ops.triton.moe_int4_tiles import pack_experts
 from frugal.ops.triton.moe_route import route_experts
 from frugal.ops.triton.pages import copy_pages
 from frugal.ops.triton.rotary import apply_rotary, apply_rotary_pairs

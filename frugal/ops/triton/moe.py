@@ -39,7 +39,7 @@ from frugal.ops.triton.moe_align import align
 from frugal.ops.triton.moe_combine import combine
 from frugal.ops.triton.moe_configs import lookup, w8a8_tile
 from frugal.ops.triton.moe_int4 import ONE_BITS, int4_gemm
-from frugal.ops.triton.moe_int4_wgmma import Int4ExpertTiles
+from frugal.ops.triton.moe_int4_tiles import Int4ExpertTiles
 from frugal.ops.triton.sizes import cdiv
 from frugal.quant.experts import Experts, Fp8Experts, Int4Experts
 
@@ -259,6 +259,9 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor | Experts, down: torch.Tens
     if tokens * top_k <= MAX_SLOTS and takes(gate_up) and takes(down):
         # a few tokens: no sorting, each slot reads its expert
         return fused_moe_gemv(x, gate_up, down, weights, ids, residual)
+    if (tokens * top_k <= MAX_SLOTS and moe_int4_wgmma.takes(gate_up, x, 16)
+            and isinstance(down, Int4ExpertTiles)):  # (the same, a block of rows per slot)
+        return moe_int4_wgmma.fused_moe_slots(x, gate_up, down, weights, ids, residual)
     num_experts, inter = gate_up.shape[0], down.shape[2]
     slots = tokens * top_k
     _, _, mode, _, s_bk, k = _operand(gate_up)

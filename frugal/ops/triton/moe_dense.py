@@ -7,7 +7,8 @@ benchmarks/moe_sass.py) then costs more than the products. Past DENSE_SLOTS slot
 average, moe._gemm instead has `chunks` write a chunk of experts in the activations' dtype
 (one kernel, each weight unpacked once) and multiplies it on the float path (MODE 0, its
 tuned tiles), chunk after chunk into one buffer of at most CHUNK_BYTES: as the dense INT4
-linears dequantize for prefill (ops.triton.linear).
+linears dequantize for prefill (ops.triton.linear). Experts repacked by moe_int4_tiles
+dequantize from that layout.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from frugal.ops.triton import moe_int4_wgmma
-from frugal.ops.triton.moe_int4_wgmma import Int4ExpertTiles
+from frugal.ops.triton import moe_int4_tiles
+from frugal.ops.triton.moe_int4_tiles import Int4ExpertTiles
 from frugal.ops.triton.sizes import cdiv
 from frugal.quant.experts import Int4Experts
 
@@ -103,5 +104,5 @@ def chunks(w: Int4Experts | Int4ExpertTiles, dtype: torch.dtype
     for first in range(0, e, per):
         count = min(per, e - first)
         part = buffer[:count]
-        yield first, first + count, (moe_int4_wgmma.dequantize(w, first, part) if tiles
+        yield first, first + count, (moe_int4_tiles.dequantize(w, first, part) if tiles
                                      else dequantize(w, first, part))

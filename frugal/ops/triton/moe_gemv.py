@@ -30,7 +30,7 @@ from frugal.ops.triton.fp8_groups import round_inputs
 from frugal.ops.triton.moe import ONE_BITS, _operand, _weight_tile, kernel_mode
 from frugal.ops.triton.moe_combine import combine
 from frugal.ops.triton.moe_configs import gemv_tile, lookup, tiles_scales
-from frugal.ops.triton.moe_int4_wgmma import Int4ExpertTiles
+from frugal.ops.triton.moe_int4_tiles import Int4ExpertTiles
 from frugal.ops.triton.sizes import cdiv
 from frugal.quant.experts import Experts, Int4Experts
 

@@ -8,20 +8,15 @@ the block's activation rows gathered into shared memory as its B operand (N = BL
 weights serves all its rows, and no layout passes through shared memory on the way to the
 tensor cores (the Triton kernel's dequantized tiles do, with a barrier each).
 
-Weights: Int4ExpertTiles, every expert's matrix in int4_linear's layout, stacked (repacked once
-at load time by pack_experts, in place of quant.experts.Int4Experts): words [E, R / 64,
-Kp / 128, 64, 16] int32, params [E, Kp / group, R, 2] (scale, min) in the activations' dtype.
-The small-batch GEMV does not read them: fused_moe runs these experts on the sorted path at
-every size (blocks of 16 rows at least), and dequantizes them at prompt sizes (moe_dense).
+Weights: moe_int4_tiles.Int4ExpertTiles (every expert in int4_linear's layout, repacked at
+load time). The small-batch GEMV does not read them: up to its slots (moe_gemv.MAX_SLOTS)
+fused_moe takes fused_moe_slots here, a block per slot and no sorting (PER_SLOT), past them the
+sorted path's blocks of 16 to 64 rows, and at prompt sizes it dequantizes them (moe_dense).
 Outputs as moe._sorted_gemm's: gate_up (GATED, rows 0..N-1 the gate, N..2N-1 the up half)
 writes silu(gate) · up of each slot; down (ROUTED) each slot's product times its routing weight.
 """
 
 from __future__ import annotations
-
-import functools
-import os
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -31,59 +26,14 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
 
-from frugal.ops.triton.int4_linear import _OFFSET, TILE_K, _dequantize_kernel, repack
+from frugal.ops.triton.int4_linear import _OFFSET, TILE_K
 from frugal.ops.triton.int4_wgmma import _issue, row_offsets
 from frugal.ops.triton.int4_wgmma_tile import tile
+from frugal.ops.triton.moe_combine import combine
+from frugal.ops.triton.moe_int4_tiles import Int4ExpertTiles
 from frugal.ops.triton.split_k import counters, grid, partials
-from frugal.quant.experts import Int4Experts
 
 ROWS = (16, 32, 64)  # BLOCK_M the kernel takes (the alignment's rows)
-
-
-@dataclass
-class Int4ExpertTiles:
-    """Stacked experts [E, R, K] in int4_linear's layout (see the module docstring)."""
-
-    words: torch.Tensor
-    params: torch.Tensor
-    in_features: int
-    group: int
-    centered: bool
-
-    @property
-    def shape(self) -> tuple[int, int, int]:
-        return self.params.shape[0], self.params.shape[2], self.in_features
-
-    @property
-    def padded_k(self) -> int:  # Kp
-        return self.words.shape[2] * TILE_K
-
-
-def repack_experts(w: Int4Experts, dtype: torch.dtype) -> Int4ExpertTiles:
-    """Every expert of w in the kernel's layout, scales and mins in dtype (the activations')."""
-    tiles = [repack(w.expert(e), dtype) for e in range(w.shape[0])]
-    return Int4ExpertTiles(torch.stack([t.words for t in tiles]),
-                           torch.stack([t.params for t in tiles]), tiles[0].in_features,
-                           tiles[0].group, all(t.centered for t in tiles))
-
-
-@functools.cache
-def _hopper(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
-
-
-def pack_experts(w, dtype: torch.dtype):
-    """Routed experts as the kernels read them: INT4 experts on a Hopper GPU, where
-    FRUGAL_INT4_MOE_WGMMA=1, repacked into this kernel's layout (in place of the packed words:
-    fused_moe then takes the sorted path at every size, and dequantizes these tiles at prompt
-    sizes); anything else unchanged."""
-    if (os.environ.get("FRUGAL_INT4_MOE_WGMMA") != "1" or not isinstance(w, Int4Experts)
-            or not _hopper(w.packed.device) or dtype not in _OFFSET or w.shape[2] % 2):
-        return w
-    group = w.group_size  # (int4_linear.repack's groups: 32, 64 or multiples of 128)
-    if group < 32 or (TILE_K % group and group % TILE_K):
-        return w
-    return repack_experts(w, dtype)
 
 
 def takes(w, x: torch.Tensor, block_m: int) -> bool:
@@ -93,19 +43,6 @@ def takes(w, x: torch.Tensor, block_m: int) -> bool:
             and x.stride(0) == x.shape[1])  # (rows read K apart)
 
 
-def dequantize(w: Int4ExpertTiles, first: int, out: torch.Tensor) -> torch.Tensor:
-    """Experts first .. first + len(out) - 1 of w into out [count, R, K] (contiguous), as
-    int4_linear.dequantize computes each; returns out."""
-    count, rows, k = out.shape
-    if (rows, k) != w.shape[1:] or not 0 <= first <= w.shape[0] - count or not out.is_contiguous():
-        raise ValueError(f"moe_int4_wgmma.dequantize: experts {first}+{count} of {w.shape} "
-                         f"into {tuple(out.shape)}")
-    _dequantize_kernel[(triton.cdiv(rows, 64), w.words.shape[2], count)](
-        w.words, w.params, out, rows, k, first, w.words.stride(0), w.params.stride(0),
-        out.stride(0), KP=w.padded_k, GROUP=w.group, BLOCK_N=64)
-    return out
-
-
 @gluon.jit(do_not_specialize=["num_slots"])  # (num_slots changes from step to step)
 def _kernel(x_ptr, w_ptr, p_ptr, out_ptr, sorted_ptr, block_expert_ptr, total_ptr, route_ptr,
             part_ptr, count_ptr, num_slots, N, K_PARTS, som,
@@ -113,11 +50,13 @@ def _kernel(x_ptr, w_ptr, p_ptr, out_ptr, sorted_ptr, block_expert_ptr, total_pt
             BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, WARPS: gl.constexpr,
             STAGES: gl.constexpr, UNROLL: gl.constexpr, CENTERED: gl.constexpr,
             OFFSET: gl.constexpr, EVEN_K: gl.constexpr, K_ALIGN: gl.constexpr,
-            SPLIT_K: gl.constexpr):
+            SPLIT_K: gl.constexpr, PER_SLOT: gl.constexpr):
     """One block of BLOCK_M sorted slots (grid axis 1) times BLOCK_N outputs (axis 0) of its
     expert's [N (2N if GATED), K] matrix, over this program's share of the 128-input tiles
     (axis 2: SPLIT_K > 1, reduced by the last, _finish). x [*, K]: slot s reads row
-    s // A_DIV; out [slots, N] (row stride som). Layouts and the K loop as int4_wgmma._kernel's."""
+    s // A_DIV; out [slots, N] (row stride som). Layouts and the K loop as int4_wgmma._kernel's.
+    PER_SLOT: block pid_m is slot pid_m alone (its expert block_expert_ptr[pid_m], the routing
+    ids; no sorting: sorted_ptr and total_ptr unread)."""
     ASYNC: gl.constexpr = BLOCK_M <= 16 or CENTERED
     GK: gl.constexpr = GROUP if GROUP < 128 else 128
     G: gl.constexpr = 128 // GK
@@ -141,8 +80,9 @@ def _kernel(x_ptr, w_ptr, p_ptr, out_ptr, sorted_ptr, block_expert_ptr, total_pt
     K = K_PARTS * K_ALIGN
     pid_n = gl.program_id(0)
     pid_m = gl.program_id(1)
-    if pid_m * BLOCK_M >= gl.load(total_ptr):
-        return
+    if not PER_SLOT:
+        if pid_m * BLOCK_M >= gl.load(total_ptr):
+            return
     expert = gl.load(block_expert_ptr + pid_m).to(gl.int64)
     width = 2 * N if GATED else N
     w_ptr += expert * (((width + 63) // 64) * (KP * 8))  # (blocks of 64 rows, KP / 8 words)
@@ -173,7 +113,7 @@ def _kernel(x_ptr, w_ptr, p_ptr, out_ptr, sorted_ptr, block_expert_ptr, total_pt
     w_mask = gl.expand_dims(rows4 < N, 4)
     # the block's rows: slot s (sorted) reads x's row s // A_DIV; padding slots read nothing
     xr = gl.arange(0, 4 * BLOCK_M, gl.SliceLayout(1, x_layout))  # chunk · BM + row
-    x_slot = gl.load(sorted_ptr + pid_m * BLOCK_M + xr % BLOCK_M)
+    x_slot = _slots(sorted_ptr, pid_m, xr % BLOCK_M, num_slots, BLOCK_M, PER_SLOT)
     x_cols = gl.expand_dims((xr // BLOCK_M) * 32, 1) + gl.expand_dims(
         gl.arange(0, 32, gl.SliceLayout(0, x_layout)), 0)
     x_ptrs = x_ptr + gl.expand_dims((x_slot // A_DIV).to(gl.int64) * K, 1) + x_cols
@@ -216,10 +156,20 @@ def _kernel(x_ptr, w_ptr, p_ptr, out_ptr, sorted_ptr, block_expert_ptr, total_pt
     acc_up = gl.permute(acc_up, (1, 0))
     out_layout: gl.constexpr = acc.type.layout
     offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, out_layout))
-    slot = gl.load(sorted_ptr + pid_m * BLOCK_M
-                   + gl.arange(0, BLOCK_M, gl.SliceLayout(1, out_layout)))
+    slot = _slots(sorted_ptr, pid_m, gl.arange(0, BLOCK_M, gl.SliceLayout(1, out_layout)),
+                  num_slots, BLOCK_M, PER_SLOT)
     _finish(acc, acc_up, slot, offs_n, num_slots, N, som, part_ptr, count_ptr, route_ptr,
             out_ptr, GATED, SPLIT_K)
+
+
+@triton.jit
+def _slots(sorted_ptr, pid_m, row, num_slots, BLOCK_M: tl.constexpr, PER_SLOT: tl.constexpr):
+    """The slots of rows `row` of block pid_m (num_slots: a padding row) (plain tl)."""
+    if PER_SLOT:
+        slot = tl.where(row == 0, pid_m, num_slots)
+    else:
+        slot = tl.load(sorted_ptr + pid_m * BLOCK_M + row)
+    return slot
 
 
 @triton.jit
@@ -270,11 +220,12 @@ def _store(acc, acc_up, slot, offs_n, num_slots, N, som, route_ptr, out_ptr,
 
 
 def gemm(x: torch.Tensor, w: Int4ExpertTiles, out: torch.Tensor, n: int,
-         sorted_slots: torch.Tensor, block_expert: torch.Tensor, total: torch.Tensor,
-         route: torch.Tensor | None, a_div: int, block_m: int,
+         sorted_slots: torch.Tensor | None, block_expert: torch.Tensor,
+         total: torch.Tensor | None, route: torch.Tensor | None, a_div: int, block_m: int,
          config: tuple[int, int, int] = (64, 4, 4)) -> None:
     """moe._gemm's launch for experts in the tile layout: x [*, K] bf16 or fp16 (K even),
-    out [slots, n]; route None: gate_up (w has 2n rows), else down. config: BLOCK_N,
+    out [slots, n]; route None: gate_up (w has 2n rows), else down. sorted_slots None: a
+    block per slot, block_expert the slots' experts (the routing ids, flat). config: BLOCK_N,
     num_warps, STAGES."""
     block_n, warps, stages = config
     k = x.shape[1]
@@ -283,19 +234,40 @@ def gemm(x: torch.Tensor, w: Int4ExpertTiles, out: torch.Tensor, n: int,
                          f"with {k} inputs (weights {w.in_features}) are not taken")
     align = 8 if k % 8 == 0 else 2
     gated = route is None
-    unroll = stages if (block_m <= 16 if gated else block_m <= 32) else 1
+    per_slot = sorted_slots is None
     slots = out.shape[0]
     n_blocks = triton.cdiv(n, block_n)
     split = split_for(n_blocks * min(slots, w.shape[0]), w.padded_k // TILE_K)
-    launch, split = grid(n_blocks, block_expert.numel(), split)
-    _kernel[launch](x, w.words, w.params.view(torch.int32), out, sorted_slots, block_expert,
-                    total, route if route is not None else out,
+    launch, split = grid(n_blocks, slots if per_slot else block_expert.numel(), split)
+    # (the ring's stages as constants, as int4_linear's: not for a split's few tiles, where
+    # gate_up a slot a block would spill registers)
+    unroll = stages if split == 1 and (block_m <= 16 if gated else block_m <= 32) else 1
+    _kernel[launch](x, w.words, w.params.view(torch.int32), out,
+                    block_expert if per_slot else sorted_slots, block_expert,
+                    block_expert if per_slot else total, route if route is not None else out,
                     partials(split, slots, 2 * n if gated else n, x.device), counters(x.device),
                     slots, n, k // align, out.stride(0), KP=w.padded_k, GROUP=w.group,
                     A_DIV=a_div, GATED=gated, BLOCK_N=block_n, BLOCK_M=block_m, WARPS=warps,
                     STAGES=stages, UNROLL=unroll, CENTERED=w.centered,
                     OFFSET=_OFFSET[x.dtype], EVEN_K=k % TILE_K == 0, K_ALIGN=align,
-                    SPLIT_K=split, num_warps=warps)
+                    SPLIT_K=split, PER_SLOT=per_slot, num_warps=warps)
+
+
+def fused_moe_slots(x: torch.Tensor, gate_up: Int4ExpertTiles, down: Int4ExpertTiles,
+                    weights: torch.Tensor, ids: torch.Tensor,
+                    residual: torch.Tensor | None = None) -> torch.Tensor:
+    """ops.triton.moe.fused_moe for a few tokens (moe_gemv.MAX_SLOTS slots at most): a block of
+    16 rows per slot, no sorting (its kernels cost more than the products there), each slot
+    reading its expert (as the GEMV does)."""
+    tokens, hidden = x.shape
+    top_k = ids.shape[1]
+    inter = down.shape[2]
+    flat = ids.reshape(-1)
+    act = torch.empty(tokens * top_k, inter, dtype=x.dtype, device=x.device)
+    gemm(x, gate_up, act, inter, None, flat, None, None, top_k, ROWS[0])
+    out = torch.empty(tokens * top_k, hidden, dtype=x.dtype, device=x.device)
+    gemm(act, down, out, hidden, None, flat, None, weights.flatten().float(), 1, ROWS[0])
+    return combine(out, top_k, residual, x.dtype)
 
 
 def split_for(programs: int, tiles: int, target: int = 512, least: int = 4) -> int:
