@@ -269,8 +269,8 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor | Experts, down: torch.Tens
         mode, s_bk = 0, 1
     config = lookup(x.device, "sorted", mode, inter, k, slots, s_bk)
     block_m = rows_per_block(slots, num_experts, config)
-    if isinstance(gate_up, Int4ExpertTiles) and mode == 2:  # (the wgmma kernel's rows)
-        block_m = min(block_m, moe_int4_wgmma.ROWS[-1])
+    if mode == 2 and any(isinstance(w, Int4ExpertTiles) for w in (gate_up, down)):
+        block_m = min(block_m, moe_int4_wgmma.ROWS[-1])  # (the wgmma kernel's rows)
     sorted_slots, block_expert, total = align(ids, num_experts, block_m)
     act = torch.empty(slots, inter, dtype=x.dtype, device=x.device)
     _gemm(x, gate_up, act, inter, sorted_slots, block_expert, total, None, top_k, block_m,

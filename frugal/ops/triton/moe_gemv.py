@@ -240,7 +240,7 @@ def _blocks(mode: int, s_bk: int, k: int) -> tuple[int, int]:
 def takes(w: torch.Tensor | Experts) -> bool:
     """Whether this path takes w: any float or FP8 form; INT4 with groups of a multiple of 32
     inputs (its partial sums are per 32 inputs); not INT4 experts repacked for moe_int4_wgmma
-    (the sorted path runs those at every size)."""
+    (which runs those at every size)."""
     if isinstance(w, Int4ExpertTiles):
         return False
     return not isinstance(w, Int4Experts) or (w.group_size % 32 == 0 and w.shape[2] % 32 == 0)

@@ -55,9 +55,9 @@ def _hopper(device: torch.device) -> bool:
 
 def pack_experts(w, dtype: torch.dtype):
     """Routed experts as the kernels read them: INT4 experts on a Hopper GPU, where
-    FRUGAL_INT4_MOE_WGMMA=1, repacked into this kernel's layout (in place of the packed words:
-    fused_moe then takes the sorted path at every size, and dequantizes these tiles at prompt
-    sizes); anything else unchanged."""
+    FRUGAL_INT4_MOE_WGMMA=1, repacked into this layout (in place of the packed words: fused_moe
+    then runs them on moe_int4_wgmma at every size, and dequantizes them at prompt sizes);
+    anything else unchanged."""
     if (os.environ.get("FRUGAL_INT4_MOE_WGMMA") != "1" or not isinstance(w, Int4Experts)
             or not _hopper(w.packed.device) or dtype not in _OFFSET or w.shape[2] % 2):
         return w

@@ -38,8 +38,8 @@ ROWS = (16, 32, 64)  # BLOCK_M the kernel takes (the alignment's rows)
 
 def takes(w, x: torch.Tensor, block_m: int) -> bool:
     """Whether `gemm` runs experts w for blocks of block_m rows of x."""
-    return (isinstance(w, Int4ExpertTiles) and block_m in ROWS and x.dtype == w.params.dtype
-            and x.shape[1] == w.in_features and x.stride(1) == 1
+    return (isinstance(w, Int4ExpertTiles) and block_m in ROWS and x.dtype in _OFFSET
+            and x.dtype == w.params.dtype and x.shape[1] == w.in_features and x.stride(1) == 1
             and x.stride(0) == x.shape[1])  # (rows read K apart)
 
 
@@ -262,11 +262,13 @@ def fused_moe_slots(x: torch.Tensor, gate_up: Int4ExpertTiles, down: Int4ExpertT
     tokens, hidden = x.shape
     top_k = ids.shape[1]
     inter = down.shape[2]
-    flat = ids.reshape(-1)
+    flat = ids.reshape(-1).contiguous()
     act = torch.empty(tokens * top_k, inter, dtype=x.dtype, device=x.device)
     gemm(x, gate_up, act, inter, None, flat, None, None, top_k, ROWS[0])
-    out = torch.empty(tokens * top_k, hidden, dtype=x.dtype, device=x.device)
-    gemm(act, down, out, hidden, None, flat, None, weights.flatten().float(), 1, ROWS[0])
+    # (each slot's product kept in fp32 until the top_k are summed, as the GEMV does)
+    out = torch.empty(tokens * top_k, hidden, dtype=torch.float32, device=x.device)
+    gemm(act, down, out, hidden, None, flat, None, weights.reshape(-1).float().contiguous(), 1,
+         ROWS[0])
     return combine(out, top_k, residual, x.dtype)
 
 
