@@ -259,7 +259,7 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor | Experts, down: torch.Tens
     if tokens * top_k <= MAX_SLOTS and takes(gate_up) and takes(down):
         # a few tokens: no sorting, each slot reads its expert
         return fused_moe_gemv(x, gate_up, down, weights, ids, residual)
-    if (tokens * top_k <= MAX_SLOTS and moe_int4_wgmma.takes(gate_up, x, 16)
+    if (tokens * top_k <= MAX_SLOTS and moe_int4_wgmma.takes(gate_up, x, moe_int4_wgmma.ROWS[0])
             and isinstance(down, Int4ExpertTiles)):  # (the same, a block of rows per slot)
         return moe_int4_wgmma.fused_moe_slots(x, gate_up, down, weights, ids, residual)
     num_experts, inter = gate_up.shape[0], down.shape[2]

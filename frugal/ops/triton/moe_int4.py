@@ -96,8 +96,10 @@ def _step(cols, w_base, s, word, w_ok, offs_n, n_ok, swn, swk, acc, magic,
     else:  # [WORDS, BLOCK_N]
         words = tl.load(w_base + offs_n[None, :] * swn + word[:, None] * swk,
                         mask=w_ok[:, None] & n_ok[None, :], other=0)
-    if BF16_MAGIC and not F32_DOT:
-        sb = s.to(tl.bfloat16)
+    # (bf16 pairs only where activations and scales are bf16: fp16 activations multiply fp16
+    # weights, other scales keep their precision)
+    if BF16_MAGIC and not F32_DOT and cols[0].dtype == tl.bfloat16 and s.dtype == tl.bfloat16:
+        sb = s
         for j in tl.static_range(4):
             x = words >> (4 * j)
             lo = _magic(x, LO)
