@@ -41,6 +41,43 @@ def _kernel(x_ptr, w_ptr, p_ptr, b_ptr, r_ptr, out_ptr, part_ptr, count_ptr, M, 
     (WARPS a multiple of 4). CENTERED: symmetric codes, multiplied as code - 8 (no Σ x).
     UNROLL: tiles a step of the loop takes, 1 or STAGES (then every stage is a constant: fewer
     instructions a tile, more registers)."""
+    K = K_PARTS * K_ALIGN  # (so the compiler knows x's rows allow 16- or 4-byte copies)
+    enter(PDL)
+    pid_n = gl.program_id(0)
+    xr, x_cols = inputs(BLOCK_M, WARPS)
+    x_ptrs = x_ptr + gl.expand_dims((xr % BLOCK_M) * K, 1) + x_cols
+    x_mask = gl.expand_dims(xr % BLOCK_M < M, 1)
+    acc, acc_up = products(x_ptrs, x_mask, x_cols, K, w_ptr, p_ptr, pid_n, N, KP, GROUP, GATED,
+                           BLOCK_N, BLOCK_M, WARPS, STAGES, UNROLL, CENTERED, OFFSET, EVEN_K,
+                           SPLIT_K)
+    out_layout: gl.constexpr = acc.type.layout
+    offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, out_layout))
+    offs_m = gl.arange(0, BLOCK_M, gl.SliceLayout(1, out_layout))
+    finish(acc, acc_up, offs_m, offs_n, offs_m < M, offs_n < N, M, N, part_ptr, count_ptr, b_ptr,
+           r_ptr, out_ptr, GATED, HAS_BIAS, HAS_RESIDUAL, SPLIT_K)
+
+
+@gluon.jit
+def inputs(BLOCK_M: gl.constexpr, WARPS: gl.constexpr):
+    """What a stage holds of x, in the layout its copies take: xr [4 BM] (chunk · BM + row: the
+    row is the caller's to map to one of x) and x_cols [4 BM, 32] (the tile's input)."""
+    x_layout: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [WARPS, 1], [1, 0])
+    xr = gl.arange(0, 4 * BLOCK_M, gl.SliceLayout(1, x_layout))
+    x_cols = gl.expand_dims((xr // BLOCK_M) * 32, 1) + gl.expand_dims(
+        gl.arange(0, 32, gl.SliceLayout(0, x_layout)), 0)
+    return xr, x_cols
+
+
+@gluon.jit
+def products(x_ptrs, x_mask, x_cols, K, w_ptr, p_ptr, pid_n, N, KP: gl.constexpr,
+             GROUP: gl.constexpr, GATED: gl.constexpr, BLOCK_N: gl.constexpr,
+             BLOCK_M: gl.constexpr, WARPS: gl.constexpr, STAGES: gl.constexpr,
+             UNROLL: gl.constexpr, CENTERED: gl.constexpr, OFFSET: gl.constexpr,
+             EVEN_K: gl.constexpr, SPLIT_K: gl.constexpr):
+    """The fp32 sums [BLOCK_M, BLOCK_N] (acc, and acc_up if GATED) of outputs pid_n · BLOCK_N..
+    of weights w_ptr / p_ptr (int4_linear's words and (scale, min) pairs) times the BLOCK_M rows
+    x_ptrs reads (tile 0's, from `inputs`; x_mask: the live rows), over this program's share of
+    the 128-input tiles (grid axis 2 of SPLIT_K): the ring and the loop the module describes."""
     ASYNC: gl.constexpr = BLOCK_M <= 16 or CENTERED  # a group's MMAs issued together
     GK: gl.constexpr = GROUP if GROUP < 128 else 128  # inputs per scale within a tile
     G: gl.constexpr = 128 // GK
@@ -54,24 +91,21 @@ def _kernel(x_ptr, w_ptr, p_ptr, b_ptr, r_ptr, out_ptr, part_ptr, count_ptr, M, 
     # warps (as the A fragment wants), a thread's four words one 16-byte copy
     w_layout: gl.constexpr = gl.BlockedLayout([1, 2, 1, 1, 4], [1, 1, 8, 4, 1],
                                               [WARPS, 1, 1, 1, 1], [4, 3, 2, 1, 0])
-    x_layout: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [WARPS, 1], [1, 0])  # [4 BM, 32]
     p_layout: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, WARPS], [1, 0])
+    x_dtype: gl.constexpr = x_ptrs.dtype.element_ty
     w_smem = gl.allocate_shared_memory(gl.int32, [STAGES * HALVES, S, 2, 8, 4, 4],
                                        gl.SwizzledSharedLayout(4, 1, 1, [4, 3, 2, 1, 0]))
     x_smem = gl.allocate_shared_memory(
-        x_ptr.dtype.element_ty, [STAGES, 4 * BLOCK_M, 32],
+        x_dtype, [STAGES, 4 * BLOCK_M, 32],
         gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2))
     p_smem = gl.allocate_shared_memory(gl.int32, [STAGES, HALVES * G, BLOCK_N],
                                        gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-    K = K_PARTS * K_ALIGN  # (so the compiler knows x's rows allow 16- or 4-byte copies)
-    enter(PDL)
-    pid_n = gl.program_id(0)
     per = gl.cdiv(KP // 128, SPLIT_K)
     first = gl.program_id(2) * per
     last = gl.minimum(first + per, KP // 128)
     width = 2 * N if GATED else N
 
-    # what tile 0 copies: a thread's four words of each row, x's rows, the (scale, min) pairs
+    # what tile 0 copies: a thread's four words of each row, the (scale, min) pairs
     L4: gl.constexpr = gl.SliceLayout(4, w_layout)
     L3: gl.constexpr = gl.SliceLayout(3, L4)
     L2: gl.constexpr = gl.SliceLayout(2, L3)
@@ -92,17 +126,12 @@ def _kernel(x_ptr, w_ptr, p_ptr, b_ptr, r_ptr, out_ptr, part_ptr, count_ptr, M, 
     if GATED:
         w_up = w_ptr + gl.expand_dims(row_offsets(rows4 + N, KP), 4) + cols
     w_mask = gl.expand_dims(rows4 < N, 4)
-    xr = gl.arange(0, 4 * BLOCK_M, gl.SliceLayout(1, x_layout))  # chunk · BM + row
-    x_cols = gl.expand_dims((xr // BLOCK_M) * 32, 1) + gl.expand_dims(
-        gl.arange(0, 32, gl.SliceLayout(0, x_layout)), 0)  # [4 BM, 32]: the tile's input
-    x_ptrs = x_ptr + gl.expand_dims((xr % BLOCK_M) * K, 1) + x_cols
-    x_mask = gl.expand_dims(xr % BLOCK_M < M, 1)
     pr = gl.arange(0, HALVES * G, gl.SliceLayout(1, p_layout))  # half · G + group
     pn = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, p_layout))
     p_offs = gl.expand_dims((pr // G) * N + (pr % G) * width, 1) + gl.expand_dims(pn, 0)
     p_mask = gl.expand_dims(pn < N, 0)
 
-    ones = gl.full([BLOCK_N, 32], 1.0, x_ptr.dtype.element_ty, layout=a_layout)
+    ones = gl.full([BLOCK_N, 32], 1.0, x_dtype, layout=a_layout)
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=acc_layout)
     acc_up = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=acc_layout)
     for i in gl.static_range(STAGES - 1):
@@ -133,11 +162,7 @@ def _kernel(x_ptr, w_ptr, p_ptr, b_ptr, r_ptr, out_ptr, part_ptr, count_ptr, M, 
     async_copy.wait_group(0)
     acc = gl.permute(acc, (1, 0))  # [BM, BN], as the epilogue wants
     acc_up = gl.permute(acc_up, (1, 0))
-    out_layout: gl.constexpr = acc.type.layout
-    offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, out_layout))
-    offs_m = gl.arange(0, BLOCK_M, gl.SliceLayout(1, out_layout))
-    finish(acc, acc_up, offs_m, offs_n, offs_m < M, offs_n < N, M, N, part_ptr, count_ptr, b_ptr,
-           r_ptr, out_ptr, GATED, HAS_BIAS, HAS_RESIDUAL, SPLIT_K)
+    return acc, acc_up
 
 
 @triton.jit

@@ -60,35 +60,49 @@ def finish(acc, acc_up, offs_m, offs_n, m_mask, n_mask, M, N, part_ptr, count_pt
            out_ptr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
            SPLIT_K: tl.constexpr):
     """acc (acc_up if GATED): this program's fp32 sums [BLOCK_M, BLOCK_N] for outputs
-    (offs_m, offs_n) of an [M, N] result. SPLIT_K > 1: part_ptr [SPLIT_K, M, width] scratch,
-    count_ptr the launch's counters (one per (program_id(0), program_id(1)) block). Plain
-    tl operations whose layouts follow acc's, so Gluon kernels call it too."""
+    (offs_m, offs_n) of an [M, N] result; the epilogue, by the last program of the block where
+    SPLIT_K > 1 (`reduce`). Plain tl operations whose layouts follow acc's, so Gluon kernels
+    call it too."""
     if SPLIT_K == 1:
         epilogue(acc, acc_up, offs_m, offs_n, m_mask, n_mask, N, b_ptr, r_ptr, out_ptr, GATED,
                   HAS_BIAS, HAS_RESIDUAL)
     else:
         width = 2 * N if GATED else N
-        mask = m_mask[:, None] & n_mask[None, :]
-        rows = offs_m[:, None] * width + offs_n[None, :]
-        tl.store(part_ptr + tl.program_id(2) * M * width + rows, acc, mask=mask)
-        if GATED:
-            tl.store(part_ptr + tl.program_id(2) * M * width + rows + N, acc_up, mask=mask)
-        tl.debug_barrier()  # every thread's partials stored before the ticket is taken
-        block = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
-        ticket = tl.atomic_add(count_ptr + block, 1, sem="acq_rel", scope="gpu")
-        if ticket == SPLIT_K - 1:  # (.cg: from L2, never a stale L1 line)
-            acc = tl.load(part_ptr + rows, mask=mask, other=0.0, cache_modifier=".cg")
-            if GATED:
-                acc_up = tl.load(part_ptr + rows + N, mask=mask, other=0.0, cache_modifier=".cg")
-            for s in tl.static_range(1, SPLIT_K):
-                acc += tl.load(part_ptr + s * M * width + rows, mask=mask, other=0.0,
-                               cache_modifier=".cg")
-                if GATED:
-                    acc_up += tl.load(part_ptr + s * M * width + rows + N, mask=mask,
-                                      other=0.0, cache_modifier=".cg")
-            tl.store(count_ptr + block, 0)
+        acc, acc_up, last = reduce(acc, acc_up, offs_m[:, None] * width + offs_n[None, :],
+                                   m_mask[:, None] & n_mask[None, :], M * width, N, part_ptr,
+                                   count_ptr, GATED, SPLIT_K)
+        if last:
             epilogue(acc, acc_up, offs_m, offs_n, m_mask, n_mask, N, b_ptr, r_ptr, out_ptr,
                       GATED, HAS_BIAS, HAS_RESIDUAL)
+
+
+@triton.jit
+def reduce(acc, acc_up, rows, mask, stride, N, part_ptr, count_ptr, GATED: tl.constexpr,
+           SPLIT_K: tl.constexpr):
+    """Split-K's sums of one output block (SPLIT_K > 1): this program's partials stored at
+    part_ptr + split · stride + rows (acc_up N further: the up half), then a ticket from the
+    block's counter (count_ptr, one per (program_id(0), program_id(1))); the last program to
+    arrive adds them all up in split order and resets the counter. Returns (acc, acc_up,
+    last): the block's sums where `last`, whether this program is that one."""
+    tl.store(part_ptr + tl.program_id(2) * stride + rows, acc, mask=mask)
+    if GATED:
+        tl.store(part_ptr + tl.program_id(2) * stride + rows + N, acc_up, mask=mask)
+    tl.debug_barrier()  # every thread's partials stored before the ticket is taken
+    block = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+    ticket = tl.atomic_add(count_ptr + block, 1, sem="acq_rel", scope="gpu")
+    last = ticket == SPLIT_K - 1
+    if last:  # (.cg: from L2, never a stale L1 line)
+        acc = tl.load(part_ptr + rows, mask=mask, other=0.0, cache_modifier=".cg")
+        if GATED:
+            acc_up = tl.load(part_ptr + rows + N, mask=mask, other=0.0, cache_modifier=".cg")
+        for s in tl.static_range(1, SPLIT_K):
+            acc += tl.load(part_ptr + s * stride + rows, mask=mask, other=0.0,
+                           cache_modifier=".cg")
+            if GATED:
+                acc_up += tl.load(part_ptr + s * stride + rows + N, mask=mask, other=0.0,
+                                  cache_modifier=".cg")
+        tl.store(count_ptr + block, 0)
+    return acc, acc_up, last
 
 
 @triton.jit
