@@ -54,13 +54,15 @@ def sass(n: int, k: int, mode: int, gated: bool, tile: tuple, path: str = "gemv"
     ptrs = {"a_ptr": "*fp8e4nv" if a_fp8 == 2 else "*bf16", "w_ptr": ty,
             "s_ptr": "*fp32" if mode in (1, 3) else "*bf16",
             "out_ptr": "*bf16", "ids_ptr": "*i32", "route_ptr": "*fp32", "sorted_ptr": "*i32",
-            "block_expert_ptr": "*i32", "total_ptr": "*i32", "as_ptr": "*fp32"}
+            "block_expert_ptr": "*i32", "total_ptr": "*i32", "as_ptr": "*fp32",
+            "res_ptr": "*bf16", "dst_ptr": "*bf16", "count_ptr": "*i32"}
     const = {"A_DIV": 8 if gated else 1, "MODE": moe.kernel_mode(mode), "A_FP8": a_fp8,
              "S_BN": s_bn, "S_BK": s_bk,
              "GATED": gated, "BLOCK_N": block_n, "BLOCK_K": block_k}
     if path == "gemv":
         const["FP8_SCALES"] = moe_gemv._fp8_scales(const["MODE"], s_bn, s_bk, n, k, block_n)
         const["PREFETCH"], const["STAGES"] = moe_gemv.loop_options(const["MODE"], options or {})
+        const.update(TOP_K=0, RESIDUAL=False)  # (the K loop's count: the epilogue apart)
     if path == "sorted":
         const.update(ROUTED=not gated, F32_DOT=False, BLOCK_M=block_m)
     fn = moe_gemv._gemv if path == "gemv" else moe._sorted_gemm

@@ -283,3 +283,24 @@ def test_int4_groups_of_16_take_the_sorted_path(monkeypatch):
     got = tri.fused_moe(x.to(DEVICE), gate_up.to(DEVICE), down.to(DEVICE), weights.to(DEVICE),
                         ids.to(DEVICE))
     torch.testing.assert_close(got.cpu(), ref, atol=1e-4 * ref.abs().max().item(), rtol=1e-4)
+
+
+@pytest.mark.parametrize("form,residual", [("float", True), ("fp8", False), ("int4", True)])
+def test_down_sums_each_tokens_slots_as_combine_does(form, residual, monkeypatch):
+    """The small-batch down projection adds each token's slots itself (the last of them to
+    finish, moe_combine.sum_token): the very sums of the combine launch it replaces, with or
+    without the residual, and the counters it used zero again; where a counter per token and
+    output block would not fit, the combine launch as before."""
+    gemv = pytest.importorskip("frugal.ops.triton.moe_gemv")
+    split_k = pytest.importorskip("frugal.ops.triton.split_k")
+    args, _ = few_tokens(form, 6, 17)
+    res = torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    res = res if residual else None
+    launched = launches.record(monkeypatch, gemv, "_gemv", "TOP_K", "RESIDUAL")
+    fused = gemv.fused_moe_gemv(*args, residual=res)
+    assert launched == [(0, False), (TOP_K, residual)]
+    assert not split_k.counters(fused.device).any()
+    monkeypatch.setattr(gemv, "sums_tokens", lambda tokens, blocks: False)
+    apart = gemv.fused_moe_gemv(*args, residual=res)
+    assert launched[2:] == [(0, False), (0, False)]
+    assert torch.equal(fused, apart)

@@ -90,7 +90,9 @@ def test_moe_int4_wgmma_gpu(tokens, block_m, hidden, per_slot, monkeypatch):
     set to 0) and the sorted path's blocks of 16, 32 and 64 rows; 160 outputs of 160 inputs
     (rows padded to blocks of 64, the up half starting inside one, a partial block of 64
     outputs, K padded to 256), padding rows in every block; gate_up over 1024 inputs at 1-2
-    tokens split in two (reduced by the last program), against torch_ref in fp32."""
+    tokens split in two (reduced by the last program), against torch_ref in fp32; at an odd
+    count of tokens with a residual. A block a slot, down sums each token's slots itself
+    (TOP_K)."""
     from frugal.ops.triton import moe, moe_gemv
 
     monkeypatch.setenv("FRUGAL_INT4_MOE_WGMMA", "1")
@@ -102,13 +104,17 @@ def test_moe_int4_wgmma_gpu(tokens, block_m, hidden, per_slot, monkeypatch):
     g = torch.Generator().manual_seed(tokens)
     x = torch.randn(tokens, hidden, generator=g).bfloat16()
     weights, ids = torch.rand(tokens, num, generator=g).topk(top_k, dim=-1)
-    ref = torch_ref.fused_moe(x.float(), gate_up, down, weights, ids)
+    res = torch.randn(tokens, hidden, generator=g).bfloat16() if tokens % 2 else None
+    ref = torch_ref.fused_moe(x.float(), gate_up, down, weights, ids,
+                              residual=None if res is None else res.float())
     packed = [tiles_mod.pack_experts(w.to("cuda"), torch.bfloat16) for w in (gate_up, down)]
     assert all(isinstance(p, tiles_mod.Int4ExpertTiles) for p in packed)
     launched = launches.record(monkeypatch, wg, "_kernel", "BLOCK_M", "GATED", "SPLIT_K",
-                               "PER_SLOT")
-    got = moe.fused_moe(x.cuda(), *packed, weights.cuda(), ids.cuda())
+                               "PER_SLOT", "TOP_K")
+    got = moe.fused_moe(x.cuda(), *packed, weights.cuda(), ids.cuda(),
+                        residual=None if res is None else res.cuda())
     split = 2 if hidden == 1024 else 1
-    assert launched == [(block_m, True, split, per_slot), (block_m, False, 1, per_slot)]
+    assert launched == [(block_m, True, split, per_slot, 0),
+                        (block_m, False, 1, per_slot, top_k if per_slot else 0)]
     torch.testing.assert_close(got.float().cpu(), ref, atol=2e-2 * ref.abs().max().item(),
                                rtol=2e-2)

@@ -1,5 +1,7 @@
 """The last step of a fused MoE layer: each token's top_k expert outputs (and the residual)
-summed in fp32 and rounded once, in a fixed order."""
+summed in fp32 and rounded once, in a fixed order: one launch (`combine`), or in the epilogue
+of a down projection that computes a slot a program (`sum_token`: the last of a token's slots
+to finish adds them up, as split-K's last split does)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import triton
 import triton.language as tl
 
 from frugal.ops.triton.sizes import cdiv, next_power_of_2
+from frugal.ops.triton.split_k import MAX_BLOCKS
 
 
 @triton.jit
@@ -22,6 +25,39 @@ def _combine(out_ptr, res_ptr, dst_ptr, H, TOP_K: tl.constexpr, RESIDUAL: tl.con
     if RESIDUAL:
         acc += tl.load(res_ptr + t * H + cols, mask=ok, other=0.0).to(tl.float32)
     tl.store(dst_ptr + t * H + cols, acc.to(dst_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def sum_token(y, slot, offs_n, n_ok, H, block, n_blocks, out_ptr, res_ptr, dst_ptr, count_ptr,
+              TOP_K: tl.constexpr, RESIDUAL: tl.constexpr):
+    """A down projection's epilogue that does _combine's work: y, this program's fp32 outputs
+    [BLOCK_N] (offs_n of H; routing-weighted) of slot `slot` (a scalar), stored in out_ptr
+    [slots, H] fp32; then a ticket from the counter of (the slot's token, output block `block`
+    of n_blocks) (count_ptr, zero before and after); the last of the token's TOP_K slots to
+    arrive adds their rows up in slot order and the residual, as _combine does (the same fp32
+    sums), into dst_ptr [tokens, H], and resets the counter."""
+    token = slot // TOP_K
+    tl.store(out_ptr + slot.to(tl.int64) * H + offs_n, y, mask=n_ok)
+    tl.debug_barrier()  # every thread's row stored before the ticket is taken
+    counter = count_ptr + token * n_blocks + block
+    ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    if ticket == TOP_K - 1:  # (.cg: from L2, never a stale L1 line)
+        first = out_ptr + (token * TOP_K).to(tl.int64) * H + offs_n
+        acc = tl.load(first, mask=n_ok, other=0.0, cache_modifier=".cg")
+        for j in tl.static_range(1, TOP_K):
+            acc += tl.load(first + j * H, mask=n_ok, other=0.0, cache_modifier=".cg")
+        if RESIDUAL:
+            acc += tl.load(res_ptr + token.to(tl.int64) * H + offs_n, mask=n_ok,
+                           other=0.0).to(tl.float32)
+        tl.store(dst_ptr + token.to(tl.int64) * H + offs_n, acc.to(dst_ptr.dtype.element_ty),
+                 mask=n_ok)
+        tl.store(counter, 0)
+
+
+def sums_tokens(tokens: int, n_blocks: int) -> bool:
+    """Whether a launch of n_blocks output blocks over tokens' slots can `sum_token` (a counter
+    for each token and block)."""
+    return 0 < tokens * n_blocks <= MAX_BLOCKS
 
 
 def combine(out: torch.Tensor, top_k: int, residual: torch.Tensor | None,

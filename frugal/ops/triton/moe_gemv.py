@@ -28,10 +28,11 @@ import triton.language as tl
 
 from frugal.ops.triton.fp8_groups import round_inputs
 from frugal.ops.triton.moe import ONE_BITS, _operand, _weight_tile, kernel_mode
-from frugal.ops.triton.moe_combine import combine
+from frugal.ops.triton.moe_combine import combine, sum_token, sums_tokens
 from frugal.ops.triton.moe_configs import gemv_tile, lookup, tiles_scales
 from frugal.ops.triton.moe_int4_tiles import Int4ExpertTiles
 from frugal.ops.triton.sizes import cdiv
+from frugal.ops.triton.split_k import counters
 from frugal.quant.experts import Experts, Int4Experts
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -117,11 +118,15 @@ def _fp8_sum(w_ptr, s_ptr, expert, k0, K, a, offs_n, n_ok, swe, swn, swk, sse, s
 
 
 @triton.jit
-def _gemv(a_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, route_ptr, N, K, sam, swe, swn, swk, sse, ssn,
-          ssk, som, magic, A_DIV: tl.constexpr, MODE: tl.constexpr, S_BN: tl.constexpr,
-          S_BK: tl.constexpr, GATED: tl.constexpr, FP8_SCALES: tl.constexpr,
-          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
-          STAGES: tl.constexpr, A_FP8: tl.constexpr):
+def _gemv(a_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, route_ptr, res_ptr, dst_ptr, count_ptr, N, K,
+          sam, swe, swn, swk, sse, ssn, ssk, som, magic, A_DIV: tl.constexpr, MODE: tl.constexpr,
+          S_BN: tl.constexpr, S_BK: tl.constexpr, GATED: tl.constexpr,
+          FP8_SCALES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+          PREFETCH: tl.constexpr, STAGES: tl.constexpr, A_FP8: tl.constexpr,
+          TOP_K: tl.constexpr, RESIDUAL: tl.constexpr):
+    """out[slot, offs_n] = a[slot // A_DIV] @ w[ids[slot]]ᵀ, silu(gate) · up if GATED, else
+    times route[slot]; TOP_K > 0 (routed, out fp32 [slots, N]): and each token's TOP_K slots
+    (and res_ptr's row if RESIDUAL) summed into dst_ptr (moe_combine.sum_token)."""
     slot = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -218,8 +223,12 @@ def _gemv(a_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, route_ptr, N, K, sam, swe, swn,
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up
     else:  # routed: times the slot's routing weight
         acc = acc * tl.load(route_ptr + slot)
-    tl.store(out_ptr + slot.to(tl.int64) * som + offs_n, acc.to(out_ptr.dtype.element_ty),
-             mask=n_ok)
+    if TOP_K:
+        sum_token(acc, slot, offs_n, n_ok, N, tl.program_id(1), tl.num_programs(1), out_ptr,
+                  res_ptr, dst_ptr, count_ptr, TOP_K, RESIDUAL)
+    else:
+        tl.store(out_ptr + slot.to(tl.int64) * som + offs_n, acc.to(out_ptr.dtype.element_ty),
+                 mask=n_ok)
 
 
 def _blocks(mode: int, s_bk: int, k: int) -> tuple[int, int]:
@@ -248,11 +257,13 @@ def takes(w: torch.Tensor | Experts) -> bool:
 
 def _launch(a: torch.Tensor, w: torch.Tensor | Experts, out: torch.Tensor, n: int,
             ids: torch.Tensor, route: torch.Tensor | None, a_div: int,
-            config: dict | None = None) -> None:
+            config: dict | None = None, sums: tuple | None = None) -> bool:
     """out[slot] = a[slot // a_div] @ w[ids[slot]]ᵀ, gated (route None) or times route[slot].
     config: BLOCK_N, BLOCK_K, num_warps and optionally PREFETCH (INT4: the K steps loaded
     ahead, 0-2; default 0) and STAGES (1-4, default 1; one with PREFETCH) (default: the tuned
-    table's, ops.triton.moe_configs, else _blocks')."""
+    table's, ops.triton.moe_configs, else _blocks'). sums (routed, out fp32): (dst [tokens, n],
+    residual or None, top_k), each token's slots summed into dst by the launch where it can
+    (moe_combine.sums_tokens); returns whether it did."""
     data, scales, mode, s_bn, s_bk, k = _operand(w)
     config = config or lookup(a.device, "gemv", mode, n, k, ids.numel(), s_bk)
     if config is not None and not gemv_tile(mode, config["BLOCK_K"]):
@@ -265,11 +276,17 @@ def _launch(a: torch.Tensor, w: torch.Tensor | Experts, out: torch.Tensor, n: in
     w8a8, mode = mode == 3, kernel_mode(mode)  # (W8A8: FP8's kernel, its inputs rounded)
     prefetch, stages = loop_options(mode, config or {})
     grid = (ids.numel(), cdiv(n, block_n))
-    _gemv[grid](a, data, scales, out, ids, route if route is not None else out, n, k,
+    dst, residual, top_k = sums or (out, None, 0)
+    if top_k and (not sums_tokens(ids.numel() // top_k, grid[1]) or out.stride(0) != n):
+        dst, residual, top_k = out, None, 0
+    _gemv[grid](a, data, scales, out, ids, route if route is not None else out,
+                residual if residual is not None else out, dst, counters(a.device), n, k,
                 a.stride(0), *data.stride(), *scales.stride(), out.stride(0), ONE_BITS,
                 A_DIV=a_div, MODE=mode, S_BN=s_bn, S_BK=s_bk, GATED=route is None, A_FP8=w8a8,
                 FP8_SCALES=_fp8_scales(mode, s_bn, s_bk, n, k, block_n), BLOCK_N=block_n,
-                BLOCK_K=block_k, PREFETCH=prefetch, STAGES=stages, num_warps=num_warps)
+                BLOCK_K=block_k, PREFETCH=prefetch, STAGES=stages, TOP_K=top_k,
+                RESIDUAL=residual is not None, num_warps=num_warps)
+    return top_k > 0
 
 
 def loop_options(mode: int, config: dict) -> tuple[int, int]:
@@ -302,5 +319,10 @@ def fused_moe_gemv(x: torch.Tensor, gate_up: torch.Tensor | Experts,
     act = torch.empty(tokens * top_k, inter, dtype=x.dtype, device=x.device)
     _launch(x, gate_up, act, inter, flat, None, top_k)
     out = torch.empty(tokens * top_k, hidden, dtype=torch.float32, device=x.device)
-    _launch(act, down, out, hidden, flat, weights.reshape(-1).float().contiguous(), 1)
+    dst = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
+    if residual is not None:
+        residual = residual.contiguous()
+    if _launch(act, down, out, hidden, flat, weights.reshape(-1).float().contiguous(), 1,
+               sums=(dst, residual, top_k)):
+        return dst
     return combine(out, top_k, residual, x.dtype)

@@ -26,7 +26,7 @@ from triton.experimental.gluon import language as gl
 
 from frugal.ops.triton.int4_linear import _OFFSET, TILE_K
 from frugal.ops.triton.int4_wgmma import inputs, products
-from frugal.ops.triton.moe_combine import combine
+from frugal.ops.triton.moe_combine import combine, sum_token, sums_tokens
 from frugal.ops.triton.moe_int4_tiles import Int4ExpertTiles
 from frugal.ops.triton.split_k import counters, grid, partials, reduce
 
@@ -42,18 +42,20 @@ def takes(w, x: torch.Tensor, block_m: int) -> bool:
 
 @gluon.jit(do_not_specialize=["num_slots"])  # (num_slots changes from step to step)
 def _kernel(x_ptr, w_ptr, p_ptr, out_ptr, sorted_ptr, block_expert_ptr, total_ptr, route_ptr,
-            part_ptr, count_ptr, num_slots, N, K_PARTS, som,
+            part_ptr, count_ptr, res_ptr, dst_ptr, num_slots, N, K_PARTS, som,
             KP: gl.constexpr, GROUP: gl.constexpr, A_DIV: gl.constexpr, GATED: gl.constexpr,
             BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, WARPS: gl.constexpr,
             STAGES: gl.constexpr, UNROLL: gl.constexpr, CENTERED: gl.constexpr,
             OFFSET: gl.constexpr, EVEN_K: gl.constexpr, K_ALIGN: gl.constexpr,
-            SPLIT_K: gl.constexpr, PER_SLOT: gl.constexpr):
+            SPLIT_K: gl.constexpr, PER_SLOT: gl.constexpr, TOP_K: gl.constexpr,
+            RESIDUAL: gl.constexpr):
     """One block of BLOCK_M sorted slots (grid axis 1) times BLOCK_N outputs (axis 0) of its
     expert's [N (2N if GATED), K] matrix, over this program's share of the 128-input tiles
     (axis 2: SPLIT_K > 1, reduced by the last, _finish). x [*, K]: slot s reads row
     s // A_DIV; out [slots, N] (row stride som). The K loop: int4_wgmma.products.
     PER_SLOT: block pid_m is slot pid_m alone (its expert block_expert_ptr[pid_m], the routing
-    ids; no sorting: sorted_ptr and total_ptr unread)."""
+    ids; no sorting: sorted_ptr and total_ptr unread); TOP_K > 0 (with PER_SLOT, down, no
+    split): and each token's TOP_K slots summed into dst_ptr (moe_combine.sum_token)."""
     K = K_PARTS * K_ALIGN
     pid_n = gl.program_id(0)
     pid_m = gl.program_id(1)
@@ -76,8 +78,13 @@ def _kernel(x_ptr, w_ptr, p_ptr, out_ptr, sorted_ptr, block_expert_ptr, total_pt
     offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, out_layout))
     slot = _slots(sorted_ptr, pid_m, gl.arange(0, BLOCK_M, gl.SliceLayout(1, out_layout)),
                   num_slots, BLOCK_M, PER_SLOT)
-    _finish(acc, acc_up, slot, offs_n, num_slots, N, som, part_ptr, count_ptr, route_ptr,
-            out_ptr, GATED, SPLIT_K)
+    if TOP_K:  # (a block a slot: its row 0, the others padding)
+        y = gl.sum(gl.where(gl.expand_dims(slot < num_slots, 1), acc, 0.0), axis=0)
+        sum_token(y * gl.load(route_ptr + pid_m), pid_m, offs_n, offs_n < N, N, pid_n,
+                  gl.num_programs(0), out_ptr, res_ptr, dst_ptr, count_ptr, TOP_K, RESIDUAL)
+    else:
+        _finish(acc, acc_up, slot, offs_n, num_slots, N, som, part_ptr, count_ptr, route_ptr,
+                out_ptr, GATED, SPLIT_K)
 
 
 @triton.jit
@@ -125,11 +132,13 @@ def _store(acc, acc_up, slot, offs_n, num_slots, N, som, route_ptr, out_ptr,
 def gemm(x: torch.Tensor, w: Int4ExpertTiles, out: torch.Tensor, n: int,
          sorted_slots: torch.Tensor | None, block_expert: torch.Tensor,
          total: torch.Tensor | None, route: torch.Tensor | None, a_div: int, block_m: int,
-         config: tuple[int, int, int] = (64, 4, 4)) -> None:
+         config: tuple[int, int, int] = (64, 4, 4), sums: tuple | None = None) -> bool:
     """moe._gemm's launch for experts in the tile layout: x [*, K] bf16 or fp16 (K even),
     out [slots, n]; route None: gate_up (w has 2n rows), else down. sorted_slots None: a
     block per slot, block_expert the slots' experts (the routing ids, flat). config: BLOCK_N,
-    num_warps, STAGES."""
+    num_warps, STAGES. sums (down a block a slot, out fp32): (dst [tokens, n], residual or
+    None, top_k), each token's slots summed into dst by the launch where it can (no split,
+    moe_combine.sums_tokens); returns whether it did."""
     block_n, warps, stages = config
     k = x.shape[1]
     if block_m not in ROWS or x.dtype not in _OFFSET or k != w.in_features or k % 2:
@@ -145,15 +154,21 @@ def gemm(x: torch.Tensor, w: Int4ExpertTiles, out: torch.Tensor, n: int,
     # (the ring's stages as constants, as int4_linear's: not for a split's few tiles, where
     # gate_up a slot a block would spill registers)
     unroll = stages if split == 1 and (block_m <= 16 if gated else block_m <= 32) else 1
+    dst, residual, top_k = sums or (out, None, 0)
+    if top_k and (split > 1 or not per_slot or gated or out.stride(0) != n
+                  or not sums_tokens(slots // top_k, n_blocks)):
+        dst, residual, top_k = out, None, 0
     _kernel[launch](x, w.words, w.params.view(torch.int32), out,
                     block_expert if per_slot else sorted_slots, block_expert,
                     block_expert if per_slot else total, route if route is not None else out,
                     partials(split, slots, 2 * n if gated else n, x.device), counters(x.device),
-                    slots, n, k // align, out.stride(0), KP=w.padded_k, GROUP=w.group,
-                    A_DIV=a_div, GATED=gated, BLOCK_N=block_n, BLOCK_M=block_m, WARPS=warps,
-                    STAGES=stages, UNROLL=unroll, CENTERED=w.centered,
-                    OFFSET=_OFFSET[x.dtype], EVEN_K=k % TILE_K == 0, K_ALIGN=align,
-                    SPLIT_K=split, PER_SLOT=per_slot, num_warps=warps)
+                    residual if residual is not None else out, dst, slots, n, k // align,
+                    out.stride(0), KP=w.padded_k, GROUP=w.group, A_DIV=a_div, GATED=gated,
+                    BLOCK_N=block_n, BLOCK_M=block_m, WARPS=warps, STAGES=stages, UNROLL=unroll,
+                    CENTERED=w.centered, OFFSET=_OFFSET[x.dtype], EVEN_K=k % TILE_K == 0,
+                    K_ALIGN=align, SPLIT_K=split, PER_SLOT=per_slot, TOP_K=top_k,
+                    RESIDUAL=residual is not None, num_warps=warps)
+    return top_k > 0
 
 
 def fused_moe_slots(x: torch.Tensor, gate_up: Int4ExpertTiles, down: Int4ExpertTiles,
@@ -170,8 +185,12 @@ def fused_moe_slots(x: torch.Tensor, gate_up: Int4ExpertTiles, down: Int4ExpertT
     gemm(x, gate_up, act, inter, None, flat, None, None, top_k, ROWS[0])
     # (each slot's product kept in fp32 until the top_k are summed, as the GEMV does)
     out = torch.empty(tokens * top_k, hidden, dtype=torch.float32, device=x.device)
-    gemm(act, down, out, hidden, None, flat, None, weights.reshape(-1).float().contiguous(), 1,
-         ROWS[0])
+    dst = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
+    if residual is not None:
+        residual = residual.contiguous()
+    if gemm(act, down, out, hidden, None, flat, None, weights.reshape(-1).float().contiguous(),
+            1, ROWS[0], sums=(dst, residual, top_k)):
+        return dst
     return combine(out, top_k, residual, x.dtype)
 
 
