@@ -30,6 +30,7 @@ from frugal.ops.triton.fp8_groups import round_inputs
 from frugal.ops.triton.moe import ONE_BITS, _operand, _weight_tile, kernel_mode
 from frugal.ops.triton.moe_combine import combine, sum_token, sums_tokens
 from frugal.ops.triton.moe_configs import gemv_tile, lookup, tiles_scales
+from frugal.ops.triton.moe_gemv_int4 import int4_inputs, int4_load, int4_pair, int4_sum
 from frugal.ops.triton.moe_int4_tiles import Int4ExpertTiles
 from frugal.ops.triton.sizes import cdiv
 from frugal.ops.triton.split_k import counters
@@ -37,62 +38,6 @@ from frugal.quant.experts import Experts, Int4Experts
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_SLOTS = 64  # tokens · top_k up to which fused_moe takes this path
-
-
-@triton.jit
-def _int4_load(w_base, s_base, k0, K, offs_n, n_ok, swn, swk, ssn, ssk, S_BK: tl.constexpr,
-               GROUPS: tl.constexpr):
-    """The words [1, BLOCK_N, GROUPS, 4] (int32: word q of a group holds its inputs 8q .. 8q+7,
-    a nibble each) and the scales [BLOCK_N, GROUPS] of inputs k0 .. k0 + 32 · GROUPS; zeros
-    past K (a load past the end reads nothing)."""
-    group = k0 // 32 + tl.arange(0, GROUPS)
-    g_ok = group < K // 32
-    word = group[None, None, :, None] * 4 + tl.arange(0, 4)[None, None, None, :]
-    ok = n_ok[None, :, None, None] & g_ok[None, None, :, None]
-    words = tl.load(w_base + offs_n[None, :, None, None] * swn + word * swk, mask=ok, other=0)
-    s = tl.load(s_base + offs_n[:, None] * ssn + (group * 32 // S_BK)[None, :] * ssk,
-                mask=n_ok[:, None] & g_ok[None, :], other=0.0)
-    return words, s
-
-
-@triton.jit
-def _int4_pair(w_base, s_base, k0, K, N, offs_n, n_ok, swn, swk, ssn, ssk, S_BK: tl.constexpr,
-               GROUPS: tl.constexpr, GATED: tl.constexpr):
-    """_int4_load's words and scales of the rows offs_n and, GATED, of their up rows (N on);
-    not GATED, the same rows twice (loaded once)."""
-    w, s = _int4_load(w_base, s_base, k0, K, offs_n, n_ok, swn, swk, ssn, ssk, S_BK, GROUPS)
-    w_up, s_up = w, s
-    if GATED:
-        w_up, s_up = _int4_load(w_base, s_base, k0, K, offs_n + N, n_ok, swn, swk, ssn, ssk,
-                                S_BK, GROUPS)
-    return w, s, w_up, s_up
-
-
-@triton.jit
-def _int4_inputs(a_row, k0, K, GROUPS: tl.constexpr):
-    """Inputs k0 .. k0 + 32 · GROUPS as a [8 (j), 1, GROUPS, 4 (q)] fp32 (k = 32 · group + 8 · q
-    + j: nibble j of the group's word q), and 1.5 · their sum over each group [GROUPS]."""
-    group = k0 // 32 + tl.arange(0, GROUPS)
-    g_ok = group < K // 32
-    k = (group[None, None, :, None] * 32 + tl.arange(0, 4)[None, None, None, :] * 8
-         + tl.arange(0, 8)[:, None, None, None])
-    a = tl.load(a_row + k, mask=g_ok[None, None, :, None], other=0.0).to(tl.float32)
-    return a, tl.sum(tl.sum(tl.sum(a, axis=0), axis=0), axis=1) * 1.5
-
-
-@triton.jit
-def _int4_sum(words, s, a, a_sum, magic):
-    """[BLOCK_N, GROUPS] fp32: for each output and group of 32 inputs, Σ_k a_k · (u_k - 8) / 16
-    times the group's scale (words, s: _int4_load's; a, a_sum: _int4_inputs').
-    A nibble becomes the fp32 1 + u/16 in two integer instructions: rotated to bits 19-22 (the
-    top of the mantissa; one funnel shift) and put into 1.0's bits (one LOP3 with `magic`,
-    0x3F800000, a register so the AND and the OR fuse). Σ a (1 + u/16) - 1.5 Σ a is
-    Σ a (u - 8) / 16: the offset leaves per group, not per weight."""
-    u = words.to(tl.uint32, bitcast=True)
-    rot = ((tl.arange(0, 8) * 4 + 13) % 32).to(tl.uint32)[:, None, None, None]
-    f = ((((u >> rot) | (u << (32 - rot))) & 0x780000) | magic).to(tl.float32, bitcast=True)
-    part = tl.sum(tl.sum(f * a, axis=0), axis=2) - a_sum[None, :]
-    return part * s.to(tl.float32)
 
 
 @triton.jit
@@ -140,19 +85,19 @@ def _gemv(a_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, route_ptr, res_ptr, dst_ptr, co
         w_base, s_base = w_ptr + expert * swe, s_ptr + expert * sse
         tl.static_assert(PREFETCH >= 0 and PREFETCH <= 2)
         if PREFETCH:  # the words and scales PREFETCH steps ahead load while this step sums
-            w, s, w_up, s_up = _int4_pair(w_base, s_base, 0, K, N, offs_n, n_ok, swn, swk, ssn,
-                                          ssk, S_BK, GROUPS, GATED)
+            w, s, w_up, s_up = int4_pair(w_base, s_base, 0, K, N, offs_n, n_ok, swn, swk, ssn,
+                                         ssk, S_BK, GROUPS, GATED)
             if PREFETCH == 2:
-                w1, s1, w1_up, s1_up = _int4_pair(w_base, s_base, BLOCK_K, K, N, offs_n, n_ok,
-                                                  swn, swk, ssn, ssk, S_BK, GROUPS, GATED)
+                w1, s1, w1_up, s1_up = int4_pair(w_base, s_base, BLOCK_K, K, N, offs_n, n_ok,
+                                                 swn, swk, ssn, ssk, S_BK, GROUPS, GATED)
             for k0 in range(0, K, BLOCK_K):
-                a, a_sum = _int4_inputs(a_row, k0, K, GROUPS)
-                wn, sn, wn_up, sn_up = _int4_pair(w_base, s_base, k0 + PREFETCH * BLOCK_K, K, N,
-                                                  offs_n, n_ok, swn, swk, ssn, ssk, S_BK,
-                                                  GROUPS, GATED)
-                acc2 += _int4_sum(w, s, a, a_sum, magic)
+                a, a_sum = int4_inputs(a_row, k0, K, GROUPS)
+                wn, sn, wn_up, sn_up = int4_pair(w_base, s_base, k0 + PREFETCH * BLOCK_K, K, N,
+                                                 offs_n, n_ok, swn, swk, ssn, ssk, S_BK,
+                                                 GROUPS, GATED)
+                acc2 += int4_sum(w, s, a, a_sum, magic)
                 if GATED:
-                    up2 += _int4_sum(w_up, s_up, a, a_sum, magic)
+                    up2 += int4_sum(w_up, s_up, a, a_sum, magic)
                 if PREFETCH == 2:
                     w, s, w_up, s_up = w1, s1, w1_up, s1_up
                     w1, s1, w1_up, s1_up = wn, sn, wn_up, sn_up
@@ -160,14 +105,14 @@ def _gemv(a_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, route_ptr, res_ptr, dst_ptr, co
                     w, s, w_up, s_up = wn, sn, wn_up, sn_up
         else:
             for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
-                a, a_sum = _int4_inputs(a_row, k0, K, GROUPS)
-                w, s = _int4_load(w_base, s_base, k0, K, offs_n, n_ok, swn, swk, ssn, ssk, S_BK,
-                                  GROUPS)
-                acc2 += _int4_sum(w, s, a, a_sum, magic)
+                a, a_sum = int4_inputs(a_row, k0, K, GROUPS)
+                w, s = int4_load(w_base, s_base, k0, K, offs_n, n_ok, swn, swk, ssn, ssk, S_BK,
+                                 GROUPS)
+                acc2 += int4_sum(w, s, a, a_sum, magic)
                 if GATED:
-                    w, s = _int4_load(w_base, s_base, k0, K, offs_n + N, n_ok, swn, swk, ssn,
-                                      ssk, S_BK, GROUPS)
-                    up2 += _int4_sum(w, s, a, a_sum, magic)
+                    w, s = int4_load(w_base, s_base, k0, K, offs_n + N, n_ok, swn, swk, ssn,
+                                     ssk, S_BK, GROUPS)
+                    up2 += int4_sum(w, s, a, a_sum, magic)
         acc = tl.sum(acc2, axis=1) * 16.0
         acc_up = tl.sum(up2, axis=1) * 16.0
     else:
