@@ -26,6 +26,8 @@ from frugal.ops.triton.int4_wgmma_tile import tile
 from frugal.ops.triton.launch import enter
 from frugal.ops.triton.split_k import finish
 
+_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # (Triton 3.7 renamed it)
+
 
 @gluon.jit(do_not_specialize=["M"])  # (M, the rows, changes from step to step)
 def _kernel(x_ptr, w_ptr, p_ptr, b_ptr, r_ptr, out_ptr, part_ptr, count_ptr, M, N, K_PARTS,
@@ -143,7 +145,7 @@ def products(x_ptrs, x_mask, x_cols, K, w_ptr, p_ptr, pid_n, N, KP: gl.constexpr
             t = t0 + u
             if t < last:
                 async_copy.wait_group(STAGES - 2)  # tile t has landed (own copies) ...
-                gl.thread_barrier()  # ... everyone's, and the stage refilled below is unread
+                _barrier()  # ... everyone's, and the stage refilled below is unread
                 fence_async_shared()  # (the tensor cores read x through the async proxy)
                 if UNROLL == STAGES:  # (the stages are constants)
                     stage = u

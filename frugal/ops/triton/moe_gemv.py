@@ -222,7 +222,8 @@ def _launch(a: torch.Tensor, w: torch.Tensor | Experts, out: torch.Tensor, n: in
     prefetch, stages = loop_options(mode, config or {})
     grid = (ids.numel(), cdiv(n, block_n))
     dst, residual, top_k = sums or (out, None, 0)
-    if top_k and (not sums_tokens(ids.numel() // top_k, grid[1]) or out.stride(0) != n):
+    if top_k and (route is None or out.dtype != torch.float32 or out.stride(0) != n
+                  or not sums_tokens(ids.numel() // top_k, grid[1])):
         dst, residual, top_k = out, None, 0
     _gemv[grid](a, data, scales, out, ids, route if route is not None else out,
                 residual if residual is not None else out, dst, counters(a.device), n, k,

@@ -155,8 +155,8 @@ def gemm(x: torch.Tensor, w: Int4ExpertTiles, out: torch.Tensor, n: int,
     # gate_up a slot a block would spill registers)
     unroll = stages if split == 1 and (block_m <= 16 if gated else block_m <= 32) else 1
     dst, residual, top_k = sums or (out, None, 0)
-    if top_k and (split > 1 or not per_slot or gated or out.stride(0) != n
-                  or not sums_tokens(slots // top_k, n_blocks)):
+    if top_k and (split > 1 or not per_slot or gated or out.dtype != torch.float32
+                  or out.stride(0) != n or not sums_tokens(slots // top_k, n_blocks)):
         dst, residual, top_k = out, None, 0
     _kernel[launch](x, w.words, w.params.view(torch.int32), out,
                     block_expert if per_slot else sorted_slots, block_expert,
