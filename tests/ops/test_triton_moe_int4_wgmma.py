@@ -35,15 +35,18 @@ def test_repack_experts_stacks_each_experts_tiles():
         assert torch.equal(t.words[e], one.words) and torch.equal(t.params[e], one.params)
 
 
-def test_pack_experts_only_where_asked_on_hopper(monkeypatch):
-    """Unset, or off a Hopper GPU, or FP8 experts: the experts come back as they were."""
+def test_pack_experts_only_on_hopper_unless_turned_off(monkeypatch):
+    """Off a Hopper GPU, turned off (FRUGAL_INT4_MOE_WGMMA=0), or FP8 experts: the experts
+    come back as they were."""
     w = experts(2, 64, 128, 1)
     monkeypatch.delenv("FRUGAL_INT4_MOE_WGMMA", raising=False)
-    assert tiles_mod.pack_experts(w, torch.bfloat16) is w
-    monkeypatch.setenv("FRUGAL_INT4_MOE_WGMMA", "1")
     assert tiles_mod.pack_experts(w, torch.bfloat16) is w  # (on the CPU)
+    monkeypatch.setattr(tiles_mod, "_hopper", lambda device: True)
+    assert isinstance(tiles_mod.pack_experts(w, torch.bfloat16), tiles_mod.Int4ExpertTiles)
     fp8 = quantize_experts(torch.randn(2, 64, 128), "fp8")
     assert tiles_mod.pack_experts(fp8, torch.bfloat16) is fp8
+    monkeypatch.setenv("FRUGAL_INT4_MOE_WGMMA", "0")
+    assert tiles_mod.pack_experts(w, torch.bfloat16) is w
 
 
 def test_dequantize_expert_tiles():

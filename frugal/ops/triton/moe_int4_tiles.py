@@ -4,7 +4,7 @@ Int4ExpertTiles holds every expert's matrix as int4_linear.repack lays out one (
 of 64, 128-input tiles, the words of a tile in tensor-core order; (scale, min) pairs in the
 activations' dtype), stacked on a leading expert dim: words [E, R / 64, Kp / 128, 64, 16]
 int32, params [E, Kp / group, R, 2]. pack_experts repacks INT4 experts into it at load time
-(in place of quant.experts.Int4Experts, where FRUGAL_INT4_MOE_WGMMA=1 on a Hopper GPU);
+(in place of quant.experts.Int4Experts on a Hopper GPU, unless FRUGAL_INT4_MOE_WGMMA=0);
 `dequantize` widens a chunk of them for prompts (moe_dense).
 """
 
@@ -54,11 +54,11 @@ def _hopper(device: torch.device) -> bool:
 
 
 def pack_experts(w, dtype: torch.dtype):
-    """Routed experts as the kernels read them: INT4 experts on a Hopper GPU, where
-    FRUGAL_INT4_MOE_WGMMA=1, repacked into this layout (in place of the packed words: fused_moe
-    then runs them on moe_int4_wgmma at every size, and dequantizes them at prompt sizes);
-    anything else unchanged."""
-    if (os.environ.get("FRUGAL_INT4_MOE_WGMMA") != "1" or not isinstance(w, Int4Experts)
+    """Routed experts as the kernels read them: INT4 experts on a Hopper GPU repacked into this
+    layout (in place of the packed words: fused_moe then runs them on moe_int4_wgmma at every
+    size, and dequantizes them at prompt sizes; FRUGAL_INT4_MOE_WGMMA=0 keeps the packed words
+    for moe_gemv and moe_int4); anything else unchanged."""
+    if (os.environ.get("FRUGAL_INT4_MOE_WGMMA") == "0" or not isinstance(w, Int4Experts)
             or not _hopper(w.packed.device) or dtype not in _OFFSET or w.shape[2] % 2):
         return w
     group = w.group_size  # (int4_linear.repack's groups: 32, 64 or multiples of 128)
