@@ -41,11 +41,18 @@ class Int4ExpertTiles:
 
 
 def repack_experts(w: Int4Experts, dtype: torch.dtype) -> Int4ExpertTiles:
-    """Every expert of w in the kernel's layout, scales and mins in dtype (the activations')."""
-    tiles = [repack(w.expert(e), dtype) for e in range(w.shape[0])]
-    return Int4ExpertTiles(torch.stack([t.words for t in tiles]),
-                           torch.stack([t.params for t in tiles]), tiles[0].in_features,
-                           tiles[0].group, all(t.centered for t in tiles))
+    """Every expert of w in the kernel's layout, scales and mins in dtype (the activations'):
+    each repacked into its place in the stack (beside w, one expert's copy at a time: a layer of
+    Kimi K2's 384 experts is ~9.5 GB)."""
+    first = repack(w.expert(0), dtype)
+    words = first.words.new_empty((w.shape[0], *first.words.shape))
+    params = first.params.new_empty((w.shape[0], *first.params.shape))
+    centered = True
+    for e in range(w.shape[0]):
+        tiles = first if e == 0 else repack(w.expert(e), dtype)
+        words[e], params[e] = tiles.words, tiles.params
+        centered = centered and tiles.centered
+    return Int4ExpertTiles(words, params, first.in_features, first.group, centered)
 
 
 @functools.cache
