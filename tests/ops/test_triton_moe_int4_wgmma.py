@@ -96,7 +96,7 @@ def test_moe_int4_wgmma_gpu(tokens, block_m, hidden, per_slot, monkeypatch):
     tokens split in two (reduced by the last program), against torch_ref in fp32; at an odd
     count of tokens with a residual. A block a slot, down sums each token's slots itself
     (TOP_K)."""
-    from frugal.ops.triton import moe, moe_gemv, split_k
+    from frugal.ops.triton import moe, moe_combine, moe_gemv, split_k
 
     monkeypatch.setenv("FRUGAL_INT4_MOE_WGMMA", "1")
     if not per_slot:
@@ -121,7 +121,7 @@ def test_moe_int4_wgmma_gpu(tokens, block_m, hidden, per_slot, monkeypatch):
                         (block_m, False, 1, per_slot, top_k if per_slot else 0)]
     assert not split_k.counters(got.device).any()
     if per_slot:  # the sums down made: the combine launch's
-        monkeypatch.setattr(wg, "sums_tokens", lambda tokens, blocks: False)
+        monkeypatch.setattr(moe_combine, "sums_tokens", lambda tokens, blocks: False)
         apart = moe.fused_moe(x.cuda(), *packed, weights.cuda(), ids.cuda(),
                               residual=None if res is None else res.cuda())
         assert launched[-1][-1] == 0 and torch.equal(got, apart)

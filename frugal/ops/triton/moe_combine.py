@@ -60,6 +60,31 @@ def sums_tokens(tokens: int, n_blocks: int) -> bool:
     return 0 < tokens * n_blocks <= MAX_BLOCKS
 
 
+def token_sums(sums: tuple | None, out: torch.Tensor, n: int, n_blocks: int,
+               routed: bool) -> tuple:
+    """What a down launch passes its kernel for `sum_token`: sums (dst, residual or None,
+    top_k) where the launch can take them (routed, into an fp32 out [slots, n] whose rows are n
+    apart, a counter for each token and output block), else (out, None, 0): no sums."""
+    if sums is None or not routed or out.dtype != torch.float32 or out.stride(0) != n:
+        return out, None, 0
+    return sums if sums_tokens(out.shape[0] // sums[2], n_blocks) else (out, None, 0)
+
+
+def summed(down, x: torch.Tensor, top_k: int, residual: torch.Tensor | None) -> torch.Tensor:
+    """Each token's top_k slot outputs of `down(out, sums)` (a down launch into out [tokens ·
+    top_k, hidden] fp32, returning whether it summed them as sums = (dst, residual, top_k)
+    asks) plus the residual: [tokens, hidden] in the dtype of x [tokens, hidden], summed by the
+    launch where it can, else by `combine`."""
+    tokens, hidden = x.shape
+    out = torch.empty(tokens * top_k, hidden, dtype=torch.float32, device=x.device)
+    dst = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
+    if residual is not None:
+        residual = residual.contiguous()
+    if down(out, (dst, residual, top_k)):
+        return dst
+    return combine(out, top_k, residual, x.dtype)
+
+
 def combine(out: torch.Tensor, top_k: int, residual: torch.Tensor | None,
             dtype: torch.dtype) -> torch.Tensor:
     """Each token's top_k slot outputs (out [tokens · top_k, hidden], a token's slots

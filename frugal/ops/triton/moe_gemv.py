@@ -28,7 +28,7 @@ import triton.language as tl
 
 from frugal.ops.triton.fp8_groups import round_inputs
 from frugal.ops.triton.moe import ONE_BITS, _operand, _weight_tile, kernel_mode
-from frugal.ops.triton.moe_combine import combine, sum_token, sums_tokens
+from frugal.ops.triton.moe_combine import sum_token, summed, token_sums
 from frugal.ops.triton.moe_configs import gemv_tile, lookup, tiles_scales
 from frugal.ops.triton.moe_gemv_int4 import int4_inputs, int4_load, int4_pair, int4_sum
 from frugal.ops.triton.moe_int4_tiles import Int4ExpertTiles
@@ -208,7 +208,7 @@ def _launch(a: torch.Tensor, w: torch.Tensor | Experts, out: torch.Tensor, n: in
     ahead, 0-2; default 0) and STAGES (1-4, default 1; one with PREFETCH) (default: the tuned
     table's, ops.triton.moe_configs, else _blocks'). sums (routed, out fp32): (dst [tokens, n],
     residual or None, top_k), each token's slots summed into dst by the launch where it can
-    (moe_combine.sums_tokens); returns whether it did."""
+    (moe_combine.token_sums); returns whether it did."""
     data, scales, mode, s_bn, s_bk, k = _operand(w)
     config = config or lookup(a.device, "gemv", mode, n, k, ids.numel(), s_bk)
     if config is not None and not gemv_tile(mode, config["BLOCK_K"]):
@@ -221,10 +221,7 @@ def _launch(a: torch.Tensor, w: torch.Tensor | Experts, out: torch.Tensor, n: in
     w8a8, mode = mode == 3, kernel_mode(mode)  # (W8A8: FP8's kernel, its inputs rounded)
     prefetch, stages = loop_options(mode, config or {})
     grid = (ids.numel(), cdiv(n, block_n))
-    dst, residual, top_k = sums or (out, None, 0)
-    if top_k and (route is None or out.dtype != torch.float32 or out.stride(0) != n
-                  or not sums_tokens(ids.numel() // top_k, grid[1])):
-        dst, residual, top_k = out, None, 0
+    dst, residual, top_k = token_sums(sums, out, n, grid[1], route is not None)
     _gemv[grid](a, data, scales, out, ids, route if route is not None else out,
                 residual if residual is not None else out, dst, counters(a.device), n, k,
                 a.stride(0), *data.stride(), *scales.stride(), out.stride(0), ONE_BITS,
@@ -264,11 +261,6 @@ def fused_moe_gemv(x: torch.Tensor, gate_up: torch.Tensor | Experts,
     flat = ids.reshape(-1).contiguous()
     act = torch.empty(tokens * top_k, inter, dtype=x.dtype, device=x.device)
     _launch(x, gate_up, act, inter, flat, None, top_k)
-    out = torch.empty(tokens * top_k, hidden, dtype=torch.float32, device=x.device)
-    dst = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
-    if residual is not None:
-        residual = residual.contiguous()
-    if _launch(act, down, out, hidden, flat, weights.reshape(-1).float().contiguous(), 1,
-               sums=(dst, residual, top_k)):
-        return dst
-    return combine(out, top_k, residual, x.dtype)
+    route = weights.reshape(-1).float().contiguous()
+    return summed(lambda out, sums: _launch(act, down, out, hidden, flat, route, 1, sums=sums),
+                  x, top_k, residual)

@@ -26,7 +26,7 @@ from triton.experimental.gluon import language as gl
 
 from frugal.ops.triton.int4_linear import _OFFSET, TILE_K
 from frugal.ops.triton.int4_wgmma import inputs, products
-from frugal.ops.triton.moe_combine import combine, sum_token, sums_tokens
+from frugal.ops.triton.moe_combine import sum_token, summed, token_sums
 from frugal.ops.triton.moe_int4_tiles import Int4ExpertTiles
 from frugal.ops.triton.split_k import counters, grid, partials, reduce
 
@@ -138,7 +138,7 @@ def gemm(x: torch.Tensor, w: Int4ExpertTiles, out: torch.Tensor, n: int,
     block per slot, block_expert the slots' experts (the routing ids, flat). config: BLOCK_N,
     num_warps, STAGES. sums (down a block a slot, out fp32): (dst [tokens, n], residual or
     None, top_k), each token's slots summed into dst by the launch where it can (no split,
-    moe_combine.sums_tokens); returns whether it did."""
+    moe_combine.token_sums); returns whether it did."""
     block_n, warps, stages = config
     k = x.shape[1]
     if block_m not in ROWS or x.dtype not in _OFFSET or k != w.in_features or k % 2:
@@ -154,10 +154,8 @@ def gemm(x: torch.Tensor, w: Int4ExpertTiles, out: torch.Tensor, n: int,
     # (the ring's stages as constants, as int4_linear's: not for a split's few tiles, where
     # gate_up a slot a block would spill registers)
     unroll = stages if split == 1 and (block_m <= 16 if gated else block_m <= 32) else 1
-    dst, residual, top_k = sums or (out, None, 0)
-    if top_k and (split > 1 or not per_slot or gated or out.dtype != torch.float32
-                  or out.stride(0) != n or not sums_tokens(slots // top_k, n_blocks)):
-        dst, residual, top_k = out, None, 0
+    dst, residual, top_k = token_sums(sums if split == 1 and per_slot else None, out, n,
+                                      n_blocks, not gated)
     _kernel[launch](x, w.words, w.params.view(torch.int32), out,
                     block_expert if per_slot else sorted_slots, block_expert,
                     block_expert if per_slot else total, route if route is not None else out,
@@ -184,14 +182,9 @@ def fused_moe_slots(x: torch.Tensor, gate_up: Int4ExpertTiles, down: Int4ExpertT
     act = torch.empty(tokens * top_k, inter, dtype=x.dtype, device=x.device)
     gemm(x, gate_up, act, inter, None, flat, None, None, top_k, ROWS[0])
     # (each slot's product kept in fp32 until the top_k are summed, as the GEMV does)
-    out = torch.empty(tokens * top_k, hidden, dtype=torch.float32, device=x.device)
-    dst = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
-    if residual is not None:
-        residual = residual.contiguous()
-    if gemm(act, down, out, hidden, None, flat, None, weights.reshape(-1).float().contiguous(),
-            1, ROWS[0], sums=(dst, residual, top_k)):
-        return dst
-    return combine(out, top_k, residual, x.dtype)
+    route = weights.reshape(-1).float().contiguous()
+    return summed(lambda out, sums: gemm(act, down, out, hidden, None, flat, None, route, 1,
+                                         ROWS[0], sums=sums), x, top_k, residual)
 
 
 def split_for(programs: int, tiles: int, target: int = 512, least: int = 4) -> int:
