@@ -26,7 +26,6 @@ for Σ x, three times each, alternating (and times nothing else).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import itertools
 import json
 
@@ -38,7 +37,7 @@ from frugal.ops.triton.fp8_linear import _config as fp8_config
 from frugal.ops.triton.fp8_linear import fp8_linear
 from frugal.ops.triton.fp8_w8a8 import _config as w8a8_config
 from frugal.ops.triton.fp8_w8a8 import multiply, quantize_rows_padded, w8a8_linear
-from frugal.ops.triton.int4_linear import _config, int4_linear, repack
+from frugal.ops.triton.int4_linear import _config, int4_linear, repack, uncentered
 from frugal.ops.triton.launch import set_default
 from frugal.quant.fp8 import quantize_fp8
 from frugal.quant.int4 import quantize_rtn
@@ -179,12 +178,13 @@ def sweep_w8a8(k: int, n: int, ms: list[int], gated: bool = False) -> list[dict]
 
 def ab_centered(k: int, n: int, ms: list[int], gated: bool = False) -> list[dict]:
     """Median µs of three alternating runs of each INT4 operand form at its default config:
-    symmetric weights as served (code - 8) and marked not centered (MMAs with ones for Σ x)."""
+    symmetric weights as served (code - 8, the scales alone) and as (scale, min) pairs, not
+    centered (MMAs with ones for Σ x)."""
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5
     q = quantize_rtn(w, 128, symmetric=True)
     copies = copies_for(n * k // 2)
     tiles = [repack(q, torch.bfloat16) for _ in range(copies)]
-    forms = {"ones_us": [dataclasses.replace(t, centered=False) for t in tiles],
+    forms = {"ones_us": [uncentered(t) for t in tiles],
              "centered_us": tiles}
     rows = []
     for m in ms:

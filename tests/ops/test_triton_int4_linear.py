@@ -31,7 +31,7 @@ def run(m, n, k, group, form, dtype, gated=False, bias=False, residual=False, co
     ref = torch_ref.linear(x.float(), q.dequantize(), None if b is None else b.float(),
                            gated=gated, residual=None if r is None else r.float())
     tiles = tri.repack(q.to(DEVICE), dtype)
-    assert tiles.centered == (form == "sym")
+    assert tiles.centered == (form == "sym" and rows % 32 == 0)
     got = tri.int4_linear(x.to(DEVICE), tiles, None if b is None else b.to(DEVICE), gated,
                           None if r is None else r.to(DEVICE), config=config)
     assert got.shape == (m, n) and got.dtype == dtype
@@ -63,10 +63,21 @@ def test_repack_layout():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("form", ["sym", "asym", "mins"])
 def test_repack_marks_symmetric_codes_centered(form, dtype):
-    """centered (the kernel then multiplies code - 8 and skips Σ x): every min is -8 · scale;
-    one group off makes a weight not centered."""
-    q = weight(4, 256, 64, form, torch.Generator().manual_seed(0))
-    assert tri.repack(q, dtype).centered == (form == "sym")
+    """centered (the kernel then multiplies code - 8 and skips Σ x, and the scales alone are
+    kept): every min is -8 · scale and the rows a multiple of 32; one group off makes a weight
+    not centered."""
+    q = weight(32, 256, 64, form, torch.Generator().manual_seed(0))
+    t = tri.repack(q, dtype)
+    assert t.centered == (form == "sym")
+    if form == "sym":  # (the scales alone, [group, row]; uncentered writes the mins out)
+        assert torch.equal(t.params, q.scales.t().to(dtype))
+        assert tri.kernel_params(t).dtype == torch.int16
+        pairs = tri.uncentered(t).params
+        assert torch.equal(pairs[..., 0], t.params) and torch.equal(pairs[..., 1], -8 * t.params)
+        # (rows not a multiple of 32: the kernel could not copy two scales at once)
+        assert not tri.repack(weight(48, 256, 64, form, torch.Generator()), dtype).centered
+    else:
+        assert t.params.shape == (4, 32, 2) and tri.kernel_params(t).dtype == torch.int32
     if form == "sym":
         mins = -q.zeros * q.scales
         mins[3, 2] += q.scales[3, 2]  # (zero point 7 in one group)

@@ -20,19 +20,33 @@ def experts(e, n, k, seed):
 
 
 def test_repack_experts_stacks_each_experts_tiles():
-    """Expert e's words and (scale, min) pairs are int4_linear.repack's of expert e (rows
-    padded to blocks of 64, inputs to tiles of 128); symmetric codes: centered."""
-    w = experts(3, 80, 160, 0)
+    """Expert e's words and scales are int4_linear.repack's of expert e (rows padded to blocks
+    of 64, inputs to tiles of 128); symmetric codes: centered, the scales alone."""
+    w = experts(3, 96, 160, 0)
     t = tiles_mod.repack_experts(w, torch.float32)
-    assert t.shape == (3, 80, 160) and t.padded_k == 256 and t.group == 32 and t.centered
-    assert t.words.shape == (3, 2, 2, 64, 16) and t.params.shape == (3, 8, 80, 2)
+    assert t.shape == (3, 96, 160) and t.padded_k == 256 and t.group == 32 and t.centered
+    assert t.words.shape == (3, 2, 2, 64, 16) and t.params.shape == (3, 8, 96)
     # (the kernel's offsets of an expert: rows in blocks of 64, Kp / 8 words each; its 16-bit
-    # (scale, min) pairs one int32 each)
+    # scales one int16 each)
     b = tiles_mod.repack_experts(w, torch.bfloat16)
-    assert b.words.stride(0) == 2 * 256 * 8 and b.params.view(torch.int32).stride(0) == 8 * 80
+    assert b.words.stride(0) == 2 * 256 * 8 and lin.kernel_params(b).stride(0) == 8 * 96
     for e in range(3):
         one = lin.repack(w.expert(e), torch.float32)
         assert torch.equal(t.words[e], one.words) and torch.equal(t.params[e], one.params)
+
+
+def test_repack_experts_keeps_pairs_unless_every_expert_is_centered(monkeypatch):
+    """One expert not centered (its mins not -8 · scale in the activations' dtype): every
+    expert's (scale, min) pairs, the centered ones' mins written out."""
+    w = experts(3, 96, 160, 0)
+    repack = lin.repack
+    monkeypatch.setattr(tiles_mod, "repack", lambda q, dtype: (
+        lin.uncentered(repack(q, dtype)) if torch.equal(q.packed, w.expert(1).packed)
+        else repack(q, dtype)))
+    t = tiles_mod.repack_experts(w, torch.float32)
+    assert not t.centered and t.params.shape == (3, 8, 96, 2)
+    for e in range(3):
+        assert torch.equal(t.params[e], lin.uncentered(repack(w.expert(e), torch.float32)).params)
 
 
 def test_pack_experts_only_on_hopper_unless_turned_off(monkeypatch):
@@ -84,25 +98,28 @@ def test_split_for_few_programs():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens,block_m,hidden,per_slot", [
-    (1, 16, 160, True), (5, 16, 160, True), (16, 16, 160, True), (1, 16, 1024, True),
-    (1, 16, 160, False), (16, 16, 160, False), (24, 32, 160, False), (40, 16, 160, False),
-    (80, 64, 160, False), (80, 32, 160, False), (2, 32, 1024, False)])
-def test_moe_int4_wgmma_gpu(tokens, block_m, hidden, per_slot, monkeypatch):
+@pytest.mark.parametrize("tokens,block_m,hidden,per_slot,inter", [
+    (1, 16, 160, True, 160), (5, 16, 160, True, 160), (16, 16, 160, True, 160),
+    (1, 16, 1024, True, 160), (1, 16, 160, False, 160), (16, 16, 160, False, 160),
+    (24, 32, 160, False, 160), (40, 16, 160, False, 160), (80, 64, 160, False, 160),
+    (80, 32, 160, False, 160), (2, 32, 1024, False, 160), (5, 16, 160, True, 136),
+    (24, 32, 160, False, 136)])
+def test_moe_int4_wgmma_gpu(tokens, block_m, hidden, per_slot, inter, monkeypatch):
     """fused_moe on the kernel: up to 64 slots a block per slot (per_slot; else the GEMV's limit
     set to 0) and the sorted path's blocks of 16, 32 and 64 rows; 160 outputs of 160 inputs
     (rows padded to blocks of 64, the up half starting inside one, a partial block of 64
     outputs, K padded to 256), padding rows in every block; gate_up over 1024 inputs at 1-2
     tokens split in two (reduced by the last program), against torch_ref in fp32; at an odd
     count of tokens with a residual. A block a slot, down sums each token's slots itself
-    (TOP_K)."""
+    (TOP_K). Centered (scales alone) but where gate_up's 2 x 136 rows keep (scale, min)
+    pairs."""
     from frugal.ops.triton import moe, moe_combine, moe_gemv, split_k
 
     monkeypatch.setenv("FRUGAL_INT4_MOE_WGMMA", "1")
     if not per_slot:
         monkeypatch.setattr(moe_gemv, "MAX_SLOTS", 0)
     monkeypatch.setattr(moe, "rows_per_block", lambda *args: block_m)
-    num, top_k, inter = 16, 4, 160
+    num, top_k = 16, 4
     gate_up, down = experts(num, 2 * inter, hidden, tokens), experts(num, hidden, inter, tokens + 1)
     g = torch.Generator().manual_seed(tokens)
     x = torch.randn(tokens, hidden, generator=g).bfloat16()
@@ -112,6 +129,7 @@ def test_moe_int4_wgmma_gpu(tokens, block_m, hidden, per_slot, monkeypatch):
                               residual=None if res is None else res.float())
     packed = [tiles_mod.pack_experts(w.to("cuda"), torch.bfloat16) for w in (gate_up, down)]
     assert all(isinstance(p, tiles_mod.Int4ExpertTiles) for p in packed)
+    assert [p.centered for p in packed] == [inter % 16 == 0, True]
     launched = launches.record(monkeypatch, wg, "_kernel", "BLOCK_M", "GATED", "SPLIT_K",
                                "PER_SLOT", "TOP_K")
     got = moe.fused_moe(x.cuda(), *packed, weights.cuda(), ids.cuda(),

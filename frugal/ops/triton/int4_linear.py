@@ -14,6 +14,9 @@ the kernel's layout once, at load time (Int4Tiles):
   params: [Kp / group, N, 2] in the activations' dtype, group-major (a block of outputs reads
           contiguous values): each group's (scale, min), a 16-bit pair one 4-byte copy;
           w = u · scale + min for code u in [0, 15] (a zero point z becomes min = -z · scale).
+          Centered weights (symmetric codes: every min is -8 · scale; N a multiple of 32) keep
+          the scales alone, [Kp / group, N]: w = (u - 8) · scale, a tenth fewer bytes at
+          groups of 32.
 Up to SMALL_M rows in bf16 or fp16 on a Hopper GPU run int4_wgmma's kernel; anything else (more
 rows, fp32 activations, older GPUs, the CPU interpreter) multiplies the weight `dequantize`d by
 this module's Triton kernel, whose twin is Int4Weight.dequantize.
@@ -21,6 +24,7 @@ this module's Triton kernel, whose twin is Int4Weight.dequantize.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from dataclasses import dataclass
@@ -48,10 +52,10 @@ class Int4Tiles:
     """An INT4 weight [N, K] in the kernel's layout (see the module docstring)."""
 
     words: torch.Tensor
-    params: torch.Tensor
+    params: torch.Tensor  # [Kp / group, N, 2] (scale, min) pairs; centered: [Kp / group, N]
     in_features: int
     group: int
-    centered: bool = False  # every group's min is -8 · scale (symmetric codes)
+    centered: bool = False  # every min is -8 · scale (symmetric codes), N % 32 == 0: scales alone
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -63,7 +67,8 @@ class Int4Tiles:
 
 
 def repack(q: Int4Weight, dtype: torch.dtype) -> Int4Tiles:
-    """q (on the GPU) in the kernel's layout, scales and mins in dtype (the activations')."""
+    """q (on the GPU) in the kernel's layout, scales and mins in dtype (the activations'); the
+    scales alone (centered) where every min is -8 · scale and the rows are a multiple of 32."""
     n, k = q.shape
     group = q.group_size
     if group < 32 or (TILE_K % group and group % TILE_K):
@@ -83,8 +88,26 @@ def repack(q: Int4Weight, dtype: torch.dtype) -> Int4Tiles:
     pad = (0, (kp - k) // group) if group <= TILE_K else (0, 0)
     params = torch.stack([F.pad(q.scales.float(), pad).t(), F.pad(mins.float(), pad).t()], -1)
     params = params.to(dtype).contiguous()
-    centered = bool(torch.equal(params[..., 1], -8 * params[..., 0]))
+    # (the kernel copies two 16-bit scales at once: their offsets, multiples of the rows or of
+    # half the rows (gated), must be even where Triton can tell: multiples of 16)
+    centered = n % 32 == 0 and bool(torch.equal(params[..., 1], -8 * params[..., 0]))
+    if centered:
+        params = params[..., 0].contiguous()
     return Int4Tiles(words, params, k, group, centered)
+
+
+def uncentered(w: Int4Tiles) -> Int4Tiles:
+    """w with (scale, min) pairs (a centered weight's mins written out: -8 · scale, exact)."""
+    if not w.centered:
+        return w
+    return dataclasses.replace(w, params=torch.stack([w.params, -8 * w.params], -1),
+                               centered=False)
+
+
+def kernel_params(w) -> torch.Tensor:
+    """w.params (Int4Tiles, moe_int4_tiles.Int4ExpertTiles) as int4_wgmma's kernels read
+    them: a (scale, min) pair one int32, a centered weight's scale one int16."""
+    return w.params.view(torch.int16 if w.centered else torch.int32)
 
 
 def _config(m: int, n: int, k: int, gated: bool) -> tuple[int, int, int, int]:
@@ -146,7 +169,7 @@ def int4_linear(x: torch.Tensor, w: Int4Tiles, bias: torch.Tensor | None = None,
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     launch_pdl = pdl(x.device)
     _kernel[launch](
-        x, w.words, w.params.view(torch.int32), bias, residual, out,
+        x, w.words, kernel_params(w), bias, residual, out,
         partials(split, m, rows, x.device), counters(x.device), m, n, k // align,
         KP=w.padded_k, GROUP=w.group, GATED=gated, HAS_BIAS=bias is not None,
         HAS_RESIDUAL=residual is not None, BLOCK_N=block_n,
@@ -159,8 +182,9 @@ def int4_linear(x: torch.Tensor, w: Int4Tiles, bias: torch.Tensor | None = None,
 
 @triton.jit(do_not_specialize=["first"])
 def _dequantize_kernel(w_ptr, p_ptr, out_ptr, N, K, first, swe, spe, soe, KP: tl.constexpr,
-                       GROUP: tl.constexpr, BLOCK_N: tl.constexpr):
-    """out[n, k] = u · scale + min for one block of rows and one 128-input tile, stored as whole
+                       GROUP: tl.constexpr, CENTERED: tl.constexpr, BLOCK_N: tl.constexpr):
+    """out[n, k] = u · scale + min (CENTERED: the scales alone, min = -8 · scale) for one
+    block of rows and one 128-input tile, stored as whole
     rows: the eight nibbles of the tile's words [BN, 4 (t), 4 (q)] are joined into
     [BN, t, q, b, a, c] (nibble 2 a + b + 4 c) and permuted to input order (q, a, b, t, c).
     Grid axis 2: stacked weights (experts first.., their words, params and outputs swe, spe and
@@ -183,9 +207,14 @@ def _dequantize_kernel(w_ptr, p_ptr, out_ptr, N, K, first, swe, spe, soe, KP: tl
                      tl.join((high >> 8) & 0xF, (high >> 12) & 0xF))
     codes = tl.join(low_c, high_c).permute(0, 2, 4, 3, 1, 5).reshape(BLOCK_N, 128 // GK, GK)
     offs_g = (tile * 128 + tl.arange(0, 128 // GK) * GK) // GROUP
-    pair = p_ptr + 2 * (offs_g[None, :] * N + offs_n[:, None])
-    scale = tl.load(pair, mask=n_mask[:, None], other=0.0).to(tl.float32)
-    low = tl.load(pair + 1, mask=n_mask[:, None], other=0.0).to(tl.float32)
+    if CENTERED:
+        scale = tl.load(p_ptr + offs_g[None, :] * N + offs_n[:, None], mask=n_mask[:, None],
+                        other=0.0).to(tl.float32)
+        low = -8.0 * scale
+    else:
+        pair = p_ptr + 2 * (offs_g[None, :] * N + offs_n[:, None])
+        scale = tl.load(pair, mask=n_mask[:, None], other=0.0).to(tl.float32)
+        low = tl.load(pair + 1, mask=n_mask[:, None], other=0.0).to(tl.float32)
     w = (codes.to(tl.float32) * scale[:, :, None] + low[:, :, None]).reshape(BLOCK_N, 128)
     offs_k = tile * 128 + tl.arange(0, 128)
     tl.store(out_ptr + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :],
@@ -197,5 +226,6 @@ def dequantize(w: Int4Tiles, dtype: torch.dtype) -> torch.Tensor:
     n, k = w.shape
     out = torch.empty(n, k, dtype=dtype, device=w.words.device)
     _dequantize_kernel[(cdiv(n, 64), w.words.shape[1], 1)](
-        w.words, w.params, out, n, k, 0, 0, 0, 0, KP=w.padded_k, GROUP=w.group, BLOCK_N=64)
+        w.words, w.params, out, n, k, 0, 0, 0, 0, KP=w.padded_k, GROUP=w.group,
+        CENTERED=w.centered, BLOCK_N=64)
     return out

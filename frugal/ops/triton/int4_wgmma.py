@@ -39,8 +39,9 @@ def _kernel(x_ptr, w_ptr, p_ptr, b_ptr, r_ptr, out_ptr, part_ptr, count_ptr, M, 
     """out = epilogue(x @ wᵀ) for one block of BLOCK_N outputs (all BLOCK_M rows, 8 to 64) over
     this program's share of the 128-input tiles (grid axis 2; SPLIT_K > 1: reduced by the last).
     x: [M, K] with K = K_PARTS · K_ALIGN; w: [N (2N if GATED), K] as int4_linear's Int4Tiles,
-    p_ptr its (scale, min) pairs as int32 [KP / GROUP, N (2N)]. BLOCK_N: a multiple of 16 · WARPS
-    (WARPS a multiple of 4). CENTERED: symmetric codes, multiplied as code - 8 (no Σ x).
+    p_ptr its (scale, min) pairs as int32 [KP / GROUP, N (2N)] (CENTERED: its scales as int16).
+    BLOCK_N: a multiple of 16 · WARPS (WARPS a multiple of 4). CENTERED: symmetric codes,
+    multiplied as code - 8 (no Σ x).
     UNROLL: tiles a step of the loop takes, 1 or STAGES (then every stage is a constant: fewer
     instructions a tile, more registers)."""
     K = K_PARTS * K_ALIGN  # (so the compiler knows x's rows allow 16- or 4-byte copies)
@@ -77,7 +78,8 @@ def products(x_ptrs, x_mask, x_cols, K, w_ptr, p_ptr, pid_n, N, KP: gl.constexpr
              UNROLL: gl.constexpr, CENTERED: gl.constexpr, OFFSET: gl.constexpr,
              EVEN_K: gl.constexpr, SPLIT_K: gl.constexpr):
     """The fp32 sums [BLOCK_M, BLOCK_N] (acc, and acc_up if GATED) of outputs pid_n · BLOCK_N..
-    of weights w_ptr / p_ptr (int4_linear's words and (scale, min) pairs) times the BLOCK_M rows
+    of weights w_ptr / p_ptr (int4_linear's words and (scale, min) pairs, CENTERED: scales)
+    times the BLOCK_M rows
     x_ptrs reads (tile 0's, from `inputs`; x_mask: the live rows), over this program's share of
     the 128-input tiles (grid axis 2 of SPLIT_K): the ring and the loop the module describes."""
     ASYNC: gl.constexpr = BLOCK_M <= 16 or CENTERED  # a group's MMAs issued together
@@ -93,21 +95,23 @@ def products(x_ptrs, x_mask, x_cols, K, w_ptr, p_ptr, pid_n, N, KP: gl.constexpr
     # warps (as the A fragment wants), a thread's four words one 16-byte copy
     w_layout: gl.constexpr = gl.BlockedLayout([1, 2, 1, 1, 4], [1, 1, 8, 4, 1],
                                               [WARPS, 1, 1, 1, 1], [4, 3, 2, 1, 0])
-    p_layout: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, WARPS], [1, 0])
+    # (scale, min) pairs: one 4-byte copy each; a centered weight's 16-bit scales two a copy
+    P_VEC: gl.constexpr = 2 if CENTERED else 1
+    p_layout: gl.constexpr = gl.BlockedLayout([1, P_VEC], [1, 32], [1, WARPS], [1, 0])
     x_dtype: gl.constexpr = x_ptrs.dtype.element_ty
     w_smem = gl.allocate_shared_memory(gl.int32, [STAGES * HALVES, S, 2, 8, 4, 4],
                                        gl.SwizzledSharedLayout(4, 1, 1, [4, 3, 2, 1, 0]))
     x_smem = gl.allocate_shared_memory(
         x_dtype, [STAGES, 4 * BLOCK_M, 32],
         gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2))
-    p_smem = gl.allocate_shared_memory(gl.int32, [STAGES, HALVES * G, BLOCK_N],
-                                       gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    p_smem = gl.allocate_shared_memory(p_ptr.dtype.element_ty, [STAGES, HALVES * G, BLOCK_N],
+                                       gl.SwizzledSharedLayout(P_VEC, 1, 1, [1, 0]))
     per = gl.cdiv(KP // 128, SPLIT_K)
     first = gl.program_id(2) * per
     last = gl.minimum(first + per, KP // 128)
     width = 2 * N if GATED else N
 
-    # what tile 0 copies: a thread's four words of each row, the (scale, min) pairs
+    # what tile 0 copies: a thread's four words of each row, the (scale, min) pairs (scales)
     L4: gl.constexpr = gl.SliceLayout(4, w_layout)
     L3: gl.constexpr = gl.SliceLayout(3, L4)
     L2: gl.constexpr = gl.SliceLayout(2, L3)

@@ -9,8 +9,9 @@ only rename registers (checked by `convert_layout(..., assert_trivial=True)` at 
 Per group, Σ x (OFFSET + u) comes from the weights' MMA and Σ x from an MMA with ones, and
 Σ_k x_k w_k = scale · Σ x (OFFSET + u) + (min - OFFSET · scale) · Σ x. Up to 16 rows a group's
 MMAs are issued together and waited for once; beyond, one by one (fewer live registers), except
-for CENTERED weights (symmetric: every min is -8 · scale), whose operand is code - 8 (one more
-FMA per register) and which need no Σ x: their MMAs are issued together at any BLOCK_M.
+for CENTERED weights (symmetric: every min is -8 · scale, and only the scales are stored), whose
+operand is code - 8 (one more FMA per register) and which need no Σ x: their MMAs are issued
+together at any BLOCK_M.
 """
 
 from __future__ import annotations
@@ -65,10 +66,15 @@ def _quarters(words):
 
 
 @gluon.jit
-def _params(pair, dtype: gl.constexpr):
-    """A group's (scale, min) pairs (int32: scale in the low half, both in dtype) -> fp32."""
-    scale = pair.to(gl.int16).to(dtype, bitcast=True).to(gl.float32)
-    low = (pair >> 16).to(gl.int16).to(dtype, bitcast=True).to(gl.float32)
+def _params(p, dtype: gl.constexpr, CENTERED: gl.constexpr):
+    """A group's (scale, min) pairs (int32: scale in the low half, both in dtype) -> fp32;
+    CENTERED: its scales (int16, in dtype) -> fp32, the mins -8 · scale."""
+    if CENTERED:
+        scale = p.to(dtype, bitcast=True).to(gl.float32)
+        low = -8.0 * scale
+    else:
+        scale = p.to(gl.int16).to(dtype, bitcast=True).to(gl.float32)
+        low = (p >> 16).to(gl.int16).to(dtype, bitcast=True).to(gl.float32)
     return scale, low
 
 
@@ -96,8 +102,9 @@ def _products(quarters, x_smem, stage, part, g: gl.constexpr, CHUNKS: gl.constex
 def _fold(acc, part, x_sum, p_smem, row: gl.constexpr, OFFSET: gl.constexpr,
           dtype: gl.constexpr, acc_layout: gl.constexpr, CENTERED: gl.constexpr):
     """acc + a group's products scaled by the (scale, min) pairs of p_smem's row `row` (if
-    CENTERED, every min is -8 · scale: the products alone)."""
-    scale, low = _params(p_smem.slice(row, 1).permute((1, 0)).load(acc_layout), dtype)
+    CENTERED, its scales: every min is -8 · scale, the products alone)."""
+    scale, low = _params(p_smem.slice(row, 1).permute((1, 0)).load(acc_layout), dtype,
+                         CENTERED)
     if CENTERED:
         return acc + part * scale  # ([BN, 1] broadcast)
     return acc + part * scale + x_sum * (low - OFFSET * scale)
@@ -109,8 +116,9 @@ def tile(words, words_up, x_smem, stage, p_smem, ones, acc, acc_up, GATED: gl.co
           acc_layout: gl.constexpr, ASYNC: gl.constexpr, CENTERED: gl.constexpr):
     """acc (and acc_up) [BN, BM] + one 128-input tile's products: words (words_up) [S, 2, 8, 4,
     4], x_smem [STAGES, 4 BM, 32] (rows c BM..: the tile's inputs 32 c..), p_smem
-    [halves · G, BN] the tile's (scale, min) pairs. ASYNC: a group's MMAs (Σ x with ones,
-    the weights', the up half's) are issued together and waited for once (more registers).
+    [halves · G, BN] the tile's (scale, min) pairs (CENTERED: scales). ASYNC: a group's MMAs
+    (Σ x with ones, the weights', the up half's) are issued together and waited for once (more
+    registers).
     CENTERED (symmetric codes): the weights as u - 8, and no Σ x."""
     CHUNKS: gl.constexpr = 4 // G  # 32-input chunks per group
     dtype: gl.constexpr = x_smem.dtype

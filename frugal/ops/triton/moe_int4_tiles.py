@@ -2,8 +2,9 @@
 
 Int4ExpertTiles holds every expert's matrix as int4_linear.repack lays out one (rows in blocks
 of 64, 128-input tiles, the words of a tile in tensor-core order; (scale, min) pairs in the
-activations' dtype), stacked on a leading expert dim: words [E, R / 64, Kp / 128, 64, 16]
-int32, params [E, Kp / group, R, 2]. pack_experts repacks INT4 experts into it at load time
+activations' dtype; the scales alone, [E, Kp / group, R], where every expert is centered),
+stacked on a leading expert dim: words [E, R / 64, Kp / 128, 64, 16] int32, params
+[E, Kp / group, R, 2]. pack_experts repacks INT4 experts into it at load time
 (in place of quant.experts.Int4Experts on a Hopper GPU, unless FRUGAL_INT4_MOE_WGMMA=0);
 `dequantize` widens a chunk of them for prompts (moe_dense).
 """
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from frugal.ops.triton.int4_linear import _OFFSET, TILE_K, _dequantize_kernel, repack
+from frugal.ops.triton.int4_linear import _OFFSET, TILE_K, _dequantize_kernel, repack, uncentered
 from frugal.quant.experts import Int4Experts
 
 
@@ -47,11 +48,13 @@ def repack_experts(w: Int4Experts, dtype: torch.dtype) -> Int4ExpertTiles:
     first = repack(w.expert(0), dtype)
     words = first.words.new_empty((w.shape[0], *first.words.shape))
     params = first.params.new_empty((w.shape[0], *first.params.shape))
-    centered = True
+    centered = first.centered
     for e in range(w.shape[0]):
         tiles = first if e == 0 else repack(w.expert(e), dtype)
-        words[e], params[e] = tiles.words, tiles.params
-        centered = centered and tiles.centered
+        if centered and not tiles.centered:  # (one expert's mins are not -8 · scale: pairs)
+            params, centered = torch.stack([params, -8 * params], -1), False
+        words[e] = tiles.words
+        params[e] = tiles.params if centered or not tiles.centered else uncentered(tiles).params
     return Int4ExpertTiles(words, params, first.in_features, first.group, centered)
 
 
@@ -83,5 +86,5 @@ def dequantize(w: Int4ExpertTiles, first: int, out: torch.Tensor) -> torch.Tenso
                          f"into {tuple(out.shape)}")
     _dequantize_kernel[(triton.cdiv(rows, 64), w.words.shape[2], count)](
         w.words, w.params, out, rows, k, first, w.words.stride(0), w.params.stride(0),
-        out.stride(0), KP=w.padded_k, GROUP=w.group, BLOCK_N=64)
+        out.stride(0), KP=w.padded_k, GROUP=w.group, CENTERED=w.centered, BLOCK_N=64)
     return out

@@ -24,7 +24,7 @@ import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from frugal.ops.triton.int4_linear import _OFFSET, TILE_K
+from frugal.ops.triton.int4_linear import _OFFSET, TILE_K, kernel_params
 from frugal.ops.triton.int4_wgmma import inputs, products
 from frugal.ops.triton.moe_combine import sum_token, summed, token_sums
 from frugal.ops.triton.moe_int4_tiles import Int4ExpertTiles
@@ -65,7 +65,7 @@ def _kernel(x_ptr, w_ptr, p_ptr, out_ptr, sorted_ptr, block_expert_ptr, total_pt
     expert = gl.load(block_expert_ptr + pid_m).to(gl.int64)
     width = 2 * N if GATED else N
     w_ptr += expert * (((width + 63) // 64) * (KP * 8))  # (blocks of 64 rows, KP / 8 words)
-    p_ptr += expert * ((KP // GROUP) * width)  # ((scale, min) pairs as int32)
+    p_ptr += expert * ((KP // GROUP) * width)  # ((scale, min) pairs as int32, or scales)
     # the block's rows: slot s (sorted) reads x's row s // A_DIV; padding slots read nothing
     xr, x_cols = inputs(BLOCK_M, WARPS)
     x_slot = _slots(sorted_ptr, pid_m, xr % BLOCK_M, num_slots, BLOCK_M, PER_SLOT)
@@ -156,7 +156,7 @@ def gemm(x: torch.Tensor, w: Int4ExpertTiles, out: torch.Tensor, n: int,
     unroll = stages if split == 1 and (block_m <= 16 if gated else block_m <= 32) else 1
     dst, residual, top_k = token_sums(sums if split == 1 and per_slot else None, out, n,
                                       n_blocks, not gated)
-    _kernel[launch](x, w.words, w.params.view(torch.int32), out,
+    _kernel[launch](x, w.words, kernel_params(w), out,
                     block_expert if per_slot else sorted_slots, block_expert,
                     block_expert if per_slot else total, route if route is not None else out,
                     partials(split, slots, 2 * n if gated else n, x.device), counters(x.device),
