@@ -11,17 +11,19 @@ import triton.language as tl
 
 from frugal.ops.torch_ref.kv_quant import QMAX, row_scaled, scale_view
 from frugal.ops.triton.kv_store import finite_abs, store_quantized
+from frugal.ops.triton.launch import enter, pdl
 from frugal.ops.triton.sizes import next_power_of_2
 
 
 @triton.jit
 def _store_kernel(x_ptr, slot_ptr, cache_ptr, scale_ptr, row_scale_ptr, x_stride, cache_row,
                   scale_row, WIDTH: tl.constexpr, BLOCK: tl.constexpr, MODE: tl.constexpr,
-                  QMAX: tl.constexpr):
+                  QMAX: tl.constexpr, PDL: tl.constexpr):
     """Token t's row x[t, :WIDTH] to cache row slot[t] (cache_row elements apart), as
     kv_store.store_quantized writes it: MODE 0 cast to the cache's dtype; 1 static FP8 over
     scale_ptr[0]; 2 over the row's own scale (amax / QMAX, stored at row_scale_ptr + slot *
     scale_row)."""
+    enter(PDL)
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:
@@ -45,12 +47,13 @@ def _launch(x: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor, mo
         return
     x = x if x.stride(-1) == 1 else x.contiguous()
     width = x.shape[-1]
+    launch_pdl = pdl(x.device)
     _store_kernel[(x.shape[0],)](
         x, slot_mapping, cache, cache if scale is None else scale,
         cache if row_scales is None else row_scales, x.stride(0), cache.stride(1),
         0 if row_scales is None else row_scales.stride(1), WIDTH=width,
         BLOCK=next_power_of_2(width), MODE=mode,
-        QMAX=QMAX.get(cache.dtype, 448.0))
+        QMAX=QMAX.get(cache.dtype, 448.0), PDL=launch_pdl, launch_pdl=launch_pdl > 0)
 
 
 def store_latent(latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor,

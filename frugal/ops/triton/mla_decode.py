@@ -22,6 +22,7 @@ import triton.language as tl
 
 from frugal.ops import torch_ref
 from frugal.ops.torch_ref.kv_quant import row_scaled, scale_view
+from frugal.ops.triton.launch import enter, pdl
 from frugal.ops.triton.sizes import cdiv, next_power_of_2
 from frugal.ops.triton.token_rows import page_slot, token_request
 
@@ -48,9 +49,11 @@ def _mla_decode(q_ptr, cache_ptr, page_table_ptr, seq_lens_ptr, out_ptr, lse_ptr
                 sel_ptr, cu_ptr, num_requests, num_selected, ssel, kv_scale_ptr, row_scale_ptr,
                 PAGE_SIZE: tl.constexpr, LAT: tl.constexpr, ROPE: tl.constexpr,
                 SPARSE: tl.constexpr, FP8: tl.constexpr, F32_DOT: tl.constexpr,
-                BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SCALE_ROW: tl.constexpr):
+                BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SCALE_ROW: tl.constexpr,
+                PDL: tl.constexpr):
     """FP8: a static cache, its one scale at kv_scale_ptr. SCALE_ROW > 0: 8-bit rows with their
     own scale, slot s's at row_scale_ptr + s * SCALE_ROW (on its scores and its weight)."""
+    enter(PDL)
     b = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
@@ -126,9 +129,11 @@ def _mla_decode(q_ptr, cache_ptr, page_table_ptr, seq_lens_ptr, out_ptr, lse_ptr
 
 @triton.jit(do_not_specialize=["splits", "spb", "slb"])  # (splits: 1 at short contexts)
 def _merge(part_ptr, lse_ptr, out_ptr, splits, spb, sps, sph, slb, sls, sob, soh,
-           SPLITS_PAD: tl.constexpr, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr):
+           SPLITS_PAD: tl.constexpr, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr,
+           PDL: tl.constexpr):
     """out[b, head, d-block] = Σ_split partial · exp(lse - top) / Σ_split exp(lse - top), in
     out's dtype (0 where no split saw a key): program (b, head, d-block), CHUNK splits a step."""
+    enter(PDL)
     b = tl.program_id(0)
     head = tl.program_id(1)
     d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -158,11 +163,13 @@ def merge(part: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> torch.Te
     out = torch.empty(batch, heads, lat, dtype=dtype, device=part.device)
     block_d = min(128, lat)
     splits_pad = max(16, next_power_of_2(splits))
+    launch_pdl = pdl(part.device)
     _merge[(batch, heads, lat // block_d)](part, lse, out, splits, part.stride(0),
                                            part.stride(1), part.stride(2), lse.stride(0),
                                            lse.stride(1), out.stride(0), out.stride(1),
                                            SPLITS_PAD=splits_pad, CHUNK=min(16, splits_pad),
-                                           BLOCK_D=block_d, num_warps=4)
+                                           BLOCK_D=block_d, PDL=launch_pdl, num_warps=4,
+                                           launch_pdl=launch_pdl > 0)
     return out
 
 
@@ -203,6 +210,7 @@ def mla_decode(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor,
                       device=q.device)
     lse = torch.empty(batch, splits, num_heads, dtype=torch.float32, device=q.device)
     grid = (batch, cdiv(num_heads, block_h), splits)
+    launch_pdl = pdl(q.device)
     _mla_decode[grid](q, cache, page_table, seq_lens, out, lse, scale, num_heads, keys_per_split,
                       q.stride(0), q.stride(1), page_table.stride(0), cache.stride(1),
                       out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
@@ -214,7 +222,8 @@ def mla_decode(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor,
                       FP8=cache.element_size() == 1 and not own,
                       SCALE_ROW=row_scales.stride(1) if own else 0,
                       F32_DOT=_INTERPRET or q.dtype == torch.float32, BLOCK_H=block_h,
-                      BLOCK_N=BLOCK_N, num_warps=NUM_WARPS or (8 if kv_lora_rank >= 256 else 4),
+                      BLOCK_N=BLOCK_N, PDL=launch_pdl, launch_pdl=launch_pdl > 0,
+                      num_warps=NUM_WARPS or (8 if kv_lora_rank >= 256 else 4),
                       **({} if NUM_STAGES is None else {"num_stages": NUM_STAGES}))
     return merge(out, lse, q.dtype)
 

@@ -35,6 +35,7 @@ import triton.language as tl
 
 from frugal.ops.triton import fp8_groups, moe_dense, moe_int4_wgmma
 from frugal.ops.triton.fp8_groups import quantize_group, w8a8_step
+from frugal.ops.triton.launch import enter, pdl
 from frugal.ops.triton.moe_align import align
 from frugal.ops.triton.moe_combine import combine
 from frugal.ops.triton.moe_configs import lookup, w8a8_tile
@@ -95,7 +96,8 @@ def _sorted_gemm(a_ptr, w_ptr, s_ptr, out_ptr, sorted_ptr, block_expert_ptr, tot
                  A_DIV: tl.constexpr, MODE: tl.constexpr, S_BN: tl.constexpr, S_BK: tl.constexpr,
                  GATED: tl.constexpr, ROUTED: tl.constexpr, F32_DOT: tl.constexpr,
                  A_FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
+                 BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    enter(PDL)
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     pid_m = pid // num_n
@@ -204,6 +206,8 @@ def _gemm(a: torch.Tensor, w: torch.Tensor | Experts, out: torch.Tensor, n: int,
     else:
         block_n, block_k = _blocks(mode, s_bk, k, block_m)
     grid = (block_expert.numel() * cdiv(n, block_n),)
+    mode_pdl = pdl(a.device)
+    launch.update(PDL=mode_pdl, launch_pdl=mode_pdl > 0)
     a_scales, a_fp8 = out, 0
     if mode == 3:  # W8A8: blocks of many rows take the inputs rounded once, fewer round them
         a_fp8 = 1

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from frugal.ops.triton.launch import enter, pdl
 from frugal.ops.triton.sizes import cdiv, next_power_of_2
 
 BLOCK = 1024  # slots a program of _count and _place takes
@@ -25,7 +26,9 @@ CHUNK_BLOCKS = 64  # GEMM row blocks _layout assigns a step
 
 
 @triton.jit(do_not_specialize=["slots"])  # (the step's slots: any value, one variant)
-def _count(ids_ptr, work_ptr, slots, E_PAD: tl.constexpr, BLOCK: tl.constexpr):
+def _count(ids_ptr, work_ptr, slots, E_PAD: tl.constexpr, BLOCK: tl.constexpr,
+           PDL: tl.constexpr):
+    enter(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < slots
     expert = tl.load(ids_ptr + offs, mask=ok, other=0).to(tl.int32)
@@ -36,7 +39,8 @@ def _count(ids_ptr, work_ptr, slots, E_PAD: tl.constexpr, BLOCK: tl.constexpr):
 @triton.jit(do_not_specialize=["slots", "capacity"])  # (the step's slots: any value, one variant)
 def _layout(work_ptr, sorted_ptr, block_expert_ptr, total_ptr, num_experts, slots, capacity,
             BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, BLOCK: tl.constexpr,
-            CHUNK_BLOCKS: tl.constexpr):
+            CHUNK_BLOCKS: tl.constexpr, PDL: tl.constexpr):
+    enter(PDL)
     e = tl.arange(0, E_PAD)
     real = e < num_experts
     counts = tl.load(work_ptr + e, mask=real, other=0)
@@ -57,7 +61,9 @@ def _layout(work_ptr, sorted_ptr, block_expert_ptr, total_ptr, num_experts, slot
 
 
 @triton.jit(do_not_specialize=["slots"])  # (the step's slots: any value, one variant)
-def _place(ids_ptr, work_ptr, sorted_ptr, slots, E_PAD: tl.constexpr, BLOCK: tl.constexpr):
+def _place(ids_ptr, work_ptr, sorted_ptr, slots, E_PAD: tl.constexpr, BLOCK: tl.constexpr,
+           PDL: tl.constexpr):
+    enter(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < slots
     expert = tl.load(ids_ptr + offs, mask=ok, other=0).to(tl.int32)
@@ -80,8 +86,11 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int
     block_expert = torch.empty(capacity // block_m, dtype=torch.int32, device=ids.device)
     total = torch.empty(1, dtype=torch.int32, device=ids.device)
     grid = (max(1, cdiv(slots, BLOCK)),)
-    _count[grid](flat, work, slots, E_PAD=e_pad, BLOCK=BLOCK)
+    mode = pdl(ids.device)
+    _count[grid](flat, work, slots, E_PAD=e_pad, BLOCK=BLOCK, PDL=mode, launch_pdl=mode > 0)
     _layout[(1,)](work, sorted_slots, block_expert, total, num_experts, slots, capacity,
-                  BLOCK_M=block_m, E_PAD=e_pad, BLOCK=BLOCK, CHUNK_BLOCKS=CHUNK_BLOCKS)
-    _place[grid](flat, work, sorted_slots, slots, E_PAD=e_pad, BLOCK=BLOCK)
+                  BLOCK_M=block_m, E_PAD=e_pad, BLOCK=BLOCK, CHUNK_BLOCKS=CHUNK_BLOCKS,
+                  PDL=mode, launch_pdl=mode > 0)
+    _place[grid](flat, work, sorted_slots, slots, E_PAD=e_pad, BLOCK=BLOCK, PDL=mode,
+                 launch_pdl=mode > 0)
     return sorted_slots, block_expert, total

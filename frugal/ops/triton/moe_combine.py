@@ -9,13 +9,15 @@ import torch
 import triton
 import triton.language as tl
 
+from frugal.ops.triton.launch import enter, pdl
 from frugal.ops.triton.sizes import cdiv, next_power_of_2
 from frugal.ops.triton.split_k import MAX_BLOCKS
 
 
 @triton.jit
 def _combine(out_ptr, res_ptr, dst_ptr, H, TOP_K: tl.constexpr, RESIDUAL: tl.constexpr,
-             BLOCK: tl.constexpr):
+             BLOCK: tl.constexpr, PDL: tl.constexpr):
+    enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < H
@@ -97,7 +99,9 @@ def combine(out: torch.Tensor, top_k: int, residual: torch.Tensor | None,
     if residual is not None:
         residual = residual.contiguous()
     block = min(1024, next_power_of_2(hidden))
+    launch_pdl = pdl(out.device)
     _combine[(slots // top_k, cdiv(hidden, block))](
         out, residual if residual is not None else out, dst, hidden, TOP_K=top_k,
-        RESIDUAL=residual is not None, BLOCK=block, num_warps=4)
+        RESIDUAL=residual is not None, BLOCK=block, PDL=launch_pdl, num_warps=4,
+        launch_pdl=launch_pdl > 0)
     return dst

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from frugal.ops.triton.fp8_groups import round_inputs
+from frugal.ops.triton.launch import enter, pdl
 from frugal.ops.triton.moe import ONE_BITS, _operand, _weight_tile, kernel_mode
 from frugal.ops.triton.moe_combine import sum_token, summed, token_sums
 from frugal.ops.triton.moe_configs import gemv_tile, lookup, tiles_scales
@@ -68,10 +69,11 @@ def _gemv(a_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, route_ptr, res_ptr, dst_ptr, co
           S_BN: tl.constexpr, S_BK: tl.constexpr, GATED: tl.constexpr,
           FP8_SCALES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
           PREFETCH: tl.constexpr, STAGES: tl.constexpr, A_FP8: tl.constexpr,
-          TOP_K: tl.constexpr, RESIDUAL: tl.constexpr):
+          TOP_K: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr):
     """out[slot, offs_n] = a[slot // A_DIV] @ w[ids[slot]]ᵀ, silu(gate) · up if GATED, else
     times route[slot]; TOP_K > 0 (routed, out fp32 [slots, N]): and each token's TOP_K slots
     (and res_ptr's row if RESIDUAL) summed into dst_ptr (moe_combine.sum_token)."""
+    enter(PDL)
     slot = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -222,13 +224,15 @@ def _launch(a: torch.Tensor, w: torch.Tensor | Experts, out: torch.Tensor, n: in
     prefetch, stages = loop_options(mode, config or {})
     grid = (ids.numel(), cdiv(n, block_n))
     dst, residual, top_k = token_sums(sums, out, n, grid[1], route is not None)
+    launch_pdl = pdl(a.device)
     _gemv[grid](a, data, scales, out, ids, route if route is not None else out,
                 residual if residual is not None else out, dst, counters(a.device), n, k,
                 a.stride(0), *data.stride(), *scales.stride(), out.stride(0), ONE_BITS,
                 A_DIV=a_div, MODE=mode, S_BN=s_bn, S_BK=s_bk, GATED=route is None, A_FP8=w8a8,
                 FP8_SCALES=_fp8_scales(mode, s_bn, s_bk, n, k, block_n), BLOCK_N=block_n,
                 BLOCK_K=block_k, PREFETCH=prefetch, STAGES=stages, TOP_K=top_k,
-                RESIDUAL=residual is not None, num_warps=num_warps)
+                RESIDUAL=residual is not None, PDL=launch_pdl, num_warps=num_warps,
+                launch_pdl=launch_pdl > 0)
     return top_k > 0
 
 

@@ -26,6 +26,7 @@ from triton.experimental.gluon import language as gl
 
 from frugal.ops.triton.int4_linear import _OFFSET, TILE_K, kernel_params
 from frugal.ops.triton.int4_wgmma import inputs, products
+from frugal.ops.triton.launch import enter, pdl
 from frugal.ops.triton.moe_combine import sum_token, summed, token_sums
 from frugal.ops.triton.moe_int4_tiles import Int4ExpertTiles
 from frugal.ops.triton.split_k import counters, grid, partials, reduce
@@ -48,7 +49,7 @@ def _kernel(x_ptr, w_ptr, p_ptr, out_ptr, sorted_ptr, block_expert_ptr, total_pt
             STAGES: gl.constexpr, UNROLL: gl.constexpr, CENTERED: gl.constexpr,
             OFFSET: gl.constexpr, EVEN_K: gl.constexpr, K_ALIGN: gl.constexpr,
             SPLIT_K: gl.constexpr, PER_SLOT: gl.constexpr, TOP_K: gl.constexpr,
-            RESIDUAL: gl.constexpr):
+            RESIDUAL: gl.constexpr, PDL: gl.constexpr):
     """One block of BLOCK_M sorted slots (grid axis 1) times BLOCK_N outputs (axis 0) of its
     expert's [N (2N if GATED), K] matrix, over this program's share of the 128-input tiles
     (axis 2: SPLIT_K > 1, reduced by the last, _finish). x [*, K]: slot s reads row
@@ -57,6 +58,7 @@ def _kernel(x_ptr, w_ptr, p_ptr, out_ptr, sorted_ptr, block_expert_ptr, total_pt
     ids; no sorting: sorted_ptr and total_ptr unread); TOP_K > 0 (with PER_SLOT, down, no
     split): and each token's TOP_K slots summed into dst_ptr (moe_combine.sum_token)."""
     K = K_PARTS * K_ALIGN
+    enter(PDL)
     pid_n = gl.program_id(0)
     pid_m = gl.program_id(1)
     if not PER_SLOT:
@@ -156,6 +158,7 @@ def gemm(x: torch.Tensor, w: Int4ExpertTiles, out: torch.Tensor, n: int,
     unroll = stages if split == 1 and (block_m <= 16 if gated else block_m <= 32) else 1
     dst, residual, top_k = token_sums(sums if split == 1 and per_slot else None, out, n,
                                       n_blocks, not gated)
+    launch_pdl = pdl(x.device)
     _kernel[launch](x, w.words, kernel_params(w), out,
                     block_expert if per_slot else sorted_slots, block_expert,
                     block_expert if per_slot else total, route if route is not None else out,
@@ -165,7 +168,8 @@ def gemm(x: torch.Tensor, w: Int4ExpertTiles, out: torch.Tensor, n: int,
                     BLOCK_N=block_n, BLOCK_M=block_m, WARPS=warps, STAGES=stages, UNROLL=unroll,
                     CENTERED=w.centered, OFFSET=_OFFSET[x.dtype], EVEN_K=k % TILE_K == 0,
                     K_ALIGN=align, SPLIT_K=split, PER_SLOT=per_slot, TOP_K=top_k,
-                    RESIDUAL=residual is not None, num_warps=warps)
+                    RESIDUAL=residual is not None, PDL=launch_pdl, num_warps=warps,
+                    launch_pdl=launch_pdl > 0)
     return top_k > 0
 
 

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from frugal.ops.torch_ref.moe import route_experts as route_experts_torch
+from frugal.ops.triton.launch import enter, pdl
 from frugal.ops.triton.sizes import cdiv, next_power_of_2
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -35,9 +36,11 @@ DECODE_SPLITS = 8  # slices of the router's inputs at up to 16 tokens (see route
 
 @triton.jit(do_not_specialize=["T"])  # (T, the step's tokens, changes from step to step)
 def _logits(x_ptr, w_ptr, out_ptr, T, E, K, slice_k, sxt, swe, F32_DOT: tl.constexpr,
-            BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+            BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+            PDL: tl.constexpr):
     """out[s, t, e] = Σ_k x[t, k] · w[e, k] in fp32 over the s-th slice_k inputs: BLOCK_T
     tokens × BLOCK_E experts × one slice a program."""
+    enter(PDL)
     rows = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     split = tl.program_id(2)
@@ -72,8 +75,10 @@ def router_logits(x: torch.Tensor, router: torch.Tensor, splits: int = 1) -> tor
     out = torch.empty(splits, t, e, dtype=torch.float32, device=x.device)
     f32 = _INTERPRET or x.dtype != router.dtype or x.dtype == torch.float32
     grid = (cdiv(e, block_e), cdiv(t, block_t), splits)
+    launch_pdl = pdl(x.device)
     _logits[grid](x, router, out, t, e, k, slice_k, x.stride(0), router.stride(0), F32_DOT=f32,
-                  BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k, num_warps=4)
+                  BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k, PDL=launch_pdl,
+                  num_warps=4, launch_pdl=launch_pdl > 0)
     return out
 
 
@@ -82,7 +87,8 @@ def _route(logits_ptr, bias_ptr, weights_ptr, ids_ptr, T, E, scaling, SPLITS: tl
            TOP_K: tl.constexpr,
            TOP_PAD: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
            RENORMALIZE: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
-           BLOCK_E: tl.constexpr):
+           BLOCK_E: tl.constexpr, PDL: tl.constexpr):
+    enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
     ok = offs < E
@@ -147,11 +153,12 @@ def route_experts(x: torch.Tensor, router: torch.Tensor, correction_bias: torch.
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=x.device)
     bias = correction_bias if correction_bias is not None else logits
+    launch_pdl = pdl(x.device)
     _route[(num_tokens,)](logits, bias, weights, ids, num_tokens, num_experts, float(scaling),
                           SPLITS=logits.shape[0], TOP_K=top_k,
                           TOP_PAD=next_power_of_2(top_k), SIGMOID=scoring == "sigmoid",
                           HAS_BIAS=correction_bias is not None,
                           RENORMALIZE=renormalize, N_GROUP=n_group if grouped else 1,
-                          TOPK_GROUP=topk_group, BLOCK_E=block_e,
-                          num_warps=max(1, min(4, block_e // 256)))
+                          TOPK_GROUP=topk_group, BLOCK_E=block_e, PDL=launch_pdl,
+                          num_warps=max(1, min(4, block_e // 256)), launch_pdl=launch_pdl > 0)
     return weights, ids
