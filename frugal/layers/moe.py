@@ -149,10 +149,10 @@ class MoE(nn.Module):
 
     def forward(self, h: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         m = self.config
-        x = norm(h)
-        weights, ids = ops.route_experts(x, self.gate.weight, self.gate.e_score_correction_bias,
-                                         m.top_k, m.scoring, m.norm_topk_prob, m.n_group,
-                                         m.topk_group, m.routed_scaling_factor)
+        x, weights, ids = ops.norm_route_experts(
+            h, norm.weight, norm.eps, self.gate.weight, self.gate.e_score_correction_bias,
+            m.top_k, m.scoring, m.norm_topk_prob, m.n_group, m.topk_group,
+            m.routed_scaling_factor)
         if self.parallel.size > 1:  # (partial sums over the ranks' intermediate features)
             y = ops.fused_moe(x, *self.experts.weights(), weights, ids)
             if self.shared_experts is not None:

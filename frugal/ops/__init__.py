@@ -26,9 +26,9 @@ from types import ModuleType
 from frugal.ops import torch_ref
 
 OPS = ("linear", "rms_norm", "silu_and_mul", "rotary_store_kv", "paged_attention",
-       "check_kv_pages", "route_experts", "fused_moe", "apply_rotary", "apply_rotary_pairs",
-       "store_latent", "mla_attention", "store_index_key", "index_topk", "sparse_mla_attention",
-       "copy_pages")
+       "check_kv_pages", "route_experts", "norm_route_experts", "fused_moe", "apply_rotary",
+       "apply_rotary_pairs", "store_latent", "mla_attention", "store_index_key", "index_topk",
+       "sparse_mla_attention", "copy_pages")
 BACKENDS = {"torch_ref": "frugal.ops.torch_ref", "triton": "frugal.ops.triton"}
 
 _backend: ContextVar[ModuleType] = ContextVar("frugal.ops.backend", default=torch_ref)
@@ -76,6 +76,7 @@ rotary_store_kv = _dispatch("rotary_store_kv")
 paged_attention = _dispatch("paged_attention")
 check_kv_pages = _dispatch("check_kv_pages")
 route_experts = _dispatch("route_experts")
+norm_route_experts = _dispatch("norm_route_experts")
 fused_moe = _dispatch("fused_moe")
 apply_rotary = _dispatch("apply_rotary")
 apply_rotary_pairs = _dispatch("apply_rotary_pairs")

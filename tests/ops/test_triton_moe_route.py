@@ -61,3 +61,47 @@ def test_router_logits(dtype, tokens, experts, hidden, splits, slices):
     assert got.dtype == torch.float32 and got.shape == (slices, tokens, experts)
     torch.testing.assert_close(got.sum(0).cpu(), x.float() @ router.float().t(), rtol=1e-5,
                                atol=1e-4)
+
+
+@pytest.mark.parametrize("case", ["qwen3", "deepseek-v3", "kimi-k2", "deepseek-v2-lite"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens, hidden", [(1, 96), (5, 600), (16, 64), (17, 64)])
+def test_norm_route_experts(case, dtype, tokens, hidden, monkeypatch):
+    """The MoE layer's norm, router logits and routing: up to 16 tokens one launch (its slices
+    of 64 inputs, 600 in 8 slices the last short), more through rms_norm and route_experts; x
+    as torch_ref's rms_norm (bf16: within its two roundings), the experts and weights torch_ref
+    routes that x to, and the counters left zero."""
+    from frugal.ops.triton import moe_route_normed, split_k
+
+    experts, top_k, scoring, renorm, n_group, topk_group, scaling, bias = CASES[case]
+    g = torch.Generator().manual_seed(tokens * 7 + experts)
+    h = (torch.randn(tokens, hidden, generator=g) * 3).to(dtype)
+    norm = (1 + torch.rand(hidden, generator=g)).to(dtype)
+    router = torch.randn(experts, hidden, generator=g).to(dtype)
+    correction = torch.rand(experts, generator=g) * 0.1 if bias else None
+    args = (top_k, scoring, renorm, n_group, topk_group, scaling)
+    apart = []
+    monkeypatch.setattr(moe_route_normed, "rms_norm",
+                        lambda *a: apart.append(1) or tri_norm(*a))
+    x, got_w, got_ids = moe_route_normed.norm_route_experts(
+        h.to(DEVICE), norm.to(DEVICE), 1e-6, router.to(DEVICE),
+        None if correction is None else correction.to(DEVICE), *args)
+    assert apart == ([1] if tokens > 16 else [])
+    want_x = torch_ref.rms_norm(h, norm, 1e-6)
+    assert x.dtype == dtype and x.shape == h.shape
+    # (bf16: the normalized value and its product with the weight each rounded, an ulp apart
+    # at most where the squares were summed in another order)
+    torch.testing.assert_close(x.cpu(), want_x, atol=0,
+                               rtol=1e-5 if dtype == torch.float32 else 2 ** -6)
+    want_w, want_ids = torch_ref.route_experts(x.cpu(), router, correction, *args)
+    order_got, order_want = got_ids.cpu().argsort(dim=-1), want_ids.argsort(dim=-1)
+    assert torch.equal(got_ids.cpu().gather(1, order_got), want_ids.gather(1, order_want))
+    torch.testing.assert_close(got_w.cpu().gather(1, order_got), want_w.gather(1, order_want),
+                               rtol=1e-5, atol=1e-6)
+    assert not split_k.counters(x.device).any()
+
+
+def tri_norm(*args):
+    from frugal.ops.triton.elementwise import rms_norm
+
+    return rms_norm(*args)

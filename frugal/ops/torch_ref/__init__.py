@@ -11,7 +11,7 @@ from frugal.ops.torch_ref.dsa import index_topk, sparse_mla_attention, store_ind
 from frugal.ops.torch_ref.integrity import check_kv_pages
 from frugal.ops.torch_ref.linear import linear, pack_weight
 from frugal.ops.torch_ref.mla import mla_attention, store_latent
-from frugal.ops.torch_ref.moe import fused_moe, pack_experts, route_experts
+from frugal.ops.torch_ref.moe import fused_moe, norm_route_experts, pack_experts, route_experts
 from frugal.ops.torch_ref.norm import rms_norm
 from frugal.ops.torch_ref.pages import copy_pages
 from frugal.ops.torch_ref.rotary import apply_rotary, apply_rotary_pairs
@@ -26,6 +26,6 @@ def configure(quantized_kinds: set[str]) -> None:
 
 __all__ = ["CUDA_GRAPHS", "apply_rotary", "apply_rotary_pairs", "argmax", "check_kv_pages",
            "configure", "copy_pages", "fused_moe", "index_topk", "linear", "mla_attention",
-           "pack_experts", "pack_weight", "paged_attention", "rms_norm", "rotary_store_kv",
-           "route_experts", "silu_and_mul", "sparse_mla_attention", "store_index_key",
-           "store_kv", "store_latent", "v_key_minor"]
+           "norm_route_experts", "pack_experts", "pack_weight", "paged_attention", "rms_norm",
+           "rotary_store_kv", "route_experts", "silu_and_mul", "sparse_mla_attention",
+           "store_index_key", "store_kv", "store_latent", "v_key_minor"]

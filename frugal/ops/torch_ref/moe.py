@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from frugal.ops.torch_ref.norm import rms_norm
 from frugal.quant.experts import Experts, Fp8Experts, dequantize
 from frugal.quant.fp8 import round_groups
 
@@ -47,6 +48,17 @@ def route_experts(x: torch.Tensor, router: torch.Tensor, correction_bias: torch.
     if renormalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return weights * scaling, ids
+
+
+def norm_route_experts(h: torch.Tensor, norm: torch.Tensor, eps: float, router: torch.Tensor,
+                       correction_bias: torch.Tensor | None, top_k: int, scoring: str,
+                       renormalize: bool, n_group: int, topk_group: int, scaling: float
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A MoE layer's input and routing from the residual stream h [num_tokens, hidden]:
+    (x = rms_norm(h, norm, eps), *route_experts(x, ...)) (norm: the RMSNorm's weight)."""
+    x = rms_norm(h, norm, eps)
+    return (x, *route_experts(x, router, correction_bias, top_k, scoring, renormalize, n_group,
+                              topk_group, scaling))
 
 
 def fused_moe(x: torch.Tensor, gate_up: torch.Tensor | Experts, down: torch.Tensor | Experts,

@@ -23,6 +23,7 @@ from frugal.ops.triton.mla_decode import mla_attention
 from frugal.ops.triton.moe import fused_moe
 from frugal.ops.triton.moe_int4_tiles import pack_experts
 from frugal.ops.triton.moe_route import route_experts
+from frugal.ops.triton.moe_route_normed import norm_route_experts
 from frugal.ops.triton.pages import copy_pages
 from frugal.ops.triton.rotary import apply_rotary, apply_rotary_pairs
 from frugal.ops.triton.sampling import argmax
@@ -39,6 +40,6 @@ def configure(quantized_kinds: set[str]) -> None:
 
 __all__ = ["CUDA_GRAPHS", "apply_rotary", "apply_rotary_pairs", "argmax", "check_kv_pages",
            "configure", "copy_pages", "fused_moe", "index_topk", "linear", "mla_attention",
-           "pack_experts", "pack_weight", "paged_attention", "rms_norm", "rotary_store_kv",
-           "route_experts", "silu_and_mul", "sparse_mla_attention", "store_index_key",
-           "store_latent"]
+           "norm_route_experts", "pack_experts", "pack_weight", "paged_attention", "rms_norm",
+           "rotary_store_kv", "route_experts", "silu_and_mul", "sparse_mla_attention",
+           "store_index_key", "store_latent"]

@@ -95,6 +95,18 @@ def _route(logits_ptr, bias_ptr, weights_ptr, ids_ptr, T, E, scaling, SPLITS: tl
     x = tl.load(logits_ptr + row * E + offs, mask=ok, other=float("-inf"))
     for s in tl.static_range(1, SPLITS):  # (the router logits' partial sums, in order)
         x += tl.load(logits_ptr + (s * T + row) * E + offs, mask=ok, other=0.0)
+    choose(x, offs, ok, bias_ptr, weights_ptr + row * TOP_K, ids_ptr + row * TOP_K, scaling,
+           TOP_K, TOP_PAD, SIGMOID, HAS_BIAS, RENORMALIZE, N_GROUP, TOPK_GROUP, BLOCK_E)
+
+
+@triton.jit
+def choose(x, offs, ok, bias_ptr, weights_ptr, ids_ptr, scaling, TOP_K: tl.constexpr,
+           TOP_PAD: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
+           RENORMALIZE: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
+           BLOCK_E: tl.constexpr):
+    """One token's experts from its fp32 logits x [BLOCK_E] (offs: 0..BLOCK_E - 1; ok: the
+    experts that exist, x -inf past them): TOP_K weights (times scaling) and ids stored at
+    weights_ptr and ids_ptr, as the module docstring says."""
     if SIGMOID:
         score = tl.where(ok, 1.0 / (1.0 + tl.exp(-x)), 0.0)
         choice = score
@@ -133,8 +145,8 @@ def _route(logits_ptr, bias_ptr, weights_ptr, ids_ptr, T, E, scaling, SPLITS: tl
     if RENORMALIZE:
         total = tl.sum(weights, axis=0)
         weights = weights / (total + 1e-20) if SIGMOID else weights / total
-    tl.store(weights_ptr + row * TOP_K + slots, weights * scaling, mask=slots < TOP_K)
-    tl.store(ids_ptr + row * TOP_K + slots, ids, mask=slots < TOP_K)
+    tl.store(weights_ptr + slots, weights * scaling, mask=slots < TOP_K)
+    tl.store(ids_ptr + slots, ids, mask=slots < TOP_K)
 
 
 def route_experts(x: torch.Tensor, router: torch.Tensor, correction_bias: torch.Tensor | None,

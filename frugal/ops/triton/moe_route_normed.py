@@ -1,0 +1,116 @@
+"""A MoE layer's RMSNorm, router logits and routing in one launch, for decode-sized steps.
+
+Before its experts a MoE layer normalizes the residual stream (the experts' input), computes the
+router logits from it and chooses each token's experts: three launches (rms_norm, moe_route's
+logits and route), each a few µs of a one-token step whatever its bytes. Here program
+(expert block, token, slice) computes the token's RMS over its whole row, normalizes its slice
+of the row (stored as the experts' input by the programs of expert block 0) and that slice's
+partial logits of BLOCK_R experts (stored fp32 [slices, T, E], the partial sums moe_route's
+route kernel adds); then takes a ticket from the token's counter (split_k's, zero before and
+after), and the last of the token's programs adds the slices' logits up in order and routes the
+token (moe_route.choose: the route kernel's code). Up to MAX_TOKENS tokens; more, or experts
+the route kernel would not take, go through rms_norm and moe_route.route_experts.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from frugal.ops.triton.elementwise import rms_norm
+from frugal.ops.triton.launch import enter, pdl
+from frugal.ops.triton.moe_route import DECODE_SPLITS, choose, route_experts
+from frugal.ops.triton.sizes import cdiv, next_power_of_2
+from frugal.ops.triton.split_k import counters
+
+MAX_TOKENS = 16  # tokens a step routes in one launch (decode-sized steps)
+BLOCK_R = 16  # experts a program computes the logits of
+BLOCK_K = 64  # inputs a step of its loop
+
+
+@triton.jit(do_not_specialize=["T"])  # (T, the step's tokens, changes from step to step)
+def _kernel(h_ptr, norm_ptr, router_ptr, x_ptr, logits_ptr, bias_ptr, weights_ptr, ids_ptr,
+            count_ptr, T, E, K, slice_k, eps, sht, swe, scaling, SPLITS: tl.constexpr,
+            TOP_K: tl.constexpr, TOP_PAD: tl.constexpr, SIGMOID: tl.constexpr,
+            HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr, N_GROUP: tl.constexpr,
+            TOPK_GROUP: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr,
+            BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """h [T, K] (rows sht apart) -> x [T, K] = rms_norm(h) · norm (as elementwise's kernel
+    rounds it), logits_ptr [SPLITS, T, E] fp32 partial sums of x @ routerᵀ, and the token's
+    weights / ids [T, TOP_K] by the last of its programs."""
+    enter(PDL)
+    block = tl.program_id(0)
+    t = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2)
+    row = h_ptr + t * sht
+    squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        v = tl.load(row + ks, mask=ks < K, other=0.0).to(tl.float32)
+        squares += v * v
+    inv = 1.0 / tl.sqrt(tl.sum(squares, 0) / K + eps)
+    experts = block * BLOCK_R + tl.arange(0, BLOCK_R)
+    e_ok = experts < E
+    acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    for k0 in range(split * slice_k, tl.minimum(K, (split + 1) * slice_k), BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        v = tl.load(row + ks, mask=k_ok, other=0.0)
+        w = tl.load(norm_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+        x = (w * (v.to(tl.float32) * inv).to(v.dtype).to(tl.float32)).to(
+            x_ptr.dtype.element_ty)
+        if block == 0:
+            tl.store(x_ptr + t * K + ks, x, mask=k_ok)
+        r = tl.load(router_ptr + experts[:, None].to(tl.int64) * swe + ks[None, :],
+                    mask=e_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += tl.sum(r.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+    tl.store(logits_ptr + (split * T + t) * E + experts, acc, mask=e_ok)
+    tl.debug_barrier()  # every thread's logits stored before the ticket is taken
+    ticket = tl.atomic_add(count_ptr + t, 1, sem="acq_rel", scope="gpu")
+    if ticket == tl.num_programs(0) * SPLITS - 1:  # (.cg: from L2, never a stale L1 line)
+        offs = tl.arange(0, BLOCK_E)
+        ok = offs < E
+        logits = tl.load(logits_ptr + t * E + offs, mask=ok, other=float("-inf"),
+                         cache_modifier=".cg")
+        for s in tl.static_range(1, SPLITS):  # (the partial sums in order, as _route adds them)
+            logits += tl.load(logits_ptr + (s * T + t) * E + offs, mask=ok, other=0.0,
+                              cache_modifier=".cg")
+        choose(logits, offs, ok, bias_ptr, weights_ptr + t * TOP_K, ids_ptr + t * TOP_K,
+               scaling, TOP_K, TOP_PAD, SIGMOID, HAS_BIAS, RENORMALIZE, N_GROUP, TOPK_GROUP,
+               BLOCK_E)
+        tl.store(count_ptr + t, 0)
+
+
+def norm_route_experts(h: torch.Tensor, norm: torch.Tensor, eps: float, router: torch.Tensor,
+                       correction_bias: torch.Tensor | None, top_k: int, scoring: str,
+                       renormalize: bool, n_group: int, topk_group: int, scaling: float
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The twin of torch_ref.norm_route_experts: (x = rms_norm(h, norm, eps) [T, hidden] in h's
+    dtype, weights [T, top_k] fp32, ids [T, top_k] int64)."""
+    num_tokens, hidden = h.shape
+    num_experts = router.shape[0]
+    block_e = next_power_of_2(num_experts)
+    grouped = scoring == "sigmoid" and n_group > 1
+    if (not 0 < num_tokens <= MAX_TOKENS or (grouped and block_e != num_experts)
+            or h.stride(-1) != 1 or router.stride(-1) != 1 or norm.stride(-1) != 1):
+        x = rms_norm(h, norm, eps)
+        return (x, *route_experts(x, router, correction_bias, top_k, scoring, renormalize,
+                                  n_group, topk_group, scaling))
+    slice_k = cdiv(cdiv(hidden, DECODE_SPLITS), BLOCK_K) * BLOCK_K
+    splits = cdiv(hidden, slice_k)
+    x = torch.empty(num_tokens, hidden, dtype=h.dtype, device=h.device)
+    logits = torch.empty(splits, num_tokens, num_experts, dtype=torch.float32, device=h.device)
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=h.device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=h.device)
+    launch_pdl = pdl(h.device)
+    _kernel[(cdiv(num_experts, BLOCK_R), num_tokens, splits)](
+        h, norm, router, x, logits, correction_bias if correction_bias is not None else logits,
+        weights, ids, counters(h.device), num_tokens, num_experts, hidden, slice_k, eps,
+        h.stride(0), router.stride(0), float(scaling), SPLITS=splits, TOP_K=top_k,
+        TOP_PAD=next_power_of_2(top_k), SIGMOID=scoring == "sigmoid",
+        HAS_BIAS=correction_bias is not None, RENORMALIZE=renormalize,
+        N_GROUP=n_group if grouped else 1, TOPK_GROUP=topk_group, BLOCK_E=block_e,
+        BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K, PDL=launch_pdl,
+        num_warps=max(1, min(4, block_e // 256)), launch_pdl=launch_pdl > 0)
+    return x, weights, ids
