@@ -65,7 +65,7 @@ def test_router_logits(dtype, tokens, experts, hidden, splits, slices):
 
 @pytest.mark.parametrize("case", ["qwen3", "deepseek-v3", "kimi-k2", "deepseek-v2-lite"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tokens, hidden", [(1, 96), (5, 600), (16, 64), (17, 64)])
+@pytest.mark.parametrize("tokens, hidden", [(1, 96), (5, 600), (16, 64), (17, 64), (2, 8192)])
 def test_norm_route_experts(case, dtype, tokens, hidden, monkeypatch):
     """The MoE layer's norm, router logits and routing: up to 16 tokens one launch (its slices
     of 64 inputs, 600 in 8 slices the last short), more through rms_norm and route_experts; x
@@ -77,7 +77,8 @@ def test_norm_route_experts(case, dtype, tokens, hidden, monkeypatch):
     g = torch.Generator().manual_seed(tokens * 7 + experts)
     h = (torch.randn(tokens, hidden, generator=g) * 3).to(dtype)
     norm = (1 + torch.rand(hidden, generator=g)).to(dtype)
-    router = torch.randn(experts, hidden, generator=g).to(dtype)
+    # (logits ~ N(0, 2): no softmax probability underflowing to a tie at 0)
+    router = (torch.randn(experts, hidden, generator=g) / hidden ** 0.5).to(dtype)
     correction = torch.rand(experts, generator=g) * 0.1 if bias else None
     args = (top_k, scoring, renorm, n_group, topk_group, scaling)
     apart = []
@@ -86,7 +87,8 @@ def test_norm_route_experts(case, dtype, tokens, hidden, monkeypatch):
     x, got_w, got_ids = moe_route_normed.norm_route_experts(
         h.to(DEVICE), norm.to(DEVICE), 1e-6, router.to(DEVICE),
         None if correction is None else correction.to(DEVICE), *args)
-    assert apart == ([1] if tokens > 16 else [])
+    # (17 tokens, or Kimi K2's router past ROUTER_READS: the three launches)
+    assert apart == ([1] if tokens > 16 or tokens * experts * hidden > (1 << 22) else [])
     want_x = torch_ref.rms_norm(h, norm, 1e-6)
     assert x.dtype == dtype and x.shape == h.shape
     # (bf16: the normalized value and its product with the weight each rounded, an ulp apart

@@ -4,9 +4,9 @@ Int4ExpertTiles holds every expert's matrix as int4_linear.repack lays out one (
 of 64, 128-input tiles, the words of a tile in tensor-core order; (scale, min) pairs in the
 activations' dtype; the scales alone, [E, Kp / group, R], where every expert is centered),
 stacked on a leading expert dim: words [E, R / 64, Kp / 128, 64, 16] int32, params
-[E, Kp / group, R, 2]. pack_experts repacks INT4 experts into it at load time
-(in place of quant.experts.Int4Experts on a Hopper GPU, unless FRUGAL_INT4_MOE_WGMMA=0);
-`dequantize` widens a chunk of them for prompts (moe_dense).
+[E, Kp / group, R, 2] (pairs) or [E, Kp / group, R] (scales). pack_experts repacks INT4
+experts into it at load time (in place of quant.experts.Int4Experts on a Hopper GPU, unless
+FRUGAL_INT4_MOE_WGMMA=0); `dequantize` widens a chunk of them for prompts (moe_dense).
 """
 
 from __future__ import annotations

@@ -8,8 +8,11 @@ of the row (stored as the experts' input by the programs of expert block 0) and 
 partial logits of BLOCK_R experts (stored fp32 [slices, T, E], the partial sums moe_route's
 route kernel adds); then takes a ticket from the token's counter (split_k's, zero before and
 after), and the last of the token's programs adds the slices' logits up in order and routes the
-token (moe_route.choose: the route kernel's code). Up to MAX_TOKENS tokens; more, or experts
-the route kernel would not take, go through rms_norm and moe_route.route_experts.
+token (moe_route.choose: the route kernel's code). A program reads the router's slice for one
+token and the token's whole row (for its RMS), so the launch reads the router once a token:
+up to MAX_TOKENS tokens and ROUTER_READS router values (a few MB from L2: Qwen3-30B-A3B's
+128 x 2048 router up to 16 tokens, Kimi K2's 384 x 7168 at one); more, or experts the route
+kernel would not take, go through rms_norm and moe_route.route_experts.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from frugal.ops.triton.sizes import cdiv, next_power_of_2
 from frugal.ops.triton.split_k import counters
 
 MAX_TOKENS = 16  # tokens a step routes in one launch (decode-sized steps)
+ROUTER_READS = 1 << 22  # tokens x experts x hidden one launch may read at most
 BLOCK_R = 16  # experts a program computes the logits of
 BLOCK_K = 64  # inputs a step of its loop
 
@@ -36,9 +40,10 @@ def _kernel(h_ptr, norm_ptr, router_ptr, x_ptr, logits_ptr, bias_ptr, weights_pt
             HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr, N_GROUP: tl.constexpr,
             TOPK_GROUP: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr,
             BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """h [T, K] (rows sht apart) -> x [T, K] = rms_norm(h) · norm (as elementwise's kernel
-    rounds it), logits_ptr [SPLITS, T, E] fp32 partial sums of x @ routerᵀ, and the token's
-    weights / ids [T, TOP_K] by the last of its programs."""
+    """h [T, K] (rows sht apart) -> x [T, K] = rms_norm(h) · norm (rounded as elementwise's
+    kernel rounds it, its squares summed in another order), logits_ptr [SPLITS, T, E] fp32
+    partial sums of x @ routerᵀ, and the token's weights / ids [T, TOP_K] by the last of its
+    programs."""
     enter(PDL)
     block = tl.program_id(0)
     t = tl.program_id(1).to(tl.int64)
@@ -92,7 +97,8 @@ def norm_route_experts(h: torch.Tensor, norm: torch.Tensor, eps: float, router: 
     num_experts = router.shape[0]
     block_e = next_power_of_2(num_experts)
     grouped = scoring == "sigmoid" and n_group > 1
-    if (not 0 < num_tokens <= MAX_TOKENS or (grouped and block_e != num_experts)
+    if (not 0 < num_tokens <= MAX_TOKENS or num_tokens * num_experts * hidden > ROUTER_READS
+            or (grouped and block_e != num_experts)
             or h.stride(-1) != 1 or router.stride(-1) != 1 or norm.stride(-1) != 1):
         x = rms_norm(h, norm, eps)
         return (x, *route_experts(x, router, correction_bias, top_k, scoring, renormalize,
