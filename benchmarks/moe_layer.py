@@ -9,10 +9,11 @@ L2). Up to moe_gemv.MAX_SLOTS slots fused_moe takes the small-batch path (each s
 expert, no sort); --sorted times the sorted grouped GEMMs there too, and the routing kernel
 (ops.triton.moe_route) against the torch ops it replaces is timed beside them. Where INT4
 experts are dequantized first (ops.triton.moe_dense), their time widened in registers is given
-beside it.
+beside it; --int4-pairs times the INT4 experts with (scale, min) pairs too (their scales alone
+are the default for symmetric codes).
 
     python benchmarks/moe_layer.py [--model qwen3-30b-a3b] [--tokens 1,8,32,64,256,2048]
-        [--experts N] [--calls 16]
+        [--experts N] [--calls 16] [--sorted] [--int4-pairs]
 --model: a preset (qwen3-30b-a3b, glm-4.5-air) or a directory with a config.json
 (.peer/models/kimi-k2-4l); --experts: stack only N experts (the time depends on the experts a
 step touches, not on how many there are: Kimi K2's 384 in bf16 are 34 GB).
@@ -31,7 +32,9 @@ from frugal.loader.dummy import PRESETS
 from frugal.model_config import ModelConfig
 from frugal.ops import torch_ref
 from frugal.ops.triton import moe_dense, moe_gemv, pack_experts
+from frugal.ops.triton.int4_linear import uncentered
 from frugal.ops.triton.moe import _operand, fused_moe
+from frugal.ops.triton.moe_int4_tiles import Int4ExpertTiles
 from frugal.ops.triton.moe_route import route_experts
 from frugal.quant.experts import quantize_experts
 
@@ -64,6 +67,8 @@ def main() -> None:
                    help="calls a timing replays, each with its own routing")
     p.add_argument("--sorted", action="store_true",
                    help="also time the sorted path where the small-batch path runs")
+    p.add_argument("--int4-pairs", action="store_true",
+                   help="also time INT4 experts with (scale, min) pairs, not scales alone")
     args = p.parse_args()
     c = model_config(args.model)
     m = c.moe
@@ -77,6 +82,9 @@ def main() -> None:
                            for w in (gate_up, down)),  # (as the worker packs them)
              "fp8_w8a8": (quantize_experts(gate_up, "fp8", w8a8=True),
                           quantize_experts(down, "fp8", w8a8=True))}
+    if args.int4_pairs:  # (what experts keep whose mins are not all -8 · scale)
+        forms["int4_pairs"] = tuple(uncentered(w) if isinstance(w, Int4ExpertTiles) else w
+                                    for w in forms["int4"])
     # one expert's bytes in each form: its weights (packed INT4 words) and their scales
     expert_bytes = {name: sum(_expert_bytes(w) for w in pair) for name, pair in forms.items()}
     rows = []
@@ -126,6 +134,7 @@ def main() -> None:
                           else "" for k in ("bf16",))
         registers = (f" (in registers {row['int4_registers_us']:.1f})"
                      if "int4_registers_us" in row else "")
+        registers += f" (pairs {row['int4_pairs_us']:.1f})" if "int4_pairs_us" in row else ""
         print(f"| {t} | {hit} | {'-' if ref is None else f'{ref:.0f}'} | "
               f"{row['bf16_us']:.1f}{sorted_} | {row['fp8_us']:.1f} | "
               f"{row['int4_us']:.1f}{registers} | {row['fp8_w8a8_us']:.1f} | "

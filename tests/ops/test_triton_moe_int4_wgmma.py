@@ -1,6 +1,8 @@
 """INT4 experts on Hopper's warpgroup MMA (ops.triton.moe_int4_wgmma): the stacked layout on any
 machine, the kernel on the GPU against torch_ref."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -98,28 +100,28 @@ def test_split_for_few_programs():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens,block_m,hidden,per_slot,inter", [
-    (1, 16, 160, True, 160), (5, 16, 160, True, 160), (16, 16, 160, True, 160),
-    (1, 16, 1024, True, 160), (1, 16, 160, False, 160), (16, 16, 160, False, 160),
-    (24, 32, 160, False, 160), (40, 16, 160, False, 160), (80, 64, 160, False, 160),
-    (80, 32, 160, False, 160), (2, 32, 1024, False, 160), (5, 16, 160, True, 136),
-    (24, 32, 160, False, 136)])
-def test_moe_int4_wgmma_gpu(tokens, block_m, hidden, per_slot, inter, monkeypatch):
+@pytest.mark.parametrize("tokens,block_m,hidden,per_slot,pairs", [
+    (1, 16, 160, True, False), (5, 16, 160, True, False), (16, 16, 160, True, False),
+    (1, 16, 1024, True, False), (1, 16, 160, False, False), (16, 16, 160, False, False),
+    (24, 32, 160, False, False), (40, 16, 160, False, False), (80, 64, 160, False, False),
+    (80, 32, 160, False, False), (2, 32, 1024, False, False), (5, 16, 160, True, True),
+    (24, 32, 160, False, True)])
+def test_moe_int4_wgmma_gpu(tokens, block_m, hidden, per_slot, pairs, monkeypatch):
     """fused_moe on the kernel: up to 64 slots a block per slot (per_slot; else the GEMV's limit
     set to 0) and the sorted path's blocks of 16, 32 and 64 rows; 160 outputs of 160 inputs
     (rows padded to blocks of 64, the up half starting inside one, a partial block of 64
     outputs, K padded to 256), padding rows in every block; gate_up over 1024 inputs at 1-2
     tokens split in two (reduced by the last program), against torch_ref in fp32; at an odd
     count of tokens with a residual. A block a slot, down sums each token's slots itself
-    (TOP_K). Centered (scales alone) but where gate_up's 2 x 136 rows keep (scale, min)
-    pairs."""
+    (TOP_K). Centered (scales alone), and as (scale, min) pairs (int4_linear.uncentered: what
+    experts whose mins are not all -8 · scale keep)."""
     from frugal.ops.triton import moe, moe_combine, moe_gemv, split_k
 
     monkeypatch.setenv("FRUGAL_INT4_MOE_WGMMA", "1")
     if not per_slot:
         monkeypatch.setattr(moe_gemv, "MAX_SLOTS", 0)
     monkeypatch.setattr(moe, "rows_per_block", lambda *args: block_m)
-    num, top_k = 16, 4
+    num, top_k, inter = 16, 4, 160
     gate_up, down = experts(num, 2 * inter, hidden, tokens), experts(num, hidden, inter, tokens + 1)
     g = torch.Generator().manual_seed(tokens)
     x = torch.randn(tokens, hidden, generator=g).bfloat16()
@@ -128,8 +130,10 @@ def test_moe_int4_wgmma_gpu(tokens, block_m, hidden, per_slot, inter, monkeypatc
     ref = torch_ref.fused_moe(x.float(), gate_up, down, weights, ids,
                               residual=None if res is None else res.float())
     packed = [tiles_mod.pack_experts(w.to("cuda"), torch.bfloat16) for w in (gate_up, down)]
-    assert all(isinstance(p, tiles_mod.Int4ExpertTiles) for p in packed)
-    assert [p.centered for p in packed] == [inter % 16 == 0, True]
+    assert all(isinstance(p, tiles_mod.Int4ExpertTiles) and p.centered for p in packed)
+    if pairs:
+        packed = [dataclasses.replace(p, params=torch.stack([p.params, -8 * p.params], -1),
+                                      centered=False) for p in packed]
     launched = launches.record(monkeypatch, wg, "_kernel", "BLOCK_M", "GATED", "SPLIT_K",
                                "PER_SLOT", "TOP_K")
     got = moe.fused_moe(x.cuda(), *packed, weights.cuda(), ids.cuda(),
