@@ -1,8 +1,6 @@
 """INT4 experts on Hopper's warpgroup MMA (ops.triton.moe_int4_wgmma): the stacked layout on any
 machine, the kernel on the GPU against torch_ref."""
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -132,8 +130,7 @@ def test_moe_int4_wgmma_gpu(tokens, block_m, hidden, per_slot, pairs, monkeypatc
     packed = [tiles_mod.pack_experts(w.to("cuda"), torch.bfloat16) for w in (gate_up, down)]
     assert all(isinstance(p, tiles_mod.Int4ExpertTiles) and p.centered for p in packed)
     if pairs:
-        packed = [dataclasses.replace(p, params=torch.stack([p.params, -8 * p.params], -1),
-                                      centered=False) for p in packed]
+        packed = [lin.uncentered(p) for p in packed]
     launched = launches.record(monkeypatch, wg, "_kernel", "BLOCK_M", "GATED", "SPLIT_K",
                                "PER_SLOT", "TOP_K")
     got = moe.fused_moe(x.cuda(), *packed, weights.cuda(), ids.cuda(),

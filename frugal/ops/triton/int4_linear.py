@@ -96,8 +96,9 @@ def repack(q: Int4Weight, dtype: torch.dtype) -> Int4Tiles:
     return Int4Tiles(words, params, k, group, centered)
 
 
-def uncentered(w: Int4Tiles) -> Int4Tiles:
-    """w with (scale, min) pairs (a centered weight's mins written out: -8 · scale, exact)."""
+def uncentered(w):
+    """w (Int4Tiles, moe_int4_tiles.Int4ExpertTiles) with (scale, min) pairs: a centered
+    weight's mins written out (-8 · scale, exact)."""
     if not w.centered:
         return w
     return dataclasses.replace(w, params=torch.stack([w.params, -8 * w.params], -1),

@@ -70,8 +70,7 @@ def router_logits(x: torch.Tensor, router: torch.Tensor, splits: int = 1) -> tor
     e = router.shape[0]
     small = t <= 16
     block_t, block_e, block_k = (16, 16, 256) if small else (64, 64, 64)
-    slice_k = cdiv(cdiv(k, max(1, splits)), block_k) * block_k
-    splits = cdiv(k, slice_k)
+    slice_k, splits = slices(k, splits, block_k)
     out = torch.empty(splits, t, e, dtype=torch.float32, device=x.device)
     f32 = _INTERPRET or x.dtype != router.dtype or x.dtype == torch.float32
     grid = (cdiv(e, block_e), cdiv(t, block_t), splits)
@@ -149,15 +148,35 @@ def choose(x, offs, ok, bias_ptr, weights_ptr, ids_ptr, scaling, TOP_K: tl.const
     tl.store(ids_ptr + slots, ids, mask=slots < TOP_K)
 
 
+def slices(k: int, splits: int, block_k: int) -> tuple[int, int]:
+    """(inputs a slice, slices) for k inputs cut into at most `splits` slices of whole
+    block_k steps (the last one short)."""
+    slice_k = cdiv(cdiv(k, max(1, splits)), block_k) * block_k
+    return slice_k, cdiv(k, slice_k)
+
+
+def route_settings(num_experts: int, top_k: int, scoring: str, renormalize: bool,
+                   n_group: int, topk_group: int, has_bias: bool) -> dict | None:
+    """The launch settings of a kernel that routes with `choose` (its constexprs and
+    num_warps), or None where it cannot: grouping needs the experts to fill BLOCK_E exactly."""
+    block_e = next_power_of_2(num_experts)
+    grouped = scoring == "sigmoid" and n_group > 1
+    if grouped and block_e != num_experts:
+        return None
+    return dict(TOP_K=top_k, TOP_PAD=next_power_of_2(top_k), SIGMOID=scoring == "sigmoid",
+                HAS_BIAS=has_bias, RENORMALIZE=renormalize, N_GROUP=n_group if grouped else 1,
+                TOPK_GROUP=topk_group, BLOCK_E=block_e, num_warps=max(1, min(4, block_e // 256)))
+
+
 def route_experts(x: torch.Tensor, router: torch.Tensor, correction_bias: torch.Tensor | None,
                   top_k: int, scoring: str, renormalize: bool, n_group: int, topk_group: int,
                   scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The twin of torch_ref.route_experts (same arguments and results: weights [T, top_k] fp32,
     ids [T, top_k] int64)."""
     num_tokens, num_experts = x.shape[0], router.shape[0]
-    block_e = next_power_of_2(num_experts)
-    grouped = scoring == "sigmoid" and n_group > 1
-    if (grouped and block_e != num_experts) or num_tokens == 0:
+    settings = route_settings(num_experts, top_k, scoring, renormalize, n_group, topk_group,
+                              correction_bias is not None)
+    if settings is None or num_tokens == 0:
         return route_experts_torch(x, router, correction_bias, top_k, scoring, renormalize,
                                    n_group, topk_group, scaling)
     logits = router_logits(x.contiguous(), router.contiguous(),
@@ -167,10 +186,6 @@ def route_experts(x: torch.Tensor, router: torch.Tensor, correction_bias: torch.
     bias = correction_bias if correction_bias is not None else logits
     launch_pdl = pdl(x.device)
     _route[(num_tokens,)](logits, bias, weights, ids, num_tokens, num_experts, float(scaling),
-                          SPLITS=logits.shape[0], TOP_K=top_k,
-                          TOP_PAD=next_power_of_2(top_k), SIGMOID=scoring == "sigmoid",
-                          HAS_BIAS=correction_bias is not None,
-                          RENORMALIZE=renormalize, N_GROUP=n_group if grouped else 1,
-                          TOPK_GROUP=topk_group, BLOCK_E=block_e, PDL=launch_pdl,
-                          num_warps=max(1, min(4, block_e // 256)), launch_pdl=launch_pdl > 0)
+                          SPLITS=logits.shape[0], PDL=launch_pdl, launch_pdl=launch_pdl > 0,
+                          **settings)
     return weights, ids

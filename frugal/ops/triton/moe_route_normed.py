@@ -23,8 +23,8 @@ import triton.language as tl
 
 from frugal.ops.triton.elementwise import rms_norm
 from frugal.ops.triton.launch import enter, pdl
-from frugal.ops.triton.moe_route import DECODE_SPLITS, choose, route_experts
-from frugal.ops.triton.sizes import cdiv, next_power_of_2
+from frugal.ops.triton.moe_route import DECODE_SPLITS, choose, route_experts, route_settings, slices
+from frugal.ops.triton.sizes import cdiv
 from frugal.ops.triton.split_k import counters
 
 MAX_TOKENS = 16  # tokens a step routes in one launch (decode-sized steps)
@@ -95,16 +95,15 @@ def norm_route_experts(h: torch.Tensor, norm: torch.Tensor, eps: float, router: 
     dtype, weights [T, top_k] fp32, ids [T, top_k] int64)."""
     num_tokens, hidden = h.shape
     num_experts = router.shape[0]
-    block_e = next_power_of_2(num_experts)
-    grouped = scoring == "sigmoid" and n_group > 1
-    if (not 0 < num_tokens <= MAX_TOKENS or num_tokens * num_experts * hidden > ROUTER_READS
-            or (grouped and block_e != num_experts)
+    settings = route_settings(num_experts, top_k, scoring, renormalize, n_group, topk_group,
+                              correction_bias is not None)
+    if (settings is None or not 0 < num_tokens <= MAX_TOKENS
+            or num_tokens * num_experts * hidden > ROUTER_READS
             or h.stride(-1) != 1 or router.stride(-1) != 1 or norm.stride(-1) != 1):
         x = rms_norm(h, norm, eps)
         return (x, *route_experts(x, router, correction_bias, top_k, scoring, renormalize,
                                   n_group, topk_group, scaling))
-    slice_k = cdiv(cdiv(hidden, DECODE_SPLITS), BLOCK_K) * BLOCK_K
-    splits = cdiv(hidden, slice_k)
+    slice_k, splits = slices(hidden, DECODE_SPLITS, BLOCK_K)
     x = torch.empty(num_tokens, hidden, dtype=h.dtype, device=h.device)
     logits = torch.empty(splits, num_tokens, num_experts, dtype=torch.float32, device=h.device)
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=h.device)
@@ -113,10 +112,6 @@ def norm_route_experts(h: torch.Tensor, norm: torch.Tensor, eps: float, router: 
     _kernel[(cdiv(num_experts, BLOCK_R), num_tokens, splits)](
         h, norm, router, x, logits, correction_bias if correction_bias is not None else logits,
         weights, ids, counters(h.device), num_tokens, num_experts, hidden, slice_k, eps,
-        h.stride(0), router.stride(0), float(scaling), SPLITS=splits, TOP_K=top_k,
-        TOP_PAD=next_power_of_2(top_k), SIGMOID=scoring == "sigmoid",
-        HAS_BIAS=correction_bias is not None, RENORMALIZE=renormalize,
-        N_GROUP=n_group if grouped else 1, TOPK_GROUP=topk_group, BLOCK_E=block_e,
-        BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K, PDL=launch_pdl,
-        num_warps=max(1, min(4, block_e // 256)), launch_pdl=launch_pdl > 0)
+        h.stride(0), router.stride(0), float(scaling), SPLITS=splits, BLOCK_R=BLOCK_R,
+        BLOCK_K=BLOCK_K, PDL=launch_pdl, launch_pdl=launch_pdl > 0, **settings)
     return x, weights, ids
