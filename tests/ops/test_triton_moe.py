@@ -22,8 +22,10 @@ def routed(tokens, experts, top_k, g):
 
 @pytest.mark.parametrize("tokens,experts,top_k,block_m", [(1, 8, 2, 16), (5, 4, 3, 16),
                                                           (40, 16, 4, 64), (3, 64, 8, 16),
-                                                          (300, 20, 4, 64), (200, 384, 8, 16)])
+                                                          (300, 20, 4, 64), (200, 384, 8, 16),
+                                                          (128, 128, 8, 16)])
 def test_align(tokens, experts, top_k, block_m):
+    """Up to 1,024 slots one program (128 tokens of top-8 the last), more three launches."""
     g = torch.Generator().manual_seed(tokens)
     _, ids = routed(tokens, experts, top_k, g)
     sorted_slots, block_expert, total = tri.align(ids.to(DEVICE), experts, block_m)

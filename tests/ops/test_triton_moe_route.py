@@ -24,9 +24,10 @@ CASES = {  # experts, top_k, scoring, renormalize, n_group, topk_group, scaling,
 
 
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("tokens, hidden", [(1, 64), (5, 64), (2, 600)])
+@pytest.mark.parametrize("tokens, hidden", [(1, 64), (5, 64), (2, 600), (40, 600)])
 def test_route_experts(case, tokens, hidden):
-    """hidden 600 at a decode-sized step: the logits in 3 slices, summed by the route kernel."""
+    """hidden 600 at a decode-sized step: the logits in 3 slices (at 40 tokens in 5 of the
+    32 × 32 tiles), summed by the route kernel."""
     experts, top_k, scoring, renorm, n_group, topk_group, scaling, bias = CASES[case]
     g = torch.Generator().manual_seed(tokens * 1000 + experts)
     # logits ~ N(0, 1): no sigmoid saturated to a tie at 1.0
@@ -49,10 +50,10 @@ def test_route_experts(case, tokens, hidden):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens,experts,hidden,splits,slices", [
     (1, 128, 300, 1, 1), (1, 128, 600, 8, 3), (16, 160, 64, 8, 1), (17, 24, 80, 1, 1),
-    (70, 384, 144, 1, 1), (3, 384, 1100, 2, 2)])
+    (70, 384, 144, 1, 1), (3, 384, 1100, 2, 2), (64, 128, 600, 8, 5), (129, 64, 200, 8, 4)])
 def test_router_logits(dtype, tokens, experts, hidden, splits, slices):
     """The router logits in fp32 from x and the router in their own dtype, as partial sums over
-    slices of hidden: tokens on both sides of the decode tiles (16), experts and hidden sizes
+    slices of hidden: tokens on both sides of the tile sizes (16, 128), experts and hidden sizes
     that are no multiple of the tiles, slices of whole K tiles (the last one short)."""
     g = torch.Generator().manual_seed(tokens + experts)
     x = torch.randn(tokens, hidden, generator=g).to(dtype)

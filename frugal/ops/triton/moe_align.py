@@ -1,5 +1,7 @@
-"""The slots of a step laid out expert by expert for the sorted MoE GEMMs, in three launches
-(vLLM's moe_align_block_size does it in one CUDA kernel; torch ops took ~20 launches a layer):
+"""The slots of a step laid out expert by expert for the sorted MoE GEMMs (vLLM's
+moe_align_block_size does it in one CUDA kernel; torch ops took ~20 launches a layer). Up to
+BLOCK slots (a decode step: 128 tokens of top-8) one program does it all, `_align`; more slots
+take three launches after zeroing the counts:
 
   _count   slot chunks in parallel: each chunk's histogram of experts, added atomically;
   _layout  one program: every expert's run padded to a multiple of BLOCK_M, their starts (the
@@ -37,13 +39,42 @@ def _count(ids_ptr, work_ptr, slots, E_PAD: tl.constexpr, BLOCK: tl.constexpr,
 
 
 @triton.jit(do_not_specialize=["slots", "capacity"])  # (the step's slots: any value, one variant)
+def _align(ids_ptr, work_ptr, sorted_ptr, block_expert_ptr, total_ptr, num_experts, slots,
+           capacity, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, BLOCK: tl.constexpr,
+           CHUNK_BLOCKS: tl.constexpr, PDL: tl.constexpr):
+    """All three steps by one program for slots ≤ BLOCK: the counts in registers (work_ptr's
+    counts are neither read nor written: no zeroing), a barrier between the layout's stores
+    (cursors, sentinel) and the places taken from the cursors and stored over the sentinel."""
+    enter(PDL)
+    offs = tl.arange(0, BLOCK)
+    ok = offs < slots
+    expert = tl.load(ids_ptr + offs, mask=ok, other=0).to(tl.int32)
+    counts = tl.histogram(expert, E_PAD, mask=ok)
+    _lay(counts, work_ptr, sorted_ptr, block_expert_ptr, total_ptr, num_experts, slots,
+         capacity, BLOCK_M, E_PAD, BLOCK, CHUNK_BLOCKS)
+    tl.debug_barrier()
+    place = tl.atomic_add(work_ptr + E_PAD + expert, 1, mask=ok)
+    tl.store(sorted_ptr + place, offs, mask=ok)
+
+
+@triton.jit(do_not_specialize=["slots", "capacity"])  # (the step's slots: any value, one variant)
 def _layout(work_ptr, sorted_ptr, block_expert_ptr, total_ptr, num_experts, slots, capacity,
             BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, BLOCK: tl.constexpr,
             CHUNK_BLOCKS: tl.constexpr, PDL: tl.constexpr):
     enter(PDL)
     e = tl.arange(0, E_PAD)
+    counts = tl.load(work_ptr + e, mask=e < num_experts, other=0)
+    _lay(counts, work_ptr, sorted_ptr, block_expert_ptr, total_ptr, num_experts, slots,
+         capacity, BLOCK_M, E_PAD, BLOCK, CHUNK_BLOCKS)
+
+
+@triton.jit
+def _lay(counts, work_ptr, sorted_ptr, block_expert_ptr, total_ptr, num_experts, slots,
+         capacity, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, BLOCK: tl.constexpr,
+         CHUNK_BLOCKS: tl.constexpr):
+    """The layout from each expert's count [E_PAD] (0 past num_experts), as the module says."""
+    e = tl.arange(0, E_PAD)
     real = e < num_experts
-    counts = tl.load(work_ptr + e, mask=real, other=0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
     tl.store(work_ptr + E_PAD + e, ends - padded, mask=real)  # each run's first place
@@ -81,12 +112,18 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int
     slots = flat.numel()
     e_pad = max(16, next_power_of_2(num_experts))
     capacity = cdiv(slots + min(num_experts, slots) * (block_m - 1), block_m) * block_m
-    work = torch.zeros(2 * e_pad, dtype=torch.int32, device=ids.device)  # counts, cursors
     sorted_slots = torch.empty(capacity, dtype=torch.int32, device=ids.device)
     block_expert = torch.empty(capacity // block_m, dtype=torch.int32, device=ids.device)
     total = torch.empty(1, dtype=torch.int32, device=ids.device)
-    grid = (max(1, cdiv(slots, BLOCK)),)
     mode = pdl(ids.device)
+    if slots <= BLOCK:
+        work = torch.empty(2 * e_pad, dtype=torch.int32, device=ids.device)  # -, cursors
+        _align[(1,)](flat, work, sorted_slots, block_expert, total, num_experts, slots,
+                     capacity, BLOCK_M=block_m, E_PAD=e_pad, BLOCK=BLOCK,
+                     CHUNK_BLOCKS=CHUNK_BLOCKS, PDL=mode, launch_pdl=mode > 0)
+        return sorted_slots, block_expert, total
+    work = torch.zeros(2 * e_pad, dtype=torch.int32, device=ids.device)  # counts, cursors
+    grid = (cdiv(slots, BLOCK),)
     _count[grid](flat, work, slots, E_PAD=e_pad, BLOCK=BLOCK, PDL=mode, launch_pdl=mode > 0)
     _layout[(1,)](work, sorted_slots, block_expert, total, num_experts, slots, capacity,
                   BLOCK_M=block_m, E_PAD=e_pad, BLOCK=BLOCK, CHUNK_BLOCKS=CHUNK_BLOCKS,

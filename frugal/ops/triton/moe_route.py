@@ -31,7 +31,8 @@ from frugal.ops.triton.launch import enter, pdl
 from frugal.ops.triton.sizes import cdiv, next_power_of_2
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DECODE_SPLITS = 8  # slices of the router's inputs at up to 16 tokens (see router_logits)
+DECODE_SPLITS = 8  # slices of the router's inputs at up to SPLIT_TOKENS tokens (router_logits)
+SPLIT_TOKENS = 128
 
 
 @triton.jit(do_not_specialize=["T"])  # (T, the step's tokens, changes from step to step)
@@ -63,13 +64,15 @@ def _logits(x_ptr, w_ptr, out_ptr, T, E, K, slice_k, sxt, swe, F32_DOT: tl.const
 def router_logits(x: torch.Tensor, router: torch.Tensor, splits: int = 1) -> torch.Tensor:
     """x [T, hidden] @ router [E, hidden]ᵀ in fp32, as [S, T, E] partial sums over S ≤ splits
     slices of hidden (their sum is torch_ref's x.float() @ router.float().t()), one launch.
-    Decode-sized steps take 16 tokens × 16 experts a program, larger ones 64 × 64; slices
-    spread a decode step's router over the SMs (Qwen3's 128 experts and 8 slices: 64 programs,
-    each reading 8 KiB of the router, not 8 reading 64 KiB)."""
+    A program takes 16 tokens × 16 experts up to 16 tokens, 32 × 32 up to SPLIT_TOKENS, 64 × 64
+    beyond; slices spread a decode step's router over the SMs (Qwen3's 128 experts and 8
+    slices: 64 programs at one token, each reading 8 KiB of the router, not 8 reading 64 KiB;
+    at 64 tokens 64 programs, not the 2 of 64 × 64 tiles unsliced, which took 14.6 µs of an
+    H100's decode step a layer)."""
     t, k = x.shape
     e = router.shape[0]
-    small = t <= 16
-    block_t, block_e, block_k = (16, 16, 256) if small else (64, 64, 64)
+    block_t, block_e, block_k = ((16, 16, 256) if t <= 16 else
+                                 (32, 32, 64) if t <= SPLIT_TOKENS else (64, 64, 64))
     slice_k, splits = slices(k, splits, block_k)
     out = torch.empty(splits, t, e, dtype=torch.float32, device=x.device)
     f32 = _INTERPRET or x.dtype != router.dtype or x.dtype == torch.float32
@@ -180,7 +183,7 @@ def route_experts(x: torch.Tensor, router: torch.Tensor, correction_bias: torch.
         return route_experts_torch(x, router, correction_bias, top_k, scoring, renormalize,
                                    n_group, topk_group, scaling)
     logits = router_logits(x.contiguous(), router.contiguous(),
-                           DECODE_SPLITS if num_tokens <= 16 else 1)
+                           DECODE_SPLITS if num_tokens <= SPLIT_TOKENS else 1)
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=x.device)
     bias = correction_bias if correction_bias is not None else logits
