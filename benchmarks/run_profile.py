@@ -3,10 +3,11 @@ of the steps that carry prompt tokens against the decode-only ones.
 
 Runs c prompts of --input-len tokens at once to --output-len tokens each (as `bench offline`
 does) three times: to compile every kernel the run needs, under torch.profiler, and timing
-each step on the host without it. Kernels are grouped by
-name into matmuls (cuBLAS/CUTLASS and ours), attention (prompt, decode, merge), the rest by
-name; "GPU idle" is the profiled run's wall time not covered by any kernel. With PDL (the
-default on Hopper) a kernel launched early counts its wait for the one before it: run with
+each step on the host without it. Kernels are grouped by name into matmuls (cuBLAS/CUTLASS
+and ours), attention (prompt, decode, merge), the MoE experts and their routing, layout and
+combine, the rest by name (--by-name: every kernel by its name), each with its launches and
+µs a launch; "GPU idle" is the profiled run's wall time not covered by any kernel. With PDL
+(the default on Hopper) a kernel launched early counts its wait for the one before it: run with
 FRUGAL_PDL=0 to attribute time to kernels. --host-profile N then runs one more prompt's step
 under cProfile and prints the N Python functions that took the most host time.
    python benchmarks/run_profile.py llama-3.1-8b --load-format dummy --kv-cache-memory 20GiB \
@@ -27,21 +28,21 @@ from frugal.cli.args import add_engine_args, command_line, engine_config
 from frugal.engine.llm_engine import LLMEngine
 from frugal.request import SamplingParams
 
-# (kind, substrings of kernel names), first match wins
-KINDS = [
-    ("attention: prompt", ("extend_kernel",)),
-    ("attention: decode", ("_decode_kernel", "_mla_decode")),
-    ("attention: merge", ("merge_kernel",)),
-    ("matmul", ("gemm", "nvjet", "xmma", "cutlass", "_gemv_kernel", "_small_m_kernel",
-                "_fp8_kernel")),
-]
-# names matched whole: a Gluon kernel's name is its function's, fp8_decode's (or, with INT4
-# weights, int4_wgmma's); the MoE experts' kernels (small batches, sorted grouped GEMM)
-NAMED = {"_kernel": "attention: decode (fp8_decode) / int4_wgmma",
-         "_gemv": "MoE experts", "_sorted_gemm": "MoE experts"}
+# frugal's kernels by their exact names, then vendors' by substrings (first match wins)
+NAMED = {"extend_kernel": "attention: prompt",
+         **dict.fromkeys(("_decode_kernel", "_mla_decode", "_fp8_decode"), "attention: decode"),
+         **dict.fromkeys(("merge_kernel", "_merge"), "attention: merge"),
+         **dict.fromkeys(("_gemv", "_sorted_gemm", "_moe_int4_wgmma"), "MoE experts"),
+         **dict.fromkeys(("_logits", "_route", "_norm_route", "_count", "_layout", "_place",
+                          "_align", "_combine"), "MoE routing, layout, combine"),
+         **dict.fromkeys(("_gemv_kernel", "_small_m_kernel", "_fp8_kernel", "_int4_wgmma",
+                          "_w8a8"), "matmul")}
+KINDS = [("matmul", ("gemm", "nvjet", "xmma", "cutlass"))]
 
 
-def kind_of(name: str) -> str:
+def kind_of(name: str, by_name: bool = False) -> str:
+    if by_name:
+        return name[:80]
     if name in NAMED:
         return NAMED[name]
     for kind, parts in KINDS:
@@ -106,6 +107,8 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=4096)
     p.add_argument("--output-len", type=int, default=512)
     p.add_argument("--top", type=int, default=12, help="rows of the kernel table")
+    p.add_argument("--by-name", action="store_true",
+                   help="a row per kernel name, not per kind")
     p.add_argument("--host-profile", type=int, default=0, metavar="ROWS",
                    help="also run one prompt step under cProfile and print the Python "
                         "functions that took the most host time (this many rows)")
@@ -125,10 +128,13 @@ def main() -> None:
     steps, _ = timed_steps(engine, prompts, a.output_len, host)
     wall = time.perf_counter() - start
     by_kind: dict[str, float] = collections.Counter()
+    calls: dict[str, int] = collections.Counter()
     spans = []
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
-            by_kind[kind_of(e.name)] += e.time_range.elapsed_us() / 1e6
+            kind = kind_of(e.name, a.by_name)
+            by_kind[kind] += e.time_range.elapsed_us() / 1e6
+            calls[kind] += 1
             spans.append((e.time_range.start / 1e6, e.time_range.end / 1e6))
     # device time not covered by kernels, before and after the last prompt step ended (the
     # profiler's clock starts with the first kernel, a little after `start`)
@@ -152,9 +158,11 @@ def main() -> None:
     for k, (s, n) in sorted(steps.items()):
         per = " / ".join(f"{1e3 * host.get((k, part), 0.0) / n:.2f}" for part in parts)
         print(f"| {k} | {n} | {s:.2f} | {1e3 * s / n:.2f} | {idle[k]:.2f} | {per} |")
-    print("\n| kernels | s | share of kernel time |\n|---|---|---|")
+    print("\n| kernels | s | share of kernel time | launches | µs a launch |\n"
+          "|---|---|---|---|---|")
     for k, s in sorted(by_kind.items(), key=lambda kv: -kv[1])[:a.top]:
-        print(f"| {k} | {s:.3f} | {100 * s / busy:.1f} % |")
+        print(f"| {k} | {s:.3f} | {100 * s / busy:.1f} % | {calls[k]} | "
+              f"{1e6 * s / calls[k]:.1f} |")
     if a.host_profile:
         host_profile(engine, prompts_for(1, a.input_len, vocab, a.seed + 1)[0], a.host_profile)
 

@@ -131,7 +131,7 @@ def test_moe_int4_wgmma_gpu(tokens, block_m, hidden, per_slot, pairs, monkeypatc
     assert all(isinstance(p, tiles_mod.Int4ExpertTiles) and p.centered for p in packed)
     if pairs:
         packed = [lin.uncentered(p) for p in packed]
-    launched = launches.record(monkeypatch, wg, "_kernel", "BLOCK_M", "GATED", "SPLIT_K",
+    launched = launches.record(monkeypatch, wg, "_moe_int4_wgmma", "BLOCK_M", "GATED", "SPLIT_K",
                                "PER_SLOT", "TOP_K")
     got = moe.fused_moe(x.cuda(), *packed, weights.cuda(), ids.cuda(),
                         residual=None if res is None else res.cuda())

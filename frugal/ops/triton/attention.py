@@ -212,7 +212,7 @@ def _decode(args: tuple, out: torch.Tensor, scale: float, batch: int, max_seq_le
     partial = torch.empty(rows, head_dim, dtype=torch.float32, device=q.device)
     lse = torch.empty(rows, dtype=torch.float32, device=q.device)
     if gluon:
-        fp8_decode._kernel[(batch, num_kv_heads, splits)](
+        fp8_decode._fp8_decode[(batch, num_kv_heads, splits)](
             q, k_cache.view(torch.int32), v_cache.view(torch.int32), scales, page_table,
             seq_lens, cu_seqlens_q, partial, lse, out, scale, page_table.stride(0), splits,
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim,

@@ -178,11 +178,11 @@ def _step(k_words, v_words, q, start, last, m_i, l_i, acc, qk_scale, PAGES: gl.c
 # (pages_stride and num_splits vary from step to step: specializing on them would compile new
 # variants inside a run)
 @gluon.jit(do_not_specialize=["pages_stride", "num_splits"])
-def _kernel(q_ptr, k_ptr, v_ptr, scales_ptr, table_ptr, seq_lens_ptr, cu_ptr, partial_ptr,
-            lse_ptr, out_ptr, scale, pages_stride, num_splits, NUM_HEADS: gl.constexpr,
-            NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
-            PAGE_SIZE: gl.constexpr, PAGES: gl.constexpr, DIRECT: gl.constexpr,
-            MIN_SPLIT: gl.constexpr, PDL: gl.constexpr):
+def _fp8_decode(q_ptr, k_ptr, v_ptr, scales_ptr, table_ptr, seq_lens_ptr, cu_ptr, partial_ptr,
+                lse_ptr, out_ptr, scale, pages_stride, num_splits, NUM_HEADS: gl.constexpr,
+                NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
+                PAGE_SIZE: gl.constexpr, PAGES: gl.constexpr, DIRECT: gl.constexpr,
+                MIN_SPLIT: gl.constexpr, PDL: gl.constexpr):
     """Program (request b, KV head, split): keys [first, last) of b's context. q: [tokens,
     heads, D] (row cu[b]); k_ptr/v_ptr: the FP8 pools viewed as int32 words; scales [2, KV
     heads] (K, V). DIRECT: write the output; else the split's normalized partial [D] per head

@@ -4,7 +4,7 @@ weights, products on FP8 tensor cores.
 One kernel turns x into e4m3 with one scale per row (its amax / 448, as
 quant.fp8.quantize_rows), rows padded to 16; where an RMSNorm comes first (qkv, gate_up), the
 same kernel normalizes the row before quantizing it. Then, up to SMALL_M rows (decode batches),
-`_kernel` multiplies: the product is computed transposed, outᵀ = W · xᵀ, so the weight's rows
+`_w8a8` multiplies: the product is computed transposed, outᵀ = W · xᵀ, so the weight's rows
 fill the FP8 MMA's 64-row side and x's rows its narrow one; both operands are read as stored
 (K-contiguous, as FP8 MMAs want them); each 128-input tile's products are added into the fp32
 sums apart (Hopper's FP8 MMAs add with about 14 bits: carried over all of K, sums of one sign
@@ -28,15 +28,15 @@ from frugal.ops.triton.sizes import cdiv, next_power_of_2
 from frugal.ops.triton.split_k import counters, finish, grid, load_tile, partials, tile_range
 from frugal.quant.fp8 import FP8, Fp8Weight
 
-SMALL_M = 64  # most rows _kernel takes (one block of rows); beyond, _scaled_mm
+SMALL_M = 64  # most rows _w8a8 takes (one block of rows); beyond, _scaled_mm
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit(do_not_specialize=["M"])  # (M, the rows, changes from step to step)
-def _kernel(q_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, r_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
-            GATED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
-            EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr):
+def _w8a8(q_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, r_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
+          GATED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
+          DOT_F32: tl.constexpr, PDL: tl.constexpr):
     """out[m, n] = epilogue(xs[m] · ws[n] · Σ_k q[m, k] · w[n, k]) for all M (<= BLOCK_M) rows
     and one block of BLOCK_N outputs over this program's share of the 128-input tiles.
     q: [M, K] e4m3 and xs: [M] fp32, x's codes and row scales; w: [N (2N if GATED: gate rows,
@@ -174,7 +174,7 @@ def multiply(q: torch.Tensor, scales: torch.Tensor, m: int, w: Fp8Weight, dtype:
              bias: torch.Tensor | None = None, gated: bool = False,
              residual: torch.Tensor | None = None,
              config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
-    """_kernel on x's codes q [>= m, K] e4m3 and row scales [>= m, 1] fp32 -> [m, N] in dtype
+    """_w8a8 on x's codes q [>= m, K] e4m3 and row scales [>= m, 1] fp32 -> [m, N] in dtype
     (m <= SMALL_M); as w8a8_linear after quantizing (bias [N (2N)], residual [m, N]
     contiguous)."""
     k = q.shape[1]
@@ -190,7 +190,7 @@ def multiply(q: torch.Tensor, scales: torch.Tensor, m: int, w: Fp8Weight, dtype:
     launch, split = grid(cdiv(n, block_n), 1, split)
     out = torch.empty(m, n, dtype=dtype, device=q.device)
     launch_pdl = pdl(q.device)
-    _kernel[launch](
+    _w8a8[launch](
         q, scales, w.data, w.scales, bias, residual, out, partials(split, m, rows, q.device),
         counters(q.device), m, n, k, GATED=gated, HAS_BIAS=bias is not None,
         HAS_RESIDUAL=residual is not None, BLOCK_M=max(16, next_power_of_2(m)),

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from frugal.ops import torch_ref
-from frugal.ops.triton.int4_wgmma import _kernel, row_offsets
+from frugal.ops.triton.int4_wgmma import _int4_wgmma, row_offsets
 from frugal.ops.triton.launch import pdl
 from frugal.ops.triton.sizes import cdiv, next_power_of_2
 from frugal.ops.triton.split_k import counters, grid, partials
@@ -169,7 +169,7 @@ def int4_linear(x: torch.Tensor, w: Int4Tiles, bias: torch.Tensor | None = None,
     launch, split = grid(cdiv(n, block_n), 1, split)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     launch_pdl = pdl(x.device)
-    _kernel[launch](
+    _int4_wgmma[launch](
         x, w.words, kernel_params(w), bias, residual, out,
         partials(split, m, rows, x.device), counters(x.device), m, n, k // align,
         KP=w.padded_k, GROUP=w.group, GATED=gated, HAS_BIAS=bias is not None,

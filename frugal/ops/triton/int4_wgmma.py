@@ -30,12 +30,12 @@ _barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # (Triton 3.7 rena
 
 
 @gluon.jit(do_not_specialize=["M"])  # (M, the rows, changes from step to step)
-def _kernel(x_ptr, w_ptr, p_ptr, b_ptr, r_ptr, out_ptr, part_ptr, count_ptr, M, N, K_PARTS,
-            KP: gl.constexpr, GROUP: gl.constexpr, GATED: gl.constexpr, HAS_BIAS: gl.constexpr,
-            HAS_RESIDUAL: gl.constexpr, BLOCK_N: gl.constexpr, SPLIT_K: gl.constexpr,
-            OFFSET: gl.constexpr, EVEN_K: gl.constexpr, K_ALIGN: gl.constexpr,
-            BLOCK_M: gl.constexpr, WARPS: gl.constexpr, STAGES: gl.constexpr,
-            UNROLL: gl.constexpr, CENTERED: gl.constexpr, PDL: gl.constexpr):
+def _int4_wgmma(x_ptr, w_ptr, p_ptr, b_ptr, r_ptr, out_ptr, part_ptr, count_ptr, M, N, K_PARTS,
+                KP: gl.constexpr, GROUP: gl.constexpr, GATED: gl.constexpr, HAS_BIAS: gl.constexpr,
+                HAS_RESIDUAL: gl.constexpr, BLOCK_N: gl.constexpr, SPLIT_K: gl.constexpr,
+                OFFSET: gl.constexpr, EVEN_K: gl.constexpr, K_ALIGN: gl.constexpr,
+                BLOCK_M: gl.constexpr, WARPS: gl.constexpr, STAGES: gl.constexpr,
+                UNROLL: gl.constexpr, CENTERED: gl.constexpr, PDL: gl.constexpr):
     """out = epilogue(x @ wᵀ) for one block of BLOCK_N outputs (all BLOCK_M rows, 8 to 64) over
     this program's share of the 128-input tiles (grid axis 2; SPLIT_K > 1: reduced by the last).
     x: [M, K] with K = K_PARTS · K_ALIGN; w: [N (2N if GATED), K] as int4_linear's Int4Tiles,

@@ -42,14 +42,14 @@ def takes(w, x: torch.Tensor, block_m: int) -> bool:
 
 
 @gluon.jit(do_not_specialize=["num_slots"])  # (num_slots changes from step to step)
-def _kernel(x_ptr, w_ptr, p_ptr, out_ptr, sorted_ptr, block_expert_ptr, total_ptr, route_ptr,
-            part_ptr, count_ptr, res_ptr, dst_ptr, num_slots, N, K_PARTS, som,
-            KP: gl.constexpr, GROUP: gl.constexpr, A_DIV: gl.constexpr, GATED: gl.constexpr,
-            BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, WARPS: gl.constexpr,
-            STAGES: gl.constexpr, UNROLL: gl.constexpr, CENTERED: gl.constexpr,
-            OFFSET: gl.constexpr, EVEN_K: gl.constexpr, K_ALIGN: gl.constexpr,
-            SPLIT_K: gl.constexpr, PER_SLOT: gl.constexpr, TOP_K: gl.constexpr,
-            RESIDUAL: gl.constexpr, PDL: gl.constexpr):
+def _moe_int4_wgmma(x_ptr, w_ptr, p_ptr, out_ptr, sorted_ptr, block_expert_ptr, total_ptr,
+                    route_ptr, part_ptr, count_ptr, res_ptr, dst_ptr, num_slots, N, K_PARTS, som,
+                    KP: gl.constexpr, GROUP: gl.constexpr, A_DIV: gl.constexpr, GATED: gl.constexpr,
+                    BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, WARPS: gl.constexpr,
+                    STAGES: gl.constexpr, UNROLL: gl.constexpr, CENTERED: gl.constexpr,
+                    OFFSET: gl.constexpr, EVEN_K: gl.constexpr, K_ALIGN: gl.constexpr,
+                    SPLIT_K: gl.constexpr, PER_SLOT: gl.constexpr, TOP_K: gl.constexpr,
+                    RESIDUAL: gl.constexpr, PDL: gl.constexpr):
     """One block of BLOCK_M sorted slots (grid axis 1) times BLOCK_N outputs (axis 0) of its
     expert's [N (2N if GATED), K] matrix, over this program's share of the 128-input tiles
     (axis 2: SPLIT_K > 1, reduced by the last, _finish). x [*, K]: slot s reads row
@@ -159,7 +159,7 @@ def gemm(x: torch.Tensor, w: Int4ExpertTiles, out: torch.Tensor, n: int,
     dst, residual, top_k = token_sums(sums if split == 1 and per_slot else None, out, n,
                                       n_blocks, not gated)
     launch_pdl = pdl(x.device)
-    _kernel[launch](x, w.words, kernel_params(w), out,
+    _moe_int4_wgmma[launch](x, w.words, kernel_params(w), out,
                     block_expert if per_slot else sorted_slots, block_expert,
                     block_expert if per_slot else total, route if route is not None else out,
                     partials(split, slots, 2 * n if gated else n, x.device), counters(x.device),

@@ -34,12 +34,12 @@ BLOCK_K = 64  # inputs a step of its loop
 
 
 @triton.jit(do_not_specialize=["T"])  # (T, the step's tokens, changes from step to step)
-def _kernel(h_ptr, norm_ptr, router_ptr, x_ptr, logits_ptr, bias_ptr, weights_ptr, ids_ptr,
-            count_ptr, T, E, K, slice_k, eps, sht, swe, scaling, SPLITS: tl.constexpr,
-            TOP_K: tl.constexpr, TOP_PAD: tl.constexpr, SIGMOID: tl.constexpr,
-            HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr, N_GROUP: tl.constexpr,
-            TOPK_GROUP: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr,
-            BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+def _norm_route(h_ptr, norm_ptr, router_ptr, x_ptr, logits_ptr, bias_ptr, weights_ptr, ids_ptr,
+                count_ptr, T, E, K, slice_k, eps, sht, swe, scaling, SPLITS: tl.constexpr,
+                TOP_K: tl.constexpr, TOP_PAD: tl.constexpr, SIGMOID: tl.constexpr,
+                HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr, N_GROUP: tl.constexpr,
+                TOPK_GROUP: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr,
+                BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """h [T, K] (rows sht apart) -> x [T, K] = rms_norm(h) · norm (rounded as elementwise's
     kernel rounds it, its squares summed in another order), logits_ptr [SPLITS, T, E] fp32
     partial sums of x @ routerᵀ, and the token's weights / ids [T, TOP_K] by the last of its
@@ -109,7 +109,7 @@ def norm_route_experts(h: torch.Tensor, norm: torch.Tensor, eps: float, router: 
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=h.device)
     ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=h.device)
     launch_pdl = pdl(h.device)
-    _kernel[(cdiv(num_experts, BLOCK_R), num_tokens, splits)](
+    _norm_route[(cdiv(num_experts, BLOCK_R), num_tokens, splits)](
         h, norm, router, x, logits, correction_bias if correction_bias is not None else logits,
         weights, ids, counters(h.device), num_tokens, num_experts, hidden, slice_k, eps,
         h.stride(0), router.stride(0), float(scaling), SPLITS=splits, BLOCK_R=BLOCK_R,
