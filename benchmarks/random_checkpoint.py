@@ -10,6 +10,9 @@
        floating tensor uniform in [-1e-3, 1e-3] from a seeded generator, as both frugal's and
        vLLM's `--load-format dummy` draw them. Two servers that load it serve the same weights,
        so their MoE routers pick the same experts, which their own dummy weights do not.
+   ... --config DIR --layers 24
+       The same with the config's first 24 layers only (a checkpoint that fits the disk and
+       the GPU beside another server: Qwen3-30B-A3B's 48 layers are 61 GB in bf16, 24 are 31).
    ... --config DIR --router-std 1.0
        The same, with every norm's weight 1, embeddings in ±0.05 (RMS well above a norm's eps)
        and each MoE router drawn so that its logits over the unit-RMS inputs a norm hands it
@@ -36,7 +39,8 @@ HIDDEN, INTER, VOCAB, HEADS, KV_HEADS, HEAD_DIM = 4096, 14336, 128256, 32, 8, 12
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("output")
-    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--layers", type=int, default=None,
+                   help="decoder layers (default 32; --config: the config's)")
     p.add_argument("--config", help="a config directory: its architecture and shapes")
     p.add_argument("--device", default="cpu", help="where the weights are drawn (--config)")
     p.add_argument("--seed", type=int, default=0)
@@ -46,7 +50,8 @@ def main() -> None:
     out = Path(a.output)
     out.mkdir(parents=True, exist_ok=True)
     if a.config:
-        return from_config(Path(a.config), out, a.device, a.seed, a.router_std)
+        return from_config(Path(a.config), out, a.device, a.seed, a.router_std, a.layers)
+    a.layers = a.layers or 32
     config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
               "hidden_size": HIDDEN, "intermediate_size": INTER, "num_hidden_layers": a.layers,
               "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS,
@@ -83,11 +88,13 @@ def main() -> None:
 
 @torch.no_grad()
 def from_config(config_dir: Path, out: Path, device: str, seed: int,
-                router_std: float | None = None) -> None:
-    """The --config checkpoint (see the module's docstring)."""
+                router_std: float | None = None, layers: int | None = None) -> None:
+    """The --config checkpoint (see the module's docstring); layers: keep the first ones."""
     import transformers
 
     config = transformers.AutoConfig.from_pretrained(config_dir)
+    if layers is not None:
+        config.num_hidden_layers = layers
     dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "bfloat16"
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     with torch.device("meta"):

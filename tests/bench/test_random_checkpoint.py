@@ -77,3 +77,27 @@ def test_router_std_gives_each_token_its_own_experts(tmp_path):
     scale = want.abs().max()
     torch.testing.assert_close(frugal_logits(llm, ids.tolist()) / scale, want / scale,
                                atol=1e-3, rtol=0)
+
+
+def test_layers_keeps_the_first_ones(tmp_path):
+    """--layers 2 of a 3-layer Qwen3-MoE config: config.json and the tensors name 2 layers (the
+    second the dense one of mlp_only_layers), and frugal serves it."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from tests.models.test_moe_vs_hf import CASES
+
+    config_dir, out = tmp_path / "config", tmp_path / "random"
+    CASES["qwen3-moe"]().save_pretrained(config_dir)
+    r = subprocess.run([sys.executable, str(SCRIPT), str(out), "--config", str(config_dir),
+                        "--layers", "2", "--router-std", "1.0"], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 2
+    names = {k for f in out.glob("*.safetensors") for k in load_file(f)}
+    assert "model.layers.0.mlp.experts.7.down_proj.weight" in names
+    assert "model.layers.1.mlp.down_proj.weight" in names  # (the dense layer)
+    assert not any(k.startswith("model.layers.2.") for k in names)
+    llm = LLM(str(out), dtype="float32", device="cpu", kv_cache_memory="8MiB")
+    assert llm.engine.model_config.num_layers == 2
