@@ -1,16 +1,20 @@
-"""Micro-benchmark: one decode step of the whole model (its CUDA graph) under each PDL mode.
+"""Micro-benchmark: one decode step of the whole model (its CUDA graph) under each PDL mode
+and each threshold of the decode attention's context split.
 
 Loads a preset with random weights, prefills 64 requests of 512 tokens, then times replays of
 the decode graph at each batch size, recapturing the graphs for each FRUGAL_PDL mode (see
-frugal.ops.triton.launch) in the same process; the modes alternate over the rounds. Medians of
-5 x 50 replays (device time per step); `same argmax` checks that every mode picks the tokens
-of the first.
+frugal.ops.triton.launch) and each --split-below (ops.triton.attention._SPLIT_BELOW: requests
+× KV heads below which a decode splits each context; 0: never) in the same process; the
+variants alternate over the rounds. Medians of 5 x 50 replays (device time per step); `same
+argmax` checks that every variant picks the tokens of the first.
    python benchmarks/decode_step.py [--quantization none|int4|fp8] [--modes wait,trigger]
+   python benchmarks/decode_step.py --model qwen3-30b-a3b --modes trigger --split-below 264,0
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 
 import torch
@@ -19,6 +23,7 @@ from frugal.bench.offline import prompts_for
 from frugal.config import EngineConfig, SchedulerConfig
 from frugal.core.scheduler import SchedulerOutput
 from frugal.engine.llm_engine import LLMEngine
+from frugal.ops.triton import attention
 from frugal.request import SamplingParams
 from frugal.worker.step_inputs import prepare
 
@@ -45,6 +50,7 @@ def main() -> None:
     p.add_argument("--modes", default="wait,trigger")
     p.add_argument("--batch", default="1,16,64")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--split-below", default=str(attention._SPLIT_BELOW))
     a = p.parse_args()
     sizes = [int(s) for s in a.batch.split(",")]
     engine = LLMEngine(EngineConfig(model=a.model, load_format="dummy",
@@ -64,12 +70,15 @@ def main() -> None:
                          runner.device, check=runner.integrity) for n in sizes}
     print(f"{torch.cuda.get_device_name()} | {a.model}, weights {a.quantization} | decode-step "
           "graph replay medians, ms\n")
-    print("| round | PDL mode | batch | ms | same argmax |")
-    print("|---|---|---|---|---|")
+    print("| round | PDL mode | split below | batch | ms | same argmax |")
+    print("|---|---|---|---|---|---|")
     first: dict[int, torch.Tensor] = {}
+    variants = list(itertools.product(a.modes.split(","),
+                                      [int(v) for v in a.split_below.split(",")]))
     for r in range(a.rounds):
-        for mode in a.modes.split(","):
+        for mode, below in variants:
             os.environ["FRUGAL_PDL"] = mode
+            attention._SPLIT_BELOW = below
             runner._graph_sets.clear()
             runner.graphs = None
             torch.cuda.empty_cache()
@@ -78,8 +87,8 @@ def main() -> None:
                 logits, _ = runner.graphs.run(inputs[n])
                 top = logits.argmax(-1)
                 same = torch.equal(first.setdefault(n, top), top)
-                print(f"| {r} | {mode} | {n} | {step_ms(runner, inputs[n]):.3f} | {same} |",
-                      flush=True)
+                print(f"| {r} | {mode} | {below} | {n} | {step_ms(runner, inputs[n]):.3f} | "
+                      f"{same} |", flush=True)
 
 
 if __name__ == "__main__":
