@@ -27,6 +27,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from frugal.ops.triton import split_k
 from frugal.ops.triton.elementwise import rms_norm, silu_and_mul
 from frugal.ops.triton.fp8_linear import BLOCK_K as FP8_TILE_K
 from frugal.ops.triton.fp8_linear import fp8_linear
@@ -35,7 +36,7 @@ from frugal.ops.triton.int4_linear import Int4Tiles, int4_linear, repack
 from frugal.ops.triton.int4_linear import dequantize as dequantize_int4
 from frugal.ops.triton.launch import enter, pdl
 from frugal.ops.triton.sizes import cdiv, next_power_of_2
-from frugal.ops.triton.split_k import epilogue
+from frugal.ops.triton.split_k import finish, tile_range
 from frugal.quant.fp8 import Fp8Weight
 from frugal.quant.int4 import Int4Weight
 
@@ -107,20 +108,25 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, g_ptr, r_ptr, out_ptr, N, eps, K: tl.const
 
 
 def _small_m_config(n: int, k: int, gated: bool) -> tuple[int, ...] | None:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages) of the tensor-core kernel for 2..64 rows, or
-    None where cuBLAS is as fast: `benchmarks/linear.py --tokens 64 --sweep` on the H200."""
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages[, SPLIT_K]) of the tensor-core kernel for 2..64
+    rows, or None where cuBLAS is as fast: `benchmarks/linear.py --tokens 64 --sweep` on the
+    H200 (Llama-3.1-8B's shapes)."""
     if not gated:
         return None  # qkv, o, down: cuBLAS (the residual add is its epilogue)
     return (64, 128, 4, 4)
 
 
 @triton.jit(do_not_specialize=["M"])  # (M, the rows, changes from step to step)
-def _small_m_kernel(x_ptr, w_ptr, b_ptr, r_ptr, out_ptr, M, N, K: tl.constexpr,
-                    GATED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                    EVEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr):
+def _small_m_kernel(x_ptr, w_ptr, b_ptr, r_ptr, out_ptr, part_ptr, count_ptr, M, N,
+                    K: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    HAS_RESIDUAL: tl.constexpr, EVEN: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                    DOT_F32: tl.constexpr, PDL: tl.constexpr):
     """out[m, n] = epilogue(Σ_k x[m, k] · w[n, k]) for all M (<= BLOCK_M) rows and one block
     of BLOCK_N outputs, on tensor cores; weight layout and epilogue as in _gemv_kernel.
+    SPLIT_K > 1: the K tiles shared by that many programs (grid axis 2), summed and finished
+    by the last to arrive (split_k.finish: a narrow matrix, Qwen3-30B-A3B's o with 2,048
+    outputs, has 32 blocks of 64 for an H100's 132 SMs).
     EVEN: N and K are multiples of the blocks (unmasked weight loads, which pipeline better).
     DOT_F32: products in fp32 (the CPU interpreter's bf16 dot is wrong)."""
     enter(PDL)
@@ -128,13 +134,14 @@ def _small_m_kernel(x_ptr, w_ptr, b_ptr, r_ptr, out_ptr, M, N, K: tl.constexpr,
     m_mask = offs_m < M
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    offs_k = tl.arange(0, BLOCK_K)
+    first, last = tile_range(tl.cdiv(K, BLOCK_K), SPLIT_K)
+    offs_k = first * BLOCK_K + tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + offs_m[:, None] * K + offs_k[None, :]
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_mask = (k0 + offs_k) < K
+    for t in range(first, last):
+        k_mask = (t * BLOCK_K + tl.arange(0, BLOCK_K)) < K
         x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         if EVEN:
             w = tl.load(w_ptrs)
@@ -154,8 +161,8 @@ def _small_m_kernel(x_ptr, w_ptr, b_ptr, r_ptr, out_ptr, M, N, K: tl.constexpr,
             acc_up = tl.dot(x, tl.trans(w_up), acc_up)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    epilogue(acc, acc_up, offs_m, offs_n, m_mask, n_mask, N, b_ptr, r_ptr, out_ptr, GATED,
-             HAS_BIAS, HAS_RESIDUAL)
+    finish(acc, acc_up, offs_m, offs_n, m_mask, n_mask, M, N, part_ptr, count_ptr, b_ptr, r_ptr,
+           out_ptr, GATED, HAS_BIAS, HAS_RESIDUAL, SPLIT_K)
 
 
 def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -170,13 +177,17 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     x = x.contiguous()
     m, k = x.shape
     n = weight.shape[0] // 2 if gated else weight.shape[0]
-    block_n, block_k, num_warps, num_stages = config or _small_m_config(n, k, gated) or (
-        64, 128, 4, 4)
+    block_n, block_k, num_warps, num_stages, *split = (
+        config or _small_m_config(n, k, gated) or (64, 128, 4, 4))
+    grid, split = split_k.grid(cdiv(n, block_n), 1, min(split[0] if split else 1,
+                                                        cdiv(k, block_k)))
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    part = split_k.partials(split, m, 2 * n if gated else n, x.device)
     launch_pdl = pdl(x.device)
-    _small_m_kernel[(cdiv(n, block_n),)](
-        x, weight, bias, residual, out, m, n, K=k, GATED=gated, HAS_BIAS=bias is not None,
-        HAS_RESIDUAL=residual is not None, EVEN=n % block_n == 0 and k % block_k == 0,
+    _small_m_kernel[grid](
+        x, weight, bias, residual, out, part, split_k.counters(x.device), m, n, K=k,
+        GATED=gated, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
+        EVEN=n % block_n == 0 and k % block_k == 0, SPLIT_K=split,
         BLOCK_M=max(16, next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k,
         DOT_F32=_INTERPRET, PDL=launch_pdl, num_warps=num_warps, num_stages=num_stages,
         launch_pdl=launch_pdl > 0)
