@@ -13,9 +13,9 @@ fp8_w8a8 at any number of tokens (beyond 64, FP8 _scaled_mm), the RMSNorm done b
 that quantizes x per token.
 
 A decode batch (2..64 tokens): gate_up runs as a Triton tensor-core kernel with SiLU·mul as its
-epilogue (one program holds all the rows, so there is no split-K to reduce first); the other
-matmuls, and prefill, run on cuBLAS, with the RMSNorm as its own kernel and the residual add as
-cuBLAS's epilogue (addmm, in place).
+epilogue (one program holds all the rows; a config may split K over programs, the last one
+summing: split_k); the other matmuls, and prefill, run on cuBLAS, with the RMSNorm as its own
+kernel and the residual add as cuBLAS's epilogue (addmm, in place).
 """
 
 from __future__ import annotations
