@@ -18,6 +18,7 @@ from frugal.cli.args import add_engine_args, engine_config
 logger = logging.getLogger("frugal")
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
 FLUSH_S = 5.0  # after the shutdown timeout, what the error events get to reach their clients
+LOG_STATS_S = 10.0  # seconds between two stats lines while requests run (vLLM's interval)
 # a dead engine's server goes on answering (503; /health says why) this long before it exits 1,
 # so a health check or load balancer sees the reason rather than a refused connection
 DEAD_GRACE_S = 2.0
@@ -48,6 +49,10 @@ def add_serve_parser(subparsers) -> None:
                         "(default: no limit)")
     g.add_argument("--no-ready-message", action="store_true",
                    help=argparse.SUPPRESS)  # (serve-pd's workers: it prints the router's)
+    g.add_argument("--disable-log-stats", action="store_true",
+                   help="no stats line in the log (by default every 10 s while requests run: "
+                        "prompt and generation tokens/s, running, waiting, KV cache in use, "
+                        "prefix-cache hit rate)")
     g.add_argument("--step-timeout", type=float, default=120.0,
                    help="a step that has not returned after this many seconds marks the "
                         "engine dead: every request gets an error and the server exits 1")
@@ -117,7 +122,8 @@ def run_serve(args: argparse.Namespace) -> int:
                                      kv_max_held_fraction=args.kv_max_held_fraction,
                                      kv_require_fast_path=args.kv_require_fast_path,
                                      kv_transport=args.kv_transport)
-    engine = AsyncEngine(LLMEngine(engine_cfg), metrics, args.step_timeout)
+    engine = AsyncEngine(LLMEngine(engine_cfg), metrics, args.step_timeout,
+                         log_stats=None if args.disable_log_stats else LOG_STATS_S)
     app = build_app(engine, name, args.api_key, metrics, args.max_request_bytes,
                     args.max_queued_requests, kv_peers, metrics_public=args.metrics_public)
     config = uvicorn.Config(app, host=args.host, port=args.port,

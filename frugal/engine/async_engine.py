@@ -27,7 +27,7 @@ from frugal.disagg import Unavailable
 from frugal.engine.channels import Inbox, RequestFailedError, Streams
 from frugal.engine.llm_engine import LLMEngine
 from frugal.engine.output_stream import OutputStream, send
-from frugal.engine.stats import EngineStats
+from frugal.engine.stats import EngineStats, StatsLog
 from frugal.engine.watchdog import Watchdog
 from frugal.metrics import Metrics
 from frugal.request import RequestOutput, SamplingParams
@@ -48,7 +48,9 @@ class AsyncEngine:
 
     def __init__(self, engine: LLMEngine, metrics: Metrics | None = None,
                  step_timeout: float | None = None,
-                 on_dead: Callable[[str], None] | None = None) -> None:
+                 on_dead: Callable[[str], None] | None = None,
+                 log_stats: float | None = None) -> None:
+        """log_stats: log engine.stats.StatsLog's line every that many seconds (None: never)."""
         self.engine = engine
         self.metrics = metrics
         self.step_timeout = step_timeout
@@ -60,6 +62,7 @@ class AsyncEngine:
         self._streams = Streams(metrics)
         self._stop = threading.Event()
         self._stats = engine.stats()  # (the loop has not started: no step can race this one)
+        self._stats_log = StatsLog(log_stats) if log_stats else None
         self._thread = threading.Thread(target=self._loop, name="frugal-engine", daemon=True)
         self._watchdog = Watchdog(engine, self._die, self._stop, step_timeout)
         if metrics is not None:
@@ -159,6 +162,7 @@ class AsyncEngine:
                         logger.exception("polling KV transfers failed")
                     if held:
                         self._update_gauges()
+                    self._log_stats()  # (the interval that ends idle)
                     if idle_since is None:
                         idle_since = time.monotonic()
                     elif not checked and time.monotonic() - idle_since > IDLE_CHECK_S:
@@ -281,3 +285,9 @@ class AsyncEngine:
         self._inbox.num_waiting = stats.num_waiting
         if self.metrics is not None:
             self.metrics.update(stats)
+        self._log_stats()
+
+    def _log_stats(self) -> None:
+        line = self._stats_log and self._stats_log.line(self._stats)
+        if line:
+            logger.info(line)

@@ -55,6 +55,8 @@ class LLMEngine:
         self.num_preemptions = 0  # total, for metrics
         self.num_integrity_failures = 0  # requests failed by the KV-cache integrity check
         self.num_bookkeeping_errors = 0  # contradictions found by check_integrity
+        self.num_prompt_tokens = 0  # prompt tokens launched (totals, for the stats log)
+        self.num_generation_tokens = 0  # tokens recorded
         # (the other ranks mirror each model call as it is made: no step launched ahead)
         self.overlap = config.overlap_schedule and parallel.size == 1
         self._inflight: Launched | None = None  # a step launched ahead (see step)
@@ -220,6 +222,8 @@ class LLMEngine:
             self.scheduler.kv.return_tag_updates(out.tag_updates)  # (the device never got them)
             raise
         for request, n in zip(out.requests, out.num_new_tokens):
+            self.num_prompt_tokens += max(0, min(n, request.num_prompt_tokens
+                                                 - request.num_computed_tokens))
             request.num_computed_tokens += n
         for i in step.inputs.sampled:
             out.requests[i].num_pending += 1
@@ -245,6 +249,7 @@ class LLMEngine:
             request = out.requests[i]
             request.num_pending -= 1
             if not request.finished:
+                self.num_generation_tokens += 1
                 outputs.append(self._record(request, token, result.logprobs.get(j)))
         return outputs
 

@@ -272,3 +272,19 @@ def test_a_caller_that_goes_away_aborts_its_request(engine, llm, how):
         time.sleep(0.02)
     assert not llm.engine.has_unfinished_requests()
     assert engine.metrics.aborted._value.get() == aborted + 1
+
+
+def test_the_stats_line_is_logged_while_requests_run(llm, caplog):
+    """log_stats: the engine thread logs StatsLog's line (here every 50 ms) while it works."""
+    engine = AsyncEngine(llm.engine, log_stats=0.05)
+    engine.start()
+    try:
+        with caplog.at_level("INFO", logger="frugal"):
+            run(collect(engine, [1, 2, 3], SamplingParams(max_tokens=48, ignore_eos=True), "s"))
+            time.sleep(0.3)  # (the interval that ends idle)
+    finally:
+        engine.shutdown()
+    lines = [r.getMessage() for r in caplog.records if "tokens/s" in r.getMessage()]
+    assert lines and lines[0].startswith("prompt ")
+    assert any(" generation 0.0 " not in line for line in lines)
+    assert all("KV cache" in line and "prefix cache hit rate" in line for line in lines)

@@ -186,3 +186,23 @@ def test_shared_page_handed_out_again_fails_only_its_holder():
     assert joined["thief"].outputs[0].finish_reason == "length"
     same(joined, want, "b")
     assert engine.check_integrity() and engine.scheduler.kv.num_free == engine.runner.pool.num_pages
+
+
+def test_token_totals_count_computed_prompt_tokens_and_generated_ones(pair):
+    """The stats' totals the server's log line reads: a prompt's tokens count once computed
+    (not those the prefix cache held), each recorded token once."""
+    cached, _ = pair
+    engine = cached.engine
+    prompt = engine.tokenize(SYSTEM + "Count my tokens, please. " * 12)  # (~100 tokens)
+    before = engine.stats()
+    cached.generate([prompt], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    first = engine.stats()
+    assert first.num_prompt_tokens - before.num_prompt_tokens == len(prompt) - (
+        first.prefix_cache_hits - before.prefix_cache_hits)
+    assert first.num_generation_tokens - before.num_generation_tokens == 5
+    cached.generate([prompt], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    second = engine.stats()
+    hits = second.prefix_cache_hits - first.prefix_cache_hits
+    assert hits >= (len(prompt) // 16 - 1) * 16 > 0
+    assert second.num_prompt_tokens - first.num_prompt_tokens == len(prompt) - hits
+    assert second.num_generation_tokens - first.num_generation_tokens == 3
