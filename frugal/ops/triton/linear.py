@@ -134,7 +134,10 @@ def _small_m_kernel(x_ptr, w_ptr, b_ptr, r_ptr, out_ptr, part_ptr, count_ptr, M,
     m_mask = offs_m < M
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    first, last = tile_range(tl.cdiv(K, BLOCK_K), SPLIT_K)
+    if SPLIT_K == 1:  # (bounds known at compile time, as the measured unsplit kernel had)
+        first, last = 0, (K + BLOCK_K - 1) // BLOCK_K
+    else:
+        first, last = tile_range(tl.cdiv(K, BLOCK_K), SPLIT_K)
     offs_k = first * BLOCK_K + tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + offs_m[:, None] * K + offs_k[None, :]
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :]
