@@ -181,6 +181,22 @@ def test_decode_split_counts_agree(splits, min_split, monkeypatch):
     torch.testing.assert_close(ours, ref, atol=2e-3, rtol=2e-3)
 
 
+def test_many_decodes_split_in_longer_slices(monkeypatch):
+    """17 requests x 2 KV heads (34 programs): slices of at least 128 keys (min_split_keys),
+    so the 7 slices a CUDA graph's longest context asks for cut contexts of 40 to 330 keys
+    into 1 to 3 live ones; the merge reads just those. 128 programs and more: one slice."""
+    assert triton_attention.min_split_keys(17, 2) == 128
+    assert triton_attention.min_split_keys(16, 2) == 64
+    assert triton_attention.num_decode_splits(64, 2, 4096) == 1
+    lens = [40 + 18 * i for i in range(17)]
+    q, k_cache, v_cache, table, cu, lens_t = make_case(lens, [1] * 17, 4, 2, 16, 16,
+                                                       torch.float32, seed=11)
+    monkeypatch.setattr(triton_attention, "num_decode_splits", lambda *a: 7)
+    args = (q, k_cache, v_cache, table, cu, lens_t, 0.25, 1, 4096)
+    torch.testing.assert_close(triton_attention.paged_attention(*args),
+                               torch_ref.paged_attention(*args), atol=2e-3, rtol=2e-3)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("form", ["views", "packed", "qk_norm"])
 @pytest.mark.parametrize("rotary_dim", [32, 16, 12])

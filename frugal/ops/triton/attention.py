@@ -27,34 +27,42 @@ from frugal.ops.triton.sizes import cdiv, next_power_of_2
 
 # The CPU interpreter's bf16 tl.dot is wrong: compute the products in fp32 there.
 _DOT_F32 = os.environ.get("TRITON_INTERPRET") == "1"
-# Split the context only when (request, KV head) programs are fewer than two waves of the
-# H200's 132 SMs; then aim for eight waves (B=1 L=32k: 3.4 TB/s vs 3.0 at two waves; splitting
-# a batch that already fills the GPU only adds the merge, as measured in benchmarks/).
-_SPLIT_BELOW = 264
+# Split the context only when (request, KV head) programs are fewer than a wave of the H200's
+# 132 SMs; then aim for eight waves (B=1 L=32k: 3.4 TB/s vs 3.0 at two waves; splitting a batch
+# that already fills the GPU only adds the merge: Qwen3-30B-A3B's 64 requests x 4 KV heads at
+# 544 keys, 25.2 us unsplit against 34.8 in 5 splits and their merge on the H200).
+_SPLIT_BELOW = 128
 _SPLIT_TARGET = 1056
 # A split covers at least this many keys (one block: at batch 1 many short splits beat few
-# long ones). The merge reads only the splits that saw keys, so the many splits of a CUDA graph
-# captured for the longest context cost a short one nothing.
+# long ones), and this many more for each 32 programs past the first 32 (min_split_keys: 16
+# requests x 4 KV heads at 544 keys ran in 13.8 us as 5 splits of 128 keys, 16.3 us as 9 of
+# 64, on the H200). The merge reads only the splits that saw keys, so the many splits of a
+# CUDA graph captured for the longest context cost a short one nothing.
 _MIN_SPLIT = 64
 # At most this many slices. The merge kernel is compiled for this many whatever the count (a
 # count met first in an eager step, a batch mixing decodes with prompt chunks, would otherwise
 # compile a kernel inside it); slices that saw no keys are not read.
 _MAX_SPLITS = 64
 _DECODE_LAUNCH = {"num_warps": 4, "num_stages": 3}  # Triton's defaults, measured in benchmarks/
+# bf16 decodes that run unsplit, heads of up to 128: 128 keys a block, 8 warps (H200,
+# Qwen3-30B-A3B's heads: 64 requests at 2,048 keys 67.7 us against 73.5 with the split
+# launch's, 32 at 544 18.3 against 19.7)
+_UNSPLIT_LAUNCH = {"BLOCK_N": 128, "num_warps": 8, "num_stages": 3}
 _FP8_GLUON = True  # FP8 decodes run fp8_decode's kernel where it fits (False: the Triton one)
 
 
-@triton.jit(do_not_specialize=["pages_stride", "num_splits"])
+@triton.jit(do_not_specialize=["pages_stride", "num_splits", "min_split"])
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, scales_ptr, k_scale_ptr, v_scale_ptr,
                    page_table_ptr, seq_lens_ptr, cu_ptr, partial_ptr, lse_ptr, out_ptr, scale,
-                   pages_stride, num_splits, NUM_HEADS: tl.constexpr,
+                   pages_stride, num_splits, min_split, NUM_HEADS: tl.constexpr,
                    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
                    BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
-                   DIRECT: tl.constexpr, MIN_SPLIT: tl.constexpr, FP8: tl.constexpr,
+                   DIRECT: tl.constexpr, FP8: tl.constexpr,
                    K_ROW: tl.constexpr, V_ROW: tl.constexpr, K_SROW: tl.constexpr,
                    V_SROW: tl.constexpr, PDL: tl.constexpr):
-    """DIRECT (one split): write the normalized output itself, no partials to merge.
+    """DIRECT (one split): write the normalized output itself, no partials to merge. The
+    context is cut into num_splits slices of whole blocks, min_split keys at least (split_len).
     FP8 (static scales): K/V are read as FP8 and widened in registers; the head's K scale joins
     the softmax scale and its V scale multiplies the output (scales_ptr: [2, NUM_KV_HEADS]).
     K_ROW, V_ROW: see kv_blocks.load_kv; K_SROW / V_SROW > 0: K / V rows carry their own
@@ -67,7 +75,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, scales_ptr, k_scale_ptr, v_s
     seq_len = tl.load(seq_lens_ptr + b)
     row = tl.load(cu_ptr + b)  # the request's (single) new token
     # this split's slice of the context, in whole blocks of BLOCK_N tokens
-    per_split = split_len(seq_len, num_splits, BLOCK_N, MIN_SPLIT)
+    per_split = split_len(seq_len, num_splits, BLOCK_N, min_split)
     first = split * per_split
     last = tl.minimum(first + per_split, seq_len)
 
@@ -146,6 +154,13 @@ def num_decode_splits(num_requests: int, num_kv_heads: int, max_seq_len: int,
     return max(1, min(wanted, cdiv(max_seq_len, _block_n(fp8)), _MAX_SPLITS))
 
 
+def min_split_keys(num_requests: int, num_kv_heads: int) -> int:
+    """Keys a context slice covers at least: _MIN_SPLIT, and _MIN_SPLIT more for each 32
+    (request, KV head) programs past the first 32 (the slices of a short context are then
+    fewer: the kernels cut each context at run time, split_len)."""
+    return _MIN_SPLIT * max(1, cdiv(num_requests * num_kv_heads, 32))
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     page_table: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
                     scale: float, max_query_len: int, max_seq_len: int,
@@ -201,12 +216,17 @@ def _decode(args: tuple, out: torch.Tensor, scale: float, batch: int, max_seq_le
     fp8, num_heads, head_dim = consts["FP8"], consts["NUM_HEADS"], consts["HEAD_DIM"]
     num_kv_heads, group = consts["NUM_KV_HEADS"], consts["GROUP"]
     gluon = fp8 and _FP8_GLUON and fp8_decode.fits(q, group, head_dim, consts["PAGE_SIZE"])
+    launch = _DECODE_LAUNCH
     if gluon:
-        block_n = 16 * fp8_decode.PAGES
+        block_n, min_split = 16 * fp8_decode.PAGES, _MIN_SPLIT
         splits = fp8_decode.split_count(batch, num_kv_heads, max_seq_len, q.device, _MAX_SPLITS)
     else:
         block_n = _block_n(fp8)
         splits = num_decode_splits(batch, num_kv_heads, max_seq_len, fp8)
+        if splits == 1 and not fp8 and consts["DIM_PAD"] <= 128:  # (its stages' shared memory)
+            launch = dict(_UNSPLIT_LAUNCH)
+            block_n = launch.pop("BLOCK_N")
+        min_split = cdiv(min_split_keys(batch, num_kv_heads), block_n) * block_n
     launch_pdl = pdl(q.device)
     rows = batch * num_heads * splits if splits > 1 else 1  # partials only to merge
     partial = torch.empty(rows, head_dim, dtype=torch.float32, device=q.device)
@@ -221,13 +241,11 @@ def _decode(args: tuple, out: torch.Tensor, scale: float, batch: int, max_seq_le
             launch_pdl=launch_pdl > 0)
     else:
         _decode_kernel[(batch, num_kv_heads, splits)](
-            *args, partial, lse, out, scale, page_table.stride(0), splits,
+            *args, partial, lse, out, scale, page_table.stride(0), splits, min_split,
             GROUP_PAD=max(16, next_power_of_2(group)), BLOCK_N=block_n,
-            DIRECT=splits == 1, MIN_SPLIT=_MIN_SPLIT, PDL=launch_pdl, launch_pdl=launch_pdl > 0,
-            **consts, **_DECODE_LAUNCH)
+            DIRECT=splits == 1, PDL=launch_pdl, launch_pdl=launch_pdl > 0, **consts, **launch)
     if splits > 1:
         merge_kernel[(batch, num_heads)](
-            partial, lse, out, cu_seqlens_q, seq_lens, splits, NUM_HEADS=num_heads,
-            HEAD_DIM=head_dim, DIM_PAD=consts["DIM_PAD"],
-            SPLITS_PAD=_MAX_SPLITS, BLOCK_N=block_n,
-            MIN_SPLIT=_MIN_SPLIT, PDL=launch_pdl, launch_pdl=launch_pdl > 0)
+            partial, lse, out, cu_seqlens_q, seq_lens, splits, min_split, NUM_HEADS=num_heads,
+            HEAD_DIM=head_dim, DIM_PAD=consts["DIM_PAD"], SPLITS_PAD=_MAX_SPLITS,
+            BLOCK_N=block_n, PDL=launch_pdl, launch_pdl=launch_pdl > 0)

@@ -14,16 +14,16 @@ from frugal.ops.triton.launch import enter
 
 
 @triton.jit
-def split_len(seq_len, num_splits, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr):
-    """Keys per context slice of a decode request: whole blocks, at least MIN_SPLIT."""
-    return tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N, MIN_SPLIT)
+def split_len(seq_len, num_splits, BLOCK_N: tl.constexpr, min_split):
+    """Keys per context slice of a decode request: whole blocks, at least min_split (a
+    multiple of BLOCK_N)."""
+    return tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N, min_split)
 
 
-@triton.jit(do_not_specialize=["num_splits"])
-def merge_kernel(partial_ptr, lse_ptr, out_ptr, cu_ptr, seq_lens_ptr, num_splits,
+@triton.jit(do_not_specialize=["num_splits", "min_split"])
+def merge_kernel(partial_ptr, lse_ptr, out_ptr, cu_ptr, seq_lens_ptr, num_splits, min_split,
                  NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
-                 SPLITS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr,
-                 PDL: tl.constexpr):
+                 SPLITS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
     """out[row of b, head] = the splits' partials weighted by exp(LSE) (program (b, head))."""
     enter(PDL)
     b = tl.program_id(0)
@@ -33,7 +33,7 @@ def merge_kernel(partial_ptr, lse_ptr, out_ptr, cu_ptr, seq_lens_ptr, num_splits
     base = (b * NUM_HEADS + head) * num_splits
     # only the splits that saw keys (as the decode kernel cut the context)
     seq_len = tl.load(seq_lens_ptr + b)
-    per_split = split_len(seq_len, num_splits, BLOCK_N, MIN_SPLIT)
+    per_split = split_len(seq_len, num_splits, BLOCK_N, min_split)
     live = s < tl.minimum(tl.cdiv(seq_len, per_split), num_splits)
     lse = tl.load(lse_ptr + base + s, mask=live, other=float("-inf"))
     top = tl.max(lse, 0)
