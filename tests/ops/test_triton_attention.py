@@ -127,11 +127,15 @@ def test_mixed_batch_runs_its_leading_decodes_in_the_decode_kernel(fp8):
 
 
 @pytest.mark.parametrize("fp8", [False, True])
-def test_a_padded_prompt_step_leaves_its_padding_zero(fp8):
+def test_a_padded_prompt_step_leaves_its_padding_zero(fp8, monkeypatch):
     """A step as worker.prompt_graphs pads it: token rows past the last request's (in no
     request) and requests with no new tokens and seq_len 0 (their page-table rows zero), the
     grid sized for the padded token count, every request through the prompt kernel. The real
-    rows are the unpadded step's; the padding rows are zeros, not whatever memory held."""
+    rows are the unpadded step's; the padding rows are zeros (the prompt kernel's items past
+    the last write them), not what the output's memory held: NaN here."""
+    empty_like = torch.empty_like
+    monkeypatch.setattr(torch, "empty_like",
+                        lambda x, **kw: empty_like(x, **kw).fill_(float("nan")))
     seq_lens, num_new = [37, 20, 9], [1, 12, 1]
     scales = fp8_scales(2, seed=6) if fp8 else None
     q, k_cache, v_cache, table, cu, lens = make_case(seq_lens, num_new, 6, 2, 16, 4,

@@ -184,8 +184,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     batch = seq_lens.shape[0]
     decodes = batch if max_query_len == 1 else num_decodes
     q = q.contiguous()
-    # (a prompt step's rows past the last request's tokens: zeros, see torch_ref)
-    out = torch.empty_like(q) if max_query_len == 1 else torch.zeros_like(q)
+    # (a prompt step's rows past the last request's tokens: zeros, see torch_ref; the extend
+    # kernel writes them)
+    out = torch.empty_like(q) if max_query_len == 1 or decodes < batch else torch.zeros_like(q)
     args = (q, k_cache, v_cache, scales, k_scales, v_scales, page_table, seq_lens, cu_seqlens_q)
     # fp32 activations get exact fp32 products (no TF32), so GPU and CPU paths agree
     consts = dict(NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim,
@@ -204,7 +205,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         fresh_k, fresh_v = (q, q) if fresh is None else (heads_packed(x) for x in fresh)
         extend_kernel[(items, num_kv_heads)](
             *args, out, fresh_k, fresh_v, fresh_k.stride(0), fresh_v.stride(0), scale,
-            page_table.stride(0), decodes, batch, GROUP_PAD=group_pad, BLOCK_M=block_m,
+            page_table.stride(0), decodes, batch, q.shape[0], GROUP_PAD=group_pad, BLOCK_M=block_m,
             FRESH=fresh is not None, **consts, **launch)
     return out
 

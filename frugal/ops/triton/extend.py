@@ -20,8 +20,9 @@ from frugal.ops.triton.kv_blocks import (
 def work_item(cu_ptr, first, batch, item, TOKENS: tl.constexpr):
     """(request, block of TOKENS of its new tokens) of work item `item`, the items laid out
     request after request from `first` on (a request of n new tokens: cdiv(n, TOKENS) items);
-    block -1 past the last item. Reads the offsets 16 requests at a time (no constant that
-    grows with the batch: no kernel compiled mid-serving for a bigger one)."""
+    block -1 past the last item; and the number of items. Reads the offsets 16 requests at a
+    time (no constant that grows with the batch: no kernel compiled mid-serving for a bigger
+    one)."""
     found, block, carry = batch, -1, 0
     for c0 in range(first, batch, 16):
         rs = tl.arange(0, 16)
@@ -37,14 +38,14 @@ def work_item(cu_ptr, first, batch, item, TOKENS: tl.constexpr):
         found = tl.where(inside, c0 + k, found)
         block = tl.where(inside, item - before, block)
         carry += total
-    return found, block
+    return found, block, carry
 
 
-@triton.jit(do_not_specialize=["pages_stride", "first", "batch"])
+@triton.jit(do_not_specialize=["pages_stride", "first", "batch", "num_rows"])
 def extend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, scales_ptr, k_scale_ptr, v_scale_ptr,
                    page_table_ptr, seq_lens_ptr, cu_ptr, out_ptr, fresh_k_ptr, fresh_v_ptr,
                    fresh_k_stride, fresh_v_stride, scale, pages_stride, first,
-                   batch, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                   batch, num_rows, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                    DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
@@ -57,10 +58,21 @@ def extend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, scales_ptr, k_scale_ptr, v_sc
     a padded step (worker.prompt_graphs) launches no program per (request, longest prompt's
     block). FP8, K_ROW .. V_SROW: as in attention._decode_kernel. FRESH: a request of several
     new tokens reads their keys and values from fresh_k_ptr / fresh_v_ptr (kv_blocks.attend_fresh:
-    rows of the step's tokens, as q's) and only the keys before them from the cache."""
+    rows of the step's tokens, as q's) and only the keys before them from the cache.
+    The items past the last zero the output's rows past the last request's tokens up to
+    num_rows (a padded step's: the grid has cdiv(padding, TOKENS) such items at least)."""
     kv_head = tl.program_id(1)
     TOKENS: tl.constexpr = BLOCK_M // GROUP_PAD
-    b, block = work_item(cu_ptr, first, batch, tl.program_id(0), TOKENS)
+    b, block, items = work_item(cu_ptr, first, batch, tl.program_id(0), TOKENS)
+    if block < 0:
+        r = tl.arange(0, BLOCK_M)
+        i = tl.load(cu_ptr + batch) + (tl.program_id(0) - items) * TOKENS + r // GROUP_PAD
+        g = r % GROUP_PAD
+        d = tl.arange(0, DIM_PAD)
+        ok = (i < num_rows) & (g < GROUP)
+        offs = (i.to(tl.int64) * NUM_HEADS + kv_head * GROUP + g)[:, None] * HEAD_DIM + d[None, :]
+        tl.store(out_ptr + offs, tl.zeros((BLOCK_M, DIM_PAD), out_ptr.dtype.element_ty),
+                 mask=ok[:, None] & (d < HEAD_DIM)[None, :])
     b = tl.minimum(b, batch - 1)  # (an item past the last, block -1: reads a real row, exits)
     start = tl.load(cu_ptr + b)
     num_new = tl.load(cu_ptr + b + 1) - start
