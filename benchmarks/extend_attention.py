@@ -5,9 +5,11 @@ Llama-3.1-8B attention (32 query heads, 8 KV heads, d=128, page 16). Shapes: pro
 tokens, four 512-token prompts, and a mixed step (one 2,048-token chunk with 63 decodes of 4,096
 cached tokens each, as chunked prefill batches them: the decodes first, as the scheduler orders
 them, so they run in the decode kernel), and 16 prompts of 128 new tokens each after a 2,048-token
-prefix the prefix cache held. SDPA (flash, causal, contiguous bf16) is
+prefix the prefix cache held, and 16 prompts of 512 (a wave of concurrent prompts filling an
+8,192-token step). SDPA (flash, causal, contiguous bf16) is
 the peer where a chunk starts a prompt. Causal FLOPs: 4 · d · heads per (query, allowed key).
-   python benchmarks/extend_attention.py
+--kv-heads 4: Qwen3-30B-A3B's groups of 8 query heads.
+   python benchmarks/extend_attention.py [--kv-heads 8]
    python benchmarks/extend_attention.py --sweep   # launch variants (rows, keys, warps, stages)
 """
 
@@ -29,10 +31,11 @@ HEADS, KV_HEADS, DIM, PAGE = 32, 8, 128, 16
 SHAPES = [("chunk at 0", [(0, 2048)]), ("chunk at 2048", [(2048, 2048)]),
           ("4 prompts of 512", [(0, 512)] * 4),
           ("63 decodes + chunk", [(4095, 1)] * 63 + [(2048, 2048)]),
-          ("16 prefix hits: 128 after 2048", [(2048, 128)] * 16)]
+          ("16 prefix hits: 128 after 2048", [(2048, 128)] * 16),
+          ("16 prompts of 512", [(0, 512)] * 16)]
 SWEEP = [(64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 4, 1), (128, 64, 4, 1), (128, 64, 4, 2),
          (128, 64, 4, 3), (128, 64, 8, 2), (128, 128, 8, 3), (256, 64, 8, 1), (256, 64, 8, 2),
-         (64, 128, 4, 2), (64, 32, 4, 2)]
+         (64, 128, 4, 2), (64, 32, 4, 2), (128, 64, 8, 3), (256, 64, 8, 3), (128, 32, 4, 2)]
 
 
 def case(requests: list[tuple[int, int]], fp8: bool):
@@ -70,15 +73,21 @@ def sdpa(n: int):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--sweep", action="store_true", help="time the launch variants (SWEEP)")
+    p.add_argument("--kv-heads", type=int, default=KV_HEADS, help="of the 32 query heads")
+    p.add_argument("--shapes", default="", help="only the shapes whose names contain this")
+    p.add_argument("--bf16-only", action="store_true", help="sweep the bf16 cache alone")
     a = p.parse_args()
+    global KV_HEADS
+    KV_HEADS = a.kv_heads
+    shapes = [(name, r) for name, r in SHAPES if a.shapes in name]
     print(f"{torch.cuda.get_device_name()} | {HEADS}/{KV_HEADS} heads, d={DIM}, page {PAGE}, "
           f"bf16 queries | CUDA-graph replay medians\n")
     if a.sweep:
         default = attention._EXTEND_LAUNCH, attention._FP8_EXTEND_LAUNCH
         print("| shape | cache | rows | keys per block | warps | stages | µs | TFLOP/s |")
         print("|---|---|---|---|---|---|---|---|")
-        for name, requests in SHAPES:
-            for fp8 in (False, True):
+        for name, requests in shapes:
+            for fp8 in (False,) if a.bf16_only else (False, True):
                 call, flops = case(requests, fp8)
                 for rows, block_n, warps, stages in SWEEP:
                     variant = {rows: {"BLOCK_N": block_n, "num_warps": warps,
@@ -92,7 +101,7 @@ def main() -> None:
     print("| shape | bf16 µs | TFLOP/s | FP8 µs | TFLOP/s | FP8 speed over bf16 | SDPA µs | "
           "SDPA / frugal bf16 |")
     print("|---|---|---|---|---|---|---|---|")
-    for name, requests in SHAPES:
+    for name, requests in shapes:
         (bf16, flops), (fp8, _) = case(requests, False), case(requests, True)
         bf16_ms, fp8_ms = graph_time([bf16] * 5), graph_time([fp8] * 5)
         peer = "n/a"
