@@ -147,6 +147,9 @@ def main() -> None:
     p.add_argument("--forms", default="bf16,fp8,int4")
     p.add_argument("--output", default=str(moe_configs.TABLE))
     p.add_argument("--calls", type=int, default=16)
+    p.add_argument("--quick", action="store_true",
+                   help="prompt sizes: only the wide tiles of K steps of 64 and 8 warps "
+                        "(vLLM's tables' picks there; a fifth of the candidates)")
     args = p.parse_args()
     c = model_config(args.model)
     m, h = c.moe, c.hidden_size
@@ -186,6 +189,9 @@ def main() -> None:
                 path = runs[0][0]
                 candidates = ((GEMV_INT4 if mode == 2 else GEMV_PIPELINED) if path == "gemv"
                               else sorted_candidates(t * m.top_k, e, rt is None))
+                if args.quick and candidates is not SORTED and path == "sorted":
+                    candidates = [c for c in candidates
+                                  if c["BLOCK_K"] == 64 and c["num_warps"] == 8]
                 best, us, default = tune(path, [r for _, r in runs], mode, scale_k, k,
                                          candidates, block_m)
                 entry = moe_configs.key(path, mode, n, k, t * m.top_k)
@@ -200,7 +206,8 @@ def main() -> None:
                 save(table, args.output)  # (a cut-off run keeps what it found)
     experts = f" --experts {args.experts}" if args.experts else ""
     print(f"command: python benchmarks/tune_moe.py --model {args.model}{experts} --tokens "
-          f"{args.tokens} --forms {args.forms} --calls {args.calls}")
+          f"{args.tokens} --forms {args.forms} --calls {args.calls}"
+          f"{' --quick' if args.quick else ''}")
 
 
 if __name__ == "__main__":
