@@ -34,17 +34,18 @@ _DOT_F32 = os.environ.get("TRITON_INTERPRET") == "1"
 _SPLIT_BELOW = 128
 _SPLIT_TARGET = 1056
 # A split covers at least this many keys (one block: at batch 1 many short splits beat few
-# long ones), and this many more for each 32 programs past the first 32 (min_split_keys: 16
-# requests x 4 KV heads at 544 keys ran in 13.8 us as 5 splits of 128 keys, 16.3 us as 9 of
-# 64, on the H200). The merge reads only the splits that saw keys, so the many splits of a
-# CUDA graph captured for the longest context cost a short one nothing.
+# long ones). The Triton decode kernel's cover this many more for each 32 programs past the
+# first 32 (min_split_keys: 16 requests x 4 KV heads at 544 keys ran in 13.8 us as 5 splits
+# of 128 keys, 16.3 us as 9 of 64, on the H200); fp8_decode's keep this minimum. The merge
+# reads only the splits that saw keys, so the many splits of a CUDA graph captured for the
+# longest context cost a short one nothing.
 _MIN_SPLIT = 64
 # At most this many slices. The merge kernel is compiled for this many whatever the count (a
 # count met first in an eager step, a batch mixing decodes with prompt chunks, would otherwise
 # compile a kernel inside it); slices that saw no keys are not read.
 _MAX_SPLITS = 64
 _DECODE_LAUNCH = {"num_warps": 4, "num_stages": 3}  # Triton's defaults, measured in benchmarks/
-# bf16 decodes that run unsplit, heads of up to 128: 128 keys a block, 8 warps (H200,
+# 16-bit decodes that run unsplit (_unsplit_fits): 128 keys a block, 8 warps (H200,
 # Qwen3-30B-A3B's heads: 64 requests at 2,048 keys 67.7 us against 73.5 with the split
 # launch's, 32 at 544 18.3 against 19.7)
 _UNSPLIT_LAUNCH = {"BLOCK_N": 128, "num_warps": 8, "num_stages": 3}
@@ -154,6 +155,15 @@ def num_decode_splits(num_requests: int, num_kv_heads: int, max_seq_len: int,
     return max(1, min(wanted, cdiv(max_seq_len, _block_n(fp8)), _MAX_SPLITS))
 
 
+def _unsplit_fits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  consts: dict) -> bool:
+    """Whether an unsplit decode takes _UNSPLIT_LAUNCH: 16-bit queries over a cache of their
+    dtype (what it was measured on), heads of up to 128 and groups of up to 16 (its three
+    stages of 128 keys fit shared memory: 74 KB at d 128; fp32 or groups of 128 would not)."""
+    return (q.element_size() == 2 and k_cache.dtype == v_cache.dtype == q.dtype
+            and consts["DIM_PAD"] <= 128 and consts["GROUP"] <= 16)
+
+
 def min_split_keys(num_requests: int, num_kv_heads: int) -> int:
     """Keys a context slice covers at least: _MIN_SPLIT, and _MIN_SPLIT more for each 32
     (request, KV head) programs past the first 32 (the slices of a short context are then
@@ -224,7 +234,7 @@ def _decode(args: tuple, out: torch.Tensor, scale: float, batch: int, max_seq_le
     else:
         block_n = _block_n(fp8)
         splits = num_decode_splits(batch, num_kv_heads, max_seq_len, fp8)
-        if splits == 1 and not fp8 and consts["DIM_PAD"] <= 128:  # (its stages' shared memory)
+        if splits == 1 and _unsplit_fits(q, k_cache, v_cache, consts):
             launch = dict(_UNSPLIT_LAUNCH)
             block_n = launch.pop("BLOCK_N")
         min_split = cdiv(min_split_keys(batch, num_kv_heads), block_n) * block_n
