@@ -6,9 +6,11 @@ the decode graph at each batch size, recapturing the graphs for each FRUGAL_PDL 
 frugal.ops.triton.launch) and each --split-below (ops.triton.attention._SPLIT_BELOW: requests
 × KV heads below which a decode splits each context; 0: never) in the same process; the
 variants alternate over the rounds. Medians of 5 x 50 replays (device time per step); `same
-argmax` checks that every variant picks the tokens of the first.
+argmax` checks that every variant picks the tokens of the first. A threshold ending in "f"
+(264f) also keeps every split at the flat minimum (_MIN_SPLIT) and unsplit decodes on the split
+launch's tiles, as the decode attention was before min_split_keys and _UNSPLIT_LAUNCH.
    python benchmarks/decode_step.py [--quantization none|int4|fp8] [--modes wait,trigger]
-   python benchmarks/decode_step.py --model qwen3-30b-a3b --modes trigger --split-below 264,0
+   python benchmarks/decode_step.py --model qwen3-30b-a3b --modes trigger --split-below 128,264f
 """
 
 from __future__ import annotations
@@ -73,12 +75,14 @@ def main() -> None:
     print("| round | PDL mode | split below | batch | ms | same argmax |")
     print("|---|---|---|---|---|---|")
     first: dict[int, torch.Tensor] = {}
-    variants = list(itertools.product(a.modes.split(","),
-                                      [int(v) for v in a.split_below.split(",")]))
+    variants = list(itertools.product(a.modes.split(","), a.split_below.split(",")))
+    own = attention.min_split_keys, attention._unsplit_fits
     for r in range(a.rounds):
         for mode, below in variants:
             os.environ["FRUGAL_PDL"] = mode
-            attention._SPLIT_BELOW = below
+            attention._SPLIT_BELOW = int(below.removesuffix("f"))
+            attention.min_split_keys, attention._unsplit_fits = own if not below.endswith(
+                "f") else (lambda *_: attention._MIN_SPLIT, lambda *_: False)
             runner._graph_sets.clear()
             runner.graphs = None
             torch.cuda.empty_cache()
