@@ -1,4 +1,4 @@
-"""The field types of the request bodies, checked as pydantic parses them (on the event loop).
+"""The field types of the request bodies, checked as pydantic parses them (on a pool thread: body).
 
 Each costs O(what it checks) at most: a list past its limit is refused before its items are read,
 a prompt is validated in the one form its first item says, token ids stop at the first bad one.

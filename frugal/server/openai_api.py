@@ -2,8 +2,9 @@
 
 Every error a client can cause comes back as a 4xx with {"error": {message, type, param, code}},
 and every other error as a 500 with the same body; nothing a client sends reaches the engine
-thread unvalidated. Work that grows with what a client sends (tokenizing, decoding, encoding a
-long answer) runs in the thread pool, so /health and other clients are answered meanwhile.
+thread unvalidated. Work that grows with what a client sends (parsing and validating its body,
+tokenizing, decoding, encoding a long answer) runs in the thread pool (body), so /health and
+other clients are answered meanwhile.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from starlette.requests import Request as HTTPRequest
 
 from frugal.engine.async_engine import AsyncEngine
 from frugal.metrics import Metrics
+from frugal.server.body import add_schemas, documented, parsed
 from frugal.server.gate import Gate
 from frugal.server.jobs import Jobs, encode_chat
 from frugal.server.protocol import (
@@ -114,8 +116,9 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             raise APIError(f"model: '{name}' does not exist (this server serves "
                            f"'{model_name}')", "model", status=404, code="model_not_found")
 
-    async def run(build, req, http: HTTPRequest):
-        """Validate and tokenize on a worker thread (the event loop stays free), admit, run."""
+    async def run(build, model, http: HTTPRequest):
+        """Parse, validate and tokenize on pool threads (the event loop stays free), admit, run."""
+        req = await parsed(http, model)
         check_model(req.model)
         job = await run_in_threadpool(build, req)
         if job.kv_transfer is not None:
@@ -137,13 +140,15 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                                      headers={"Cache-Control": "no-cache"})
         return JSONResponse(await serving.respond(job, http))
 
-    @app.post("/v1/completions", responses=_STREAMED)
-    async def completions(req: CompletionRequest, http: HTTPRequest):
-        return await run(jobs.completion, req, http)
+    @app.post("/v1/completions", responses=_STREAMED,
+              openapi_extra=documented(CompletionRequest))
+    async def completions(http: HTTPRequest):
+        return await run(jobs.completion, CompletionRequest, http)
 
-    @app.post("/v1/chat/completions", responses=_STREAMED)
-    async def chat_completions(req: ChatCompletionRequest, http: HTTPRequest):
-        return await run(jobs.chat, req, http)
+    @app.post("/v1/chat/completions", responses=_STREAMED,
+              openapi_extra=documented(ChatCompletionRequest))
+    async def chat_completions(http: HTTPRequest):
+        return await run(jobs.chat, ChatCompletionRequest, http)
 
     @app.get("/v1/models")
     async def models():
@@ -176,8 +181,9 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
 
     # vLLM's tokenizer routes, which lm-evaluation-harness uses instead of a local tokenizer.
     # Their answers are made whole in the thread pool (a 15 MB text is 7.5 M ids).
-    @app.post("/tokenize")
-    async def tokenize(req: TokenizeRequest):
+    @app.post("/tokenize", openapi_extra=documented(TokenizeRequest))
+    async def tokenize(http: HTTPRequest):
+        req = await parsed(http, TokenizeRequest)
         if tokenizer is None:
             raise APIError("this model has no tokenizer", status=404)
         if (req.prompt is None) == (req.messages is None):
@@ -197,8 +203,9 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         return (f'{{"tokens":{json_ids(ids)},"count":{len(ids)},'
                 f'"max_model_len":{max_model_len}}}').encode()
 
-    @app.post("/detokenize")
-    async def detokenize(req: DetokenizeRequest):
+    @app.post("/detokenize", openapi_extra=documented(DetokenizeRequest))
+    async def detokenize(http: HTTPRequest):
+        req = await parsed(http, DetokenizeRequest)
         if tokenizer is None:
             raise APIError("this model has no tokenizer", status=404)
         if len(req.tokens) > max_model_len:
@@ -228,6 +235,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         """FastAPI's schema, which also says the one model name this server takes."""
         if app.openapi_schema is None:
             schema = FastAPI.openapi(app)
+            add_schemas(schema, list(_BODIES))
             for name in ("CompletionRequest", "ChatCompletionRequest"):
                 schema["components"]["schemas"][name]["properties"]["model"]["enum"] = [
                     model_name]
@@ -240,6 +248,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
 
 _STREAMED = {200: {"description": "The completion, or with stream=true its Server-Sent Events",
                    "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
+_BODIES = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
 _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
 _SLICE = 1 << 16  # ids json_ids encodes at once: ~5 ms with the GIL held
 
