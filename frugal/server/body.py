@@ -19,7 +19,10 @@ from pydantic import BaseModel, ValidationError
 from pydantic.json_schema import models_json_schema
 from pydantic_core import from_json
 from starlette.concurrency import run_in_threadpool
+from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HTTPRequest
+
+from frugal.server.protocol import APIError
 
 M = TypeVar("M", bound=BaseModel)
 _REF = "#/components/schemas/{model}"
@@ -27,7 +30,10 @@ _REF = "#/components/schemas/{model}"
 
 async def parsed(http: HTTPRequest, model: type[M]) -> M:
     """The request's JSON body as a validated `model`, parsed and validated on a pool thread."""
-    body = await http.body()
+    try:
+        body = await http.body()
+    except ClientDisconnect:  # (no one reads the answer; FastAPI's was a 400 too)
+        raise APIError("body: the client left before sending all of it") from None
     if body and not _is_json(http.headers.get("content-type")):
         raise _invalid("send it as JSON, with Content-Type: application/json",
                        "model_attributes_type")
@@ -42,7 +48,7 @@ def parse(model: type[M], body: bytes) -> M:
     long for each, but not for the two together and not while it is the loop's own work. Where
     pydantic_core refuses what json.loads takes (a lone surrogate escape such as "\\ud800",
     which the fields' own checks answer with their names; nesting past 200), json.loads parses
-    it instead; nesting past Python's recursion limit is invalid JSON, not a 500."""
+    it instead; nesting past Python's recursion limit is invalid JSON."""
     if not body:
         raise _invalid("Field required", "missing")
     try:

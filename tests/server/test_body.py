@@ -1,5 +1,5 @@
 """Request bodies parsed and validated on a pool thread (server.body): what json.loads and FastAPI
-took is taken, what they refused is a 400 with the field's name, never a 500."""
+took is taken, what they refused is a 400 with the field's name or invalid_json."""
 
 from __future__ import annotations
 
@@ -63,6 +63,34 @@ def test_a_body_not_sent_as_json_is_400(server, content_type):
     assert status == 400 and "Content-Type: application/json" in err["error"]["message"], err
 
 
-def test_deep_nesting_is_400_not_500(server):
+def test_deep_nesting_is_invalid_json(server):
     status, err = server.request("POST", "/v1/completions", b"[" * 100_000)
     assert status == 400 and err["error"]["code"] == "invalid_json", err
+
+
+def test_a_client_that_leaves_mid_body_gets_a_400_and_nothing_is_logged():
+    """Without a body cap (library use: the Gate then passes the body through) the app reads
+    the body itself; a disconnect there was a 500 and a logged ClientDisconnect."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from frugal.disagg.connector import NullConnector
+    from frugal.server.openai_api import build_app
+
+    engine = SimpleNamespace(tokenizer=None, max_model_len=16, connector=NullConnector())
+    app, sent = build_app(engine, MODEL), []
+    messages = iter([{"type": "http.request", "body": b'{"model"', "more_body": True},
+                     {"type": "http.disconnect"}])
+
+    async def receive():
+        return next(messages)
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions",
+             "raw_path": b"/v1/completions", "query_string": b"", "http_version": "1.1",
+             "headers": [(b"content-type", b"application/json")], "scheme": "http",
+             "root_path": "", "server": ("127.0.0.1", 80), "client": ("127.0.0.1", 1)}
+    asyncio.run(app(scope, receive, send))  # (raises if the app re-raises the disconnect)
+    assert sent[0]["status"] == 400
