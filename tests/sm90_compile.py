@@ -1,6 +1,7 @@
 """A pytest plugin that compiles every Triton kernel the tests launch for the H100/H200 (sm_90)
-instead of running it: type and shape errors of branches the CPU interpreter accepts, register
-or shared-memory overflows and ptxas failures show without a GPU (Triton's own ptxas).
+instead of running it: type and shape errors of branches the CPU interpreter accepts, ptxas
+failures (Triton's own ptxas) and kernels needing more shared memory than an sm_90 block has
+(227 KB; Triton checks that only when a GPU loads the kernel) show without a GPU.
 
     TRITON_INTERPRET=0 python -m pytest tests/ops -p tests.sm90_compile -p no:terminal
 
@@ -26,6 +27,7 @@ from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction, native_specialize_impl
 
 TARGET = GPUTarget("cuda", 90, 32)
+SHARED_BYTES = 232_448  # an sm_90 block's shared memory at most (227 KB, opted in)
 _OPTIONS = ("num_warps", "num_stages", "num_ctas")
 _results: dict[tuple, str | None] = {}  # variant -> None (compiled) or the error
 WIDTHS: dict[str, dict[str, int]] = {}  # repr(variant) -> "path:line" -> widest access, bytes
@@ -97,7 +99,9 @@ def _compile(self: JITFunction, *args, grid, warmup, **kwargs) -> None:
             kernel = triton.compile(ASTSource(self, signature, constants, attrs), target=TARGET,
                                     options=options)
             WIDTHS[repr(variant_)] = widths(kernel.asm["ptx"])
-            _results[variant_] = None
+            _results[variant_] = None if kernel.metadata.shared <= SHARED_BYTES else (
+                f"shared memory: {kernel.metadata.shared} bytes, more than an sm_90 block's "
+                f"{SHARED_BYTES} (the launch would raise OutOfResources)")
         except Exception as e:  # (any compiler error is the finding, with what caused it)
             chain = [e.__cause__ or e.__context__, e]
             _results[variant_] = "".join(line for x in chain if x is not None
