@@ -27,6 +27,7 @@ from torch.profiler import ProfilerActivity, profile
 from frugal.bench.offline import measure_engine, prompts_for
 from frugal.cli.args import add_engine_args, command_line, engine_config
 from frugal.engine.llm_engine import LLMEngine
+from frugal.ops.triton import launch
 from frugal.request import SamplingParams
 
 # frugal's kernels by their exact names, then vendors' by substrings (first match wins)
@@ -153,7 +154,8 @@ def main() -> None:
     busy = sum(by_kind.values())
     print(f"`{command_line()}`\n")
     print(f"{torch.cuda.get_device_name()} | {engine.runner.pool.describe()['kv_cache_dtype']} KV"
-          f" | c={a.concurrency} {a.input_len} in / {a.output_len} out | wall {wall:.2f} s "
+          f" | PDL {launch.mode_name()} | c={a.concurrency} {a.input_len} in / {a.output_len} out"
+          f" | wall {wall:.2f} s "
           f"(profiled: {profiled:.2f} s, kernels {busy:.2f} s)\n")
     parts = ["schedule", "launch", "finish", "_apply"]
     print("| steps | count | wall s | ms per step | device idle s (profiled) | host ms per step: "

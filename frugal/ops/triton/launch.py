@@ -46,12 +46,18 @@ def set_default(mode: str) -> None:
     _default[0] = mode
 
 
+def mode_name() -> str:
+    """The name of the PDL mode in effect (FRUGAL_PDL's, else set_default's), as benchmarks
+    print it: with PDL a kernel's measured time includes its wait for the one before."""
+    return os.environ.get("FRUGAL_PDL", _default[0])
+
+
 def pdl(device: torch.device) -> int:
     """The PDL mode of kernels launched on `device` now (0: off), to pass as their PDL
     constexpr; launch them with launch_pdl=mode > 0."""
     if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return 0
-    name = os.environ.get("FRUGAL_PDL", _default[0])
+    name = mode_name()
     if name not in MODES:
         raise ValueError(f"FRUGAL_PDL={name!r}: expected one of {', '.join(MODES)}")
     index = device.index if device.index is not None else torch.cuda.current_device()
