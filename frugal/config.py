@@ -187,6 +187,8 @@ class EngineConfig:
     # steps with prompt tokens up to this many tokens replayed from graphs (worker.prompt_graphs;
     # 0: none; with decode graphs only, and not for DSA)
     prompt_graph_max_tokens: int = 2048
+    # shared experts stacked with the routed ones where they fit (layers.moe.MoE.fuse_shared)
+    shared_experts_fusion: bool = True
     overlap_schedule: bool = True  # launch the next step before reading this one's tokens
     seed: int = 0
     # none | int4 (W4A16) | fp8 (W8A8: per-channel weights, activations per token): a

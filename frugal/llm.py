@@ -30,12 +30,14 @@ class LLM:
                  max_num_batched_tokens: int | None = None,
                  max_model_len: int | None = None, enforce_eager: bool = False,
                  quantization: str = "none", num_layers: int | None = None,
-                 enable_prefix_caching: bool = True, tensor_parallel_size: int = 1) -> None:
+                 enable_prefix_caching: bool = True, tensor_parallel_size: int = 1,
+                 shared_experts_fusion: bool = True) -> None:
         config = EngineConfig(
             model=model, load_format=load_format, dummy_init=dummy_init, dtype=dtype,
             device=device, ops_backend=ops_backend, seed=seed, enforce_eager=enforce_eager,
             quantization=quantization, num_layers=num_layers,
             tensor_parallel_size=tensor_parallel_size,
+            shared_experts_fusion=shared_experts_fusion,
             cache=CacheConfig(page_size=page_size, kv_cache_memory=kv_cache_memory,
                               gpu_memory_utilization=gpu_memory_utilization,
                               kv_cache_dtype=kv_cache_dtype, kv_scales_path=kv_scales_path,

@@ -52,6 +52,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="steps with prompt tokens of up to this many tokens run from CUDA "
                         "graphs too (0: none; with decode graphs, MHA and MLA models, not "
                         "GLM-5's sparse attention)")
+    g.add_argument("--disable-shared-experts-fusion", action="store_true",
+                   help="keep an MoE model's shared experts apart from its routed ones (by "
+                        "default they join them where their sizes allow: one MoE kernel a "
+                        "layer for both)")
     g.add_argument("--kv-cache-dtype", default="auto",
                    help="auto (the activation dtype), bfloat16, float16, float32; 8-bit: "
                         "fp8_e4m3 (alias fp8: scaled per layer and KV head, calibrated), "
@@ -94,6 +98,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         tensor_parallel_size=args.tensor_parallel_size,
         cuda_graph_max_bs=args.cuda_graph_max_bs,
         prompt_graph_max_tokens=args.prompt_graph_max_tokens,
+        shared_experts_fusion=not args.disable_shared_experts_fusion,
         overlap_schedule=not args.disable_overlap_schedule,
         cache=CacheConfig(page_size=args.page_size, kv_cache_memory=args.kv_cache_memory,
                           gpu_memory_utilization=args.gpu_memory_utilization,

@@ -224,7 +224,8 @@ def _calibration(args: argparse.Namespace):
     from frugal.worker.kv_scales import PROMPTS
 
     llm = LLM(args.model, device=args.device, dtype="float32" if args.device == "cpu" else
-              "auto", kv_cache_memory="512MiB", enforce_eager=True)
+              "auto", kv_cache_memory="512MiB", enforce_eager=True,
+              shared_experts_fusion=False)  # (GPTQ reaches the shared experts by name)
     tok = llm.get_tokenizer()
     text, what = None, None
     if args.calibration_file:

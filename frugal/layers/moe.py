@@ -38,12 +38,16 @@ class Experts(nn.Module):
     down_proj [num_experts, hidden, inter]. A checkpoint's per-expert tensors
     (experts.N.gate_proj / up_proj / down_proj) fill their slices (shard (N, part)).
     Quantized experts (quant.experts) replace the float tensors once every expert's matrix is
-    in: qgate_up and qdown, and the float parameters shrink to nothing."""
+    in: qgate_up and qdown, and the float parameters shrink to nothing.
+
+    spare: rows after the routed experts (num_experts = routed + spare) that MoE.fuse_shared
+    fills with the shared experts; the checkpoint never names them."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
-                 share: tuple[int, int] | None = None) -> None:
+                 share: tuple[int, int] | None = None, spare: int = 0) -> None:
         super().__init__()
-        self.num_experts = num_experts
+        self.routed, self.num_experts = num_experts, num_experts + spare
+        num_experts = self.num_experts
         self.hidden_size = hidden_size
         # tensor parallelism: this rank's (start, length) of every expert's intermediate features
         self.share, self.full_size = share, intermediate_size
@@ -60,14 +64,14 @@ class Experts(nn.Module):
             torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
         for param, parts in ((self.gate_up_proj, ("gate", "up")), (self.down_proj, ("down",))):
             param.weight_loader = self.load
-            param.shards = [None, *((e, p) for e in range(num_experts) for p in parts)]
+            param.shards = [None, *((e, p) for e in range(self.routed) for p in parts)]
 
     def load(self, param: nn.Parameter, loaded: torch.Tensor, shard: tuple | None = None) -> None:
         """shard None: the whole tensor (transformers 5's fused layout); (expert, part)."""
         if self.share is not None:
             loaded = self._narrow(param, loaded, shard)
         if shard is None:
-            target = param.data
+            target = param.data[:self.routed]
         else:
             expert, part = shard
             target = param.data[expert]
@@ -105,13 +109,13 @@ class Experts(nn.Module):
             raise ValueError(f"shape {tuple(loaded.shape)} in checkpoint, model expects {want}")
         parts = self._down if part == "down" else self._gate_up
         parts[shard] = loaded
-        experts = range(self.num_experts)
-        if part != "down" and len(parts) == 2 * self.num_experts:
+        experts = range(self.routed)  # (spare rows stay float, unfused: see MoE.fuse_shared)
+        if part != "down" and len(parts) == 2 * self.routed:
             self.qgate_up = stack([type(parts[e, "gate"]).cat([parts[e, "gate"], parts[e, "up"]])
                                    for e in experts]).to(self.gate_up_proj.device)
             parts.clear()
             self.gate_up_proj.data = self.gate_up_proj.data.new_empty(0)
-        if part == "down" and len(parts) == self.num_experts:
+        if part == "down" and len(parts) == self.routed:
             self.qdown = stack([parts[e, "down"] for e in experts]).to(self.down_proj.device)
             parts.clear()
             self.down_proj.data = self.down_proj.data.new_empty(0)
@@ -133,7 +137,12 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
-    """h + Σ_k w_k · expert_k(norm(h)) + shared_experts(norm(h)), for h: [num_tokens, hidden]."""
+    """h + Σ_k w_k · expert_k(norm(h)) + shared_experts(norm(h)), for h: [num_tokens, hidden].
+
+    Shared experts whose intermediate size is a multiple S of the routed experts' (Kimi K2's
+    and GLM-4.5's one, DeepSeek-V2-Lite's two) load as a gated MLP and may then join the routed
+    experts (fuse_shared): S more expert rows, which the routing gives every token at weight
+    1.0, so one fused_moe computes both (at decode: two launches less a layer)."""
 
     def __init__(self, c: ModelConfig, parallel: Parallel = SINGLE) -> None:
         super().__init__()
@@ -141,18 +150,49 @@ class MoE(nn.Module):
         self.parallel = parallel
         self.gate = Router(m.num_experts, c.hidden_size, m.correction_bias)
         share = parallel.part(m.intermediate_size) if parallel.size > 1 else None
-        self.experts = Experts(m.num_experts, c.hidden_size, m.intermediate_size, share)
+        whole = m.shared_intermediate_size % m.intermediate_size == 0 and parallel.size == 1
+        spare = m.shared_intermediate_size // m.intermediate_size if whole else 0
+        self.experts = Experts(m.num_experts, c.hidden_size, m.intermediate_size, share, spare)
+        self.fused = 0  # shared experts among self.experts' rows (fuse_shared)
         # (under tensor parallelism the shared experts' partial sum joins the routed one's)
         self.shared_experts = (GatedMLP(c.hidden_size, m.shared_intermediate_size, parallel,
                                         reduce=False)
                                if m.shared_intermediate_size else None)
+
+    def fuse_shared(self, on: bool = True) -> bool:
+        """After loading: the shared experts copied into the experts' spare rows (their
+        intermediate features cut into spare parts of the routed size) and dropped, where
+        `on`, there are spare rows, and both are float (a checkpoint's quantized routed
+        experts keep a float shared MLP apart: Kimi K2's INT4 release). Otherwise the spare
+        rows are let go. Returns whether they were fused."""
+        e = self.experts
+        spare = e.num_experts - e.routed
+        mlp = self.shared_experts
+        fuse = (on and spare > 0 and e.qgate_up is None and e.qdown is None
+                and getattr(mlp.gate_up_proj, "qweight", None) is None
+                and getattr(mlp.down_proj, "qweight", None) is None)
+        if fuse:
+            inter = e.intermediate_size
+            gate, up = mlp.gate_up_proj.weight.data.chunk(2)  # [spare * inter, hidden] each
+            down = mlp.down_proj.weight.data  # [hidden, spare * inter]
+            for j in range(spare):
+                rows = slice(j * inter, (j + 1) * inter)
+                e.gate_up_proj.data[e.routed + j].copy_(torch.cat([gate[rows], up[rows]]))
+                e.down_proj.data[e.routed + j].copy_(down[:, rows])
+            self.shared_experts, self.fused = None, spare
+        elif spare:  # (a view: a copy of the routed rows would double them for a moment)
+            for param in (e.gate_up_proj, e.down_proj):
+                if param.numel():  # (quantized experts' float tensors are empty already)
+                    param.data = param.data[:e.routed]
+            e.num_experts = e.routed
+        return bool(fuse)
 
     def forward(self, h: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         m = self.config
         x, weights, ids = ops.norm_route_experts(
             h, norm.weight, norm.eps, self.gate.weight, self.gate.e_score_correction_bias,
             m.top_k, m.scoring, m.norm_topk_prob, m.n_group, m.topk_group,
-            m.routed_scaling_factor)
+            m.routed_scaling_factor, self.fused)
         if self.parallel.size > 1:  # (partial sums over the ranks' intermediate features)
             y = ops.fused_moe(x, *self.experts.weights(), weights, ids)
             if self.shared_experts is not None:
@@ -160,6 +200,12 @@ class MoE(nn.Module):
             return h + self.parallel.all_reduce(y)
         y = ops.fused_moe(x, *self.experts.weights(), weights, ids, residual=h)  # h + routed
         return y if self.shared_experts is None else self.shared_experts(x, residual=y)
+
+
+def fuse_shared_experts(model: nn.Module, on: bool = True) -> int:
+    """MoE.fuse_shared for every MoE layer, after loading and before quantizing; returns how
+    many layers fused theirs."""
+    return sum(module.fuse_shared(on) for module in model.modules() if isinstance(module, MoE))
 
 
 def quantize_moe(model: nn.Module, scheme: str) -> int:

@@ -22,7 +22,7 @@ from frugal import ops
 from frugal.config import EngineConfig
 from frugal.layers.attention import graph_capture_blocker, prompt_graph_blocker
 from frugal.layers.linear import quantize_layers
-from frugal.layers.moe import quantize_moe
+from frugal.layers.moe import fuse_shared_experts, quantize_moe
 from frugal.loader import Checkpoint
 from frugal.models.registry import model_class
 from frugal.parallel import SINGLE, Parallel
@@ -87,6 +87,7 @@ class Worker:
         with _default_dtype(self.dtype), torch.device(self.device):
             self.model = model_class(mc)(mc, self.parallel)
         checkpoint.load_into(self.model)
+        fuse_shared_experts(self.model, config.shared_experts_fusion)
         if config.quantization != "none":
             quantize_layers(self.model, config.quantization)
             quantize_moe(self.model, config.quantization)

@@ -47,7 +47,7 @@ def test_experts_only_checkpoint_loads_stacked(scheme, args, form, tmp_path):
         if hasattr(module, "qweight"):
             assert module.qweight is None, name
     ids = torch.randint(0, 320, (24,), generator=torch.Generator().manual_seed(2)).tolist()
-    ref = LLM(str(src), **KW)
+    ref = LLM(str(src), **KW, shared_experts_fusion=False)  # (the shared MLP kept float)
     full = frugal_logits(ref, ids)
     if scheme == "int4":  # the same rounding in memory: the same weights, the same logits
         quantize_moe(ref.engine.runner.model, "int4")
@@ -204,7 +204,7 @@ def test_kimi_style_int4_experts_of_an_mla_model(tmp_path):
     q = LLM(str(out), **KW)
     assert all(isinstance(e.qgate_up, Int4Experts) for e in experts_of(q))
     assert all(getattr(m, "qweight", None) is None for m in q.engine.runner.model.modules())
-    ref = LLM(str(src), **KW)
+    ref = LLM(str(src), **KW, shared_experts_fusion=False)  # (the shared MLP kept float)
     quantize_moe(ref.engine.runner.model, "int4")
     ids = list(range(5, 40))
     torch.testing.assert_close(frugal_logits(q, ids), frugal_logits(ref, ids), atol=1e-4,

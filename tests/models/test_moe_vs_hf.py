@@ -48,6 +48,30 @@ def test_moe_logits_and_greedy_tokens_match_transformers(case, tmp_path):
     assert_greedy_matches(llm, ref_model, ids, 8)
 
 
+@pytest.mark.parametrize("case, spare", [("glm4-moe", 1), ("glm4-moe-qk-norm", 2)])
+def test_shared_experts_join_the_routed_ones(case, spare, tmp_path):
+    """By default the shared experts (1 and 2 of the routed size) become expert rows 8.. that
+    every token takes at weight 1.0 (MoE.fuse_shared): the same logits as kept apart (and as
+    transformers', above); shared_experts_fusion=False keeps them apart, the spare rows let
+    go."""
+    from frugal.layers.moe import MoE
+
+    write_model(case, tmp_path)
+    kw = dict(dtype="float32", device="cpu", kv_cache_memory="8MiB")
+    fused = LLM(str(tmp_path), **kw)
+    apart = LLM(str(tmp_path), **kw, shared_experts_fusion=False)
+    for llm, want in ((fused, spare), (apart, 0)):
+        layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, MoE)]
+        assert layers
+        for m in layers:
+            assert m.fused == want and (m.shared_experts is None) == (want > 0)
+            assert m.experts.num_experts == m.experts.gate_up_proj.shape[0] == 8 + want
+            assert m.experts.down_proj.shape[0] == 8 + want
+    ids = torch.randint(0, 320, (24,), generator=torch.Generator().manual_seed(4)).tolist()
+    torch.testing.assert_close(frugal_logits(fused, ids), frugal_logits(apart, ids),
+                               atol=1e-5, rtol=1e-5)
+
+
 def test_grouped_routing_keeps_to_the_best_groups():
     """Sigmoid routing with groups: only experts of the topk_group best groups (by the sum of
     their two best biased scores) are chosen; weights are the unbiased sigmoids, renormalized

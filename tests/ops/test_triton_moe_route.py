@@ -116,3 +116,40 @@ def test_norm_route_experts_wide_router(case, monkeypatch):
     in three; either way as torch_ref routes."""
     test_norm_route_experts(case, torch.bfloat16, 2, 8192, monkeypatch)
 
+
+
+@pytest.mark.parametrize("case, shared", [("kimi-k2", 1), ("deepseek-v2-lite", 2),
+                                          ("deepseek-v3", 1), ("glm-4.5", 1)])
+@pytest.mark.parametrize("tokens", [1, 17])
+def test_shared_experts_routed_after_the_routed_ones(case, shared, tokens):
+    """shared > 0 (layers.moe's fused shared experts): every token's routed choice as without
+    them, then experts E .. E + shared - 1 at weight 1.0, from the route kernel, from the
+    one-launch norm + route (1 token; 17 through the three launches) and from torch_ref;
+    GLM-4.5's 160 experts in 1 group and DeepSeek-V3's 256 in 8 take the kernel, as a
+    grouped count that is no power of two would take torch_ref's ops."""
+    from frugal.ops.triton import moe_route_normed
+
+    experts, top_k, scoring, renorm, n_group, topk_group, scaling, bias = CASES[case]
+    g = torch.Generator().manual_seed(tokens + shared)
+    h = torch.randn(tokens, 96, generator=g)
+    norm = 1 + torch.rand(96, generator=g)
+    router = torch.randn(experts, 96, generator=g) / 96 ** 0.5
+    correction = torch.rand(experts, generator=g) * 0.1 if bias else None
+    args = (top_k, scoring, renorm, n_group, topk_group, scaling)
+    x = torch_ref.rms_norm(h, norm, 1e-6)
+    base_w, base_ids = torch_ref.route_experts(x, router, correction, *args)
+    extra = torch.arange(experts, experts + shared).expand(tokens, shared)
+    dev = [t.to(DEVICE) if t is not None else None for t in (h, norm, router, correction)]
+    got = {"torch_ref": torch_ref.route_experts(x, router, correction, *args, shared),
+           "kernel": tri.route_experts(x.to(DEVICE), dev[2], dev[3], *args, shared),
+           "normed": moe_route_normed.norm_route_experts(dev[0], dev[1], 1e-6, dev[2], dev[3],
+                                                         *args, shared)[1:]}
+    for name, (w, ids) in got.items():
+        w, ids = w.cpu(), ids.cpu()
+        assert w.shape == ids.shape == (tokens, top_k + shared), name
+        assert torch.equal(ids[:, top_k:], extra), name
+        assert torch.equal(w[:, top_k:], torch.ones(tokens, shared)), name
+        order, want_order = ids[:, :top_k].argsort(-1), base_ids.argsort(-1)
+        assert torch.equal(ids[:, :top_k].gather(1, order), base_ids.gather(1, want_order)), name
+        torch.testing.assert_close(w[:, :top_k].gather(1, order),
+                                   base_w.gather(1, want_order), rtol=1e-5, atol=1e-6)

@@ -47,9 +47,10 @@ def _record(monkeypatch) -> dict:
 @pytest.mark.parametrize("case,quantization", [("deepseek-v3", "none"), ("glm4-moe", "int4")])
 def test_steps_of_other_token_counts_compile_no_new_variant(case, quantization, tmp_path,
                                                             monkeypatch):
-    """A tiny MoE model of 8 experts, top 2: prompts of 16 / 15 tokens (the experts' GEMV)
-    and 48 / 49 (the router's and the prompt attention's larger blocks, the sorted GEMMs); the
-    first of each pair divisible by 16, the second not."""
+    """A tiny MoE model of 8 experts, top 2, and a shared expert stacked after them (3 slots
+    a token, 9 experts): prompts of 16 / 15 tokens (the experts' GEMV) and 32 / 33 (the
+    router's and the prompt attention's larger blocks, the sorted GEMMs in blocks of 16 rows:
+    up to 16 slots an expert); the first of each pair divisible by 16, the second not."""
     if case == "deepseek-v3":
         from tests.models.test_mla_vs_hf import write_model
     else:
@@ -59,10 +60,10 @@ def test_steps_of_other_token_counts_compile_no_new_variant(case, quantization, 
               page_size=16, ops_backend="triton", quantization=quantization,
               kv_cache_check=False)
     seen = _record(monkeypatch)
-    dummy_steps(llm.engine.runner, [(0, 16), (0, 48)])
+    dummy_steps(llm.engine.runner, [(0, 16), (0, 32)])
     first = dict(seen)
     assert any("moe._sorted_gemm" in name for name in first.values())  # (the sorted path ran)
-    dummy_steps(llm.engine.runner, [(0, 15), (0, 49)])
+    dummy_steps(llm.engine.runner, [(0, 15), (0, 33)])
     new = sorted(name for key, name in seen.items() if key not in first)
     assert not new, f"kernels compiled again for other token counts: {new}"
 

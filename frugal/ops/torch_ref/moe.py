@@ -18,7 +18,7 @@ def pack_experts(w: torch.Tensor | Experts, dtype: torch.dtype) -> torch.Tensor 
 
 def route_experts(x: torch.Tensor, router: torch.Tensor, correction_bias: torch.Tensor | None,
                   top_k: int, scoring: str, renormalize: bool, n_group: int, topk_group: int,
-                  scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+                  scaling: float, shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Each token's experts and their weights, from fp32 router logits x @ routerᵀ.
 
     x: [num_tokens, hidden]; router: [num_experts, hidden]; correction_bias: [num_experts] fp32
@@ -26,14 +26,32 @@ def route_experts(x: torch.Tensor, router: torch.Tensor, correction_bias: torch.
     scoring sigmoid: experts chosen by sigmoid + correction_bias, among the topk_group best of
     n_group groups (a group scores the sum of its two best), weighted by their sigmoid
     (renormalized: divided by their sum + 1e-20). Weights are multiplied by scaling.
-    Returns (weights [num_tokens, top_k] fp32, expert ids [num_tokens, top_k] int64).
+    shared: shared experts stacked after the router's num_experts (layers.moe fuses them):
+    every token also takes experts num_experts .. num_experts + shared - 1, weight 1.0.
+    Returns (weights [num_tokens, top_k + shared] fp32, expert ids [num_tokens, top_k + shared]
+    int64).
     """
+    weights, ids = _route(x, router, correction_bias, top_k, scoring, renormalize, n_group,
+                          topk_group)
+    weights = weights * scaling
+    if shared:
+        num_tokens, num_experts = x.shape[0], router.shape[0]
+        extra = torch.arange(num_experts, num_experts + shared, device=x.device)
+        ids = torch.cat([ids, extra.expand(num_tokens, shared)], dim=1)
+        weights = torch.cat([weights, weights.new_ones(num_tokens, shared)], dim=1)
+    return weights, ids
+
+
+def _route(x: torch.Tensor, router: torch.Tensor, correction_bias: torch.Tensor | None,
+           top_k: int, scoring: str, renormalize: bool, n_group: int, topk_group: int
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """route_experts' routed choice, unscaled."""
     logits = x.float() @ router.float().t()
     if scoring == "softmax":
         weights, ids = logits.softmax(dim=-1).topk(top_k, dim=-1)
         if renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights * scaling, ids
+        return weights, ids
     scores = logits.sigmoid()
     choice = scores if correction_bias is None else scores + correction_bias.float()
     if n_group > 1:
@@ -47,18 +65,18 @@ def route_experts(x: torch.Tensor, router: torch.Tensor, correction_bias: torch.
     weights = scores.gather(1, ids)
     if renormalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights * scaling, ids
+    return weights, ids
 
 
 def norm_route_experts(h: torch.Tensor, norm: torch.Tensor, eps: float, router: torch.Tensor,
                        correction_bias: torch.Tensor | None, top_k: int, scoring: str,
-                       renormalize: bool, n_group: int, topk_group: int, scaling: float
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       renormalize: bool, n_group: int, topk_group: int, scaling: float,
+                       shared: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A MoE layer's input and routing from the residual stream h [num_tokens, hidden]:
     (x = rms_norm(h, norm, eps), *route_experts(x, ...)) (norm: the RMSNorm's weight)."""
     x = rms_norm(h, norm, eps)
     return (x, *route_experts(x, router, correction_bias, top_k, scoring, renormalize, n_group,
-                              topk_group, scaling))
+                              topk_group, scaling, shared))
 
 
 def fused_moe(x: torch.Tensor, gate_up: torch.Tensor | Experts, down: torch.Tensor | Experts,

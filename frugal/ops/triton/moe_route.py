@@ -86,7 +86,7 @@ def router_logits(x: torch.Tensor, router: torch.Tensor, splits: int = 1) -> tor
 
 @triton.jit(do_not_specialize=["T"])  # (T, the step's tokens, changes from step to step)
 def _route(logits_ptr, bias_ptr, weights_ptr, ids_ptr, T, E, scaling, SPLITS: tl.constexpr,
-           TOP_K: tl.constexpr,
+           TOP_K: tl.constexpr, SHARED: tl.constexpr,
            TOP_PAD: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
            RENORMALIZE: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
            BLOCK_E: tl.constexpr, PDL: tl.constexpr):
@@ -97,18 +97,20 @@ def _route(logits_ptr, bias_ptr, weights_ptr, ids_ptr, T, E, scaling, SPLITS: tl
     x = tl.load(logits_ptr + row * E + offs, mask=ok, other=float("-inf"))
     for s in tl.static_range(1, SPLITS):  # (the router logits' partial sums, in order)
         x += tl.load(logits_ptr + (s * T + row) * E + offs, mask=ok, other=0.0)
-    choose(x, offs, ok, bias_ptr, weights_ptr + row * TOP_K, ids_ptr + row * TOP_K, scaling,
-           TOP_K, TOP_PAD, SIGMOID, HAS_BIAS, RENORMALIZE, N_GROUP, TOPK_GROUP, BLOCK_E)
+    width = TOP_K + SHARED
+    choose(x, offs, ok, E, bias_ptr, weights_ptr + row * width, ids_ptr + row * width, scaling,
+           TOP_K, SHARED, TOP_PAD, SIGMOID, HAS_BIAS, RENORMALIZE, N_GROUP, TOPK_GROUP, BLOCK_E)
 
 
 @triton.jit
-def choose(x, offs, ok, bias_ptr, weights_ptr, ids_ptr, scaling, TOP_K: tl.constexpr,
-           TOP_PAD: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
-           RENORMALIZE: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
-           BLOCK_E: tl.constexpr):
+def choose(x, offs, ok, E, bias_ptr, weights_ptr, ids_ptr, scaling, TOP_K: tl.constexpr,
+           SHARED: tl.constexpr, TOP_PAD: tl.constexpr, SIGMOID: tl.constexpr,
+           HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr, N_GROUP: tl.constexpr,
+           TOPK_GROUP: tl.constexpr, BLOCK_E: tl.constexpr):
     """One token's experts from its fp32 logits x [BLOCK_E] (offs: 0..BLOCK_E - 1; ok: the
-    experts that exist, x -inf past them): TOP_K weights (times scaling) and ids stored at
-    weights_ptr and ids_ptr, as the module docstring says."""
+    E experts that exist, x -inf past them): TOP_K weights (times scaling) and ids stored at
+    weights_ptr and ids_ptr, as the module docstring says, then SHARED more: the shared
+    experts stacked after the routed ones (ids E, E + 1, ..., weight 1.0)."""
     if SIGMOID:
         score = tl.where(ok, 1.0 / (1.0 + tl.exp(-x)), 0.0)
         choice = score
@@ -149,6 +151,9 @@ def choose(x, offs, ok, bias_ptr, weights_ptr, ids_ptr, scaling, TOP_K: tl.const
         weights = weights / (total + 1e-20) if SIGMOID else weights / total
     tl.store(weights_ptr + slots, weights * scaling, mask=slots < TOP_K)
     tl.store(ids_ptr + slots, ids, mask=slots < TOP_K)
+    for j in tl.static_range(SHARED):
+        tl.store(weights_ptr + TOP_K + j, 1.0)
+        tl.store(ids_ptr + TOP_K + j, E + j)
 
 
 def slices(k: int, splits: int, block_k: int) -> tuple[int, int]:
@@ -159,33 +164,35 @@ def slices(k: int, splits: int, block_k: int) -> tuple[int, int]:
 
 
 def route_settings(num_experts: int, top_k: int, scoring: str, renormalize: bool,
-                   n_group: int, topk_group: int, has_bias: bool) -> dict | None:
+                   n_group: int, topk_group: int, has_bias: bool, shared: int = 0
+                   ) -> dict | None:
     """The launch settings of a kernel that routes with `choose` (its constexprs and
     num_warps), or None where it cannot: grouping needs the experts to fill BLOCK_E exactly."""
     block_e = next_power_of_2(num_experts)
     grouped = scoring == "sigmoid" and n_group > 1
     if grouped and block_e != num_experts:
         return None
-    return dict(TOP_K=top_k, TOP_PAD=next_power_of_2(top_k), SIGMOID=scoring == "sigmoid",
+    return dict(TOP_K=top_k, SHARED=shared, TOP_PAD=next_power_of_2(top_k),
+                SIGMOID=scoring == "sigmoid",
                 HAS_BIAS=has_bias, RENORMALIZE=renormalize, N_GROUP=n_group if grouped else 1,
                 TOPK_GROUP=topk_group, BLOCK_E=block_e, num_warps=max(1, min(4, block_e // 256)))
 
 
 def route_experts(x: torch.Tensor, router: torch.Tensor, correction_bias: torch.Tensor | None,
                   top_k: int, scoring: str, renormalize: bool, n_group: int, topk_group: int,
-                  scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The twin of torch_ref.route_experts (same arguments and results: weights [T, top_k] fp32,
-    ids [T, top_k] int64)."""
+                  scaling: float, shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The twin of torch_ref.route_experts (same arguments and results: weights
+    [T, top_k + shared] fp32, ids [T, top_k + shared] int64)."""
     num_tokens, num_experts = x.shape[0], router.shape[0]
     settings = route_settings(num_experts, top_k, scoring, renormalize, n_group, topk_group,
-                              correction_bias is not None)
+                              correction_bias is not None, shared)
     if settings is None or num_tokens == 0:
         return route_experts_torch(x, router, correction_bias, top_k, scoring, renormalize,
-                                   n_group, topk_group, scaling)
+                                   n_group, topk_group, scaling, shared)
     logits = router_logits(x.contiguous(), router.contiguous(),
                            DECODE_SPLITS if num_tokens <= SPLIT_TOKENS else 1)
-    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=x.device)
-    ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=x.device)
+    weights = torch.empty(num_tokens, top_k + shared, dtype=torch.float32, device=x.device)
+    ids = torch.empty(num_tokens, top_k + shared, dtype=torch.int64, device=x.device)
     bias = correction_bias if correction_bias is not None else logits
     launch_pdl = pdl(x.device)
     _route[(num_tokens,)](logits, bias, weights, ids, num_tokens, num_experts, float(scaling),

@@ -36,14 +36,15 @@ BLOCK_K = 64  # inputs a step of its loop
 @triton.jit(do_not_specialize=["T"])  # (T, the step's tokens, changes from step to step)
 def _norm_route(h_ptr, norm_ptr, router_ptr, x_ptr, logits_ptr, bias_ptr, weights_ptr, ids_ptr,
                 count_ptr, T, E, K, slice_k, eps, sht, swe, scaling, SPLITS: tl.constexpr,
-                TOP_K: tl.constexpr, TOP_PAD: tl.constexpr, SIGMOID: tl.constexpr,
-                HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr, N_GROUP: tl.constexpr,
+                TOP_K: tl.constexpr, SHARED: tl.constexpr, TOP_PAD: tl.constexpr,
+                SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
+                N_GROUP: tl.constexpr,
                 TOPK_GROUP: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr,
                 BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """h [T, K] (rows sht apart) -> x [T, K] = rms_norm(h) · norm (rounded as elementwise's
     kernel rounds it, its squares summed in another order), logits_ptr [SPLITS, T, E] fp32
-    partial sums of x @ routerᵀ, and the token's weights / ids [T, TOP_K] by the last of its
-    programs."""
+    partial sums of x @ routerᵀ, and the token's weights / ids [T, TOP_K + SHARED] by the
+    last of its programs."""
     enter(PDL)
     block = tl.program_id(0)
     t = tl.program_id(1).to(tl.int64)
@@ -81,33 +82,34 @@ def _norm_route(h_ptr, norm_ptr, router_ptr, x_ptr, logits_ptr, bias_ptr, weight
         for s in tl.static_range(1, SPLITS):  # (the partial sums in order, as _route adds them)
             logits += tl.load(logits_ptr + (s * T + t) * E + offs, mask=ok, other=0.0,
                               cache_modifier=".cg")
-        choose(logits, offs, ok, bias_ptr, weights_ptr + t * TOP_K, ids_ptr + t * TOP_K,
-               scaling, TOP_K, TOP_PAD, SIGMOID, HAS_BIAS, RENORMALIZE, N_GROUP, TOPK_GROUP,
-               BLOCK_E)
+        width = TOP_K + SHARED
+        choose(logits, offs, ok, E, bias_ptr, weights_ptr + t * width, ids_ptr + t * width,
+               scaling, TOP_K, SHARED, TOP_PAD, SIGMOID, HAS_BIAS, RENORMALIZE, N_GROUP,
+               TOPK_GROUP, BLOCK_E)
         tl.store(count_ptr + t, 0)
 
 
 def norm_route_experts(h: torch.Tensor, norm: torch.Tensor, eps: float, router: torch.Tensor,
                        correction_bias: torch.Tensor | None, top_k: int, scoring: str,
-                       renormalize: bool, n_group: int, topk_group: int, scaling: float
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       renormalize: bool, n_group: int, topk_group: int, scaling: float,
+                       shared: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The twin of torch_ref.norm_route_experts: (x = rms_norm(h, norm, eps) [T, hidden] in h's
-    dtype, weights [T, top_k] fp32, ids [T, top_k] int64)."""
+    dtype, weights [T, top_k + shared] fp32, ids [T, top_k + shared] int64)."""
     num_tokens, hidden = h.shape
     num_experts = router.shape[0]
     settings = route_settings(num_experts, top_k, scoring, renormalize, n_group, topk_group,
-                              correction_bias is not None)
+                              correction_bias is not None, shared)
     if (settings is None or not 0 < num_tokens <= MAX_TOKENS
             or num_tokens * num_experts * hidden > ROUTER_READS
             or h.stride(-1) != 1 or router.stride(-1) != 1 or norm.stride(-1) != 1):
         x = rms_norm(h, norm, eps)
         return (x, *route_experts(x, router, correction_bias, top_k, scoring, renormalize,
-                                  n_group, topk_group, scaling))
+                                  n_group, topk_group, scaling, shared))
     slice_k, splits = slices(hidden, DECODE_SPLITS, BLOCK_K)
     x = torch.empty(num_tokens, hidden, dtype=h.dtype, device=h.device)
     logits = torch.empty(splits, num_tokens, num_experts, dtype=torch.float32, device=h.device)
-    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=h.device)
-    ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=h.device)
+    weights = torch.empty(num_tokens, top_k + shared, dtype=torch.float32, device=h.device)
+    ids = torch.empty(num_tokens, top_k + shared, dtype=torch.int64, device=h.device)
     launch_pdl = pdl(h.device)
     _norm_route[(cdiv(num_experts, BLOCK_R), num_tokens, splits)](
         h, norm, router, x, logits, correction_bias if correction_bias is not None else logits,
