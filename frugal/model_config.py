@@ -37,6 +37,9 @@ class MoeConfig:
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     correction_bias: bool = False
+    # the engine's choice, not the checkpoint's: shared experts stacked after the routed ones
+    # where their sizes allow (layers.moe.MoE; --disable-shared-experts-fusion clears it)
+    fuse_shared: bool = True
 
     def __post_init__(self) -> None:
         if self.scoring not in ("softmax", "sigmoid"):

@@ -74,7 +74,7 @@ class Experts(nn.Module):
             target = param.data[:self.routed]
         else:
             expert, part = shard
-            target = param.data[expert]
+            target = param.data[self._index(expert)]
             if part != "down":
                 inter = self.intermediate_size
                 target = target[:inter] if part == "gate" else target[inter:]
@@ -82,6 +82,13 @@ class Experts(nn.Module):
             raise ValueError(f"shape {tuple(loaded.shape)} in checkpoint, model expects "
                              f"{tuple(target.shape)}")
         target.copy_(loaded)
+
+    def _index(self, expert: int) -> int:
+        """A checkpoint's expert number, checked against the routed experts (the spare rows
+        after them are never a checkpoint's)."""
+        if not 0 <= expert < self.routed:
+            raise ValueError(f"expert {expert} in checkpoint, model has {self.routed} experts")
+        return expert
 
     def _narrow(self, param: nn.Parameter, loaded: torch.Tensor,
                 shard: tuple | None) -> torch.Tensor:
@@ -102,7 +109,8 @@ class Experts(nn.Module):
         if self.share is not None:
             raise ValueError("tensor_parallel_size: quantized experts are not split across "
                              "ranks yet")
-        expert, part = shard
+        self._index(shard[0])
+        part = shard[1]
         inter, hidden = self.intermediate_size, self.hidden_size
         want = (hidden, inter) if part == "down" else (inter, hidden)
         if tuple(loaded.shape) != want:
@@ -150,7 +158,8 @@ class MoE(nn.Module):
         self.parallel = parallel
         self.gate = Router(m.num_experts, c.hidden_size, m.correction_bias)
         share = parallel.part(m.intermediate_size) if parallel.size > 1 else None
-        whole = m.shared_intermediate_size % m.intermediate_size == 0 and parallel.size == 1
+        whole = (m.fuse_shared and parallel.size == 1
+                 and m.shared_intermediate_size % m.intermediate_size == 0)
         spare = m.shared_intermediate_size // m.intermediate_size if whole else 0
         self.experts = Experts(m.num_experts, c.hidden_size, m.intermediate_size, share, spare)
         self.fused = 0  # shared experts among self.experts' rows (fuse_shared)
@@ -159,19 +168,21 @@ class MoE(nn.Module):
                                         reduce=False)
                                if m.shared_intermediate_size else None)
 
-    def fuse_shared(self, on: bool = True) -> bool:
+    def fuse_shared(self) -> bool:
         """After loading: the shared experts copied into the experts' spare rows (their
-        intermediate features cut into spare parts of the routed size) and dropped, where
-        `on`, there are spare rows, and both are float (a checkpoint's quantized routed
+        intermediate features cut into spare parts of the routed size) and dropped, where there
+        are spare rows (config.fuse_shared) and both are float (a checkpoint's quantized routed
         experts keep a float shared MLP apart: Kimi K2's INT4 release). Otherwise the spare
-        rows are let go. Returns whether they were fused."""
+        rows are let go (float routed experts beside a quantized shared MLP: copied once
+        without them, a layer at a time). Returns whether they are fused."""
         e = self.experts
         spare = e.num_experts - e.routed
+        if self.fused or not spare:
+            return bool(self.fused)
         mlp = self.shared_experts
-        fuse = (on and spare > 0 and e.qgate_up is None and e.qdown is None
+        if (e.qgate_up is None and e.qdown is None
                 and getattr(mlp.gate_up_proj, "qweight", None) is None
-                and getattr(mlp.down_proj, "qweight", None) is None)
-        if fuse:
+                and getattr(mlp.down_proj, "qweight", None) is None):
             inter = e.intermediate_size
             gate, up = mlp.gate_up_proj.weight.data.chunk(2)  # [spare * inter, hidden] each
             down = mlp.down_proj.weight.data  # [hidden, spare * inter]
@@ -180,12 +191,12 @@ class MoE(nn.Module):
                 e.gate_up_proj.data[e.routed + j].copy_(torch.cat([gate[rows], up[rows]]))
                 e.down_proj.data[e.routed + j].copy_(down[:, rows])
             self.shared_experts, self.fused = None, spare
-        elif spare:  # (a view: a copy of the routed rows would double them for a moment)
-            for param in (e.gate_up_proj, e.down_proj):
-                if param.numel():  # (quantized experts' float tensors are empty already)
-                    param.data = param.data[:e.routed]
-            e.num_experts = e.routed
-        return bool(fuse)
+            return True
+        for param in (e.gate_up_proj, e.down_proj):
+            if param.numel():  # (quantized experts' float tensors are empty already)
+                param.data = param.data[:e.routed].clone()
+        e.num_experts = e.routed
+        return False
 
     def forward(self, h: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         m = self.config
@@ -202,10 +213,10 @@ class MoE(nn.Module):
         return y if self.shared_experts is None else self.shared_experts(x, residual=y)
 
 
-def fuse_shared_experts(model: nn.Module, on: bool = True) -> int:
+def fuse_shared_experts(model: nn.Module) -> int:
     """MoE.fuse_shared for every MoE layer, after loading and before quantizing; returns how
     many layers fused theirs."""
-    return sum(module.fuse_shared(on) for module in model.modules() if isinstance(module, MoE))
+    return sum(module.fuse_shared() for module in model.modules() if isinstance(module, MoE))
 
 
 def quantize_moe(model: nn.Module, scheme: str) -> int:

@@ -15,6 +15,7 @@ import contextlib
 import hashlib
 import logging
 import time
+from dataclasses import replace
 
 import torch
 
@@ -84,10 +85,12 @@ class Worker:
         """Build the model on the device, load its weights, quantize what --quantization asks,
         pack quantized weights for the backend's kernels; then the runner over it."""
         mc, config, start = self.model_config, self.config, time.perf_counter()
+        if mc.moe is not None and not config.shared_experts_fusion:
+            mc = self.model_config = replace(mc, moe=replace(mc.moe, fuse_shared=False))
         with _default_dtype(self.dtype), torch.device(self.device):
             self.model = model_class(mc)(mc, self.parallel)
         checkpoint.load_into(self.model)
-        fuse_shared_experts(self.model, config.shared_experts_fusion)
+        fuse_shared_experts(self.model)
         if config.quantization != "none":
             quantize_layers(self.model, config.quantization)
             quantize_moe(self.model, config.quantization)

@@ -52,8 +52,8 @@ def test_moe_logits_and_greedy_tokens_match_transformers(case, tmp_path):
 def test_shared_experts_join_the_routed_ones(case, spare, tmp_path):
     """By default the shared experts (1 and 2 of the routed size) become expert rows 8.. that
     every token takes at weight 1.0 (MoE.fuse_shared): the same logits as kept apart (and as
-    transformers', above); shared_experts_fusion=False keeps them apart, the spare rows let
-    go."""
+    transformers', above); shared_experts_fusion=False keeps them apart with no spare rows.
+    Either way the experts' storage is just their rows, and fusing again changes nothing."""
     from frugal.layers.moe import MoE
 
     write_model(case, tmp_path)
@@ -67,9 +67,27 @@ def test_shared_experts_join_the_routed_ones(case, spare, tmp_path):
             assert m.fused == want and (m.shared_experts is None) == (want > 0)
             assert m.experts.num_experts == m.experts.gate_up_proj.shape[0] == 8 + want
             assert m.experts.down_proj.shape[0] == 8 + want
+            for w in (m.experts.gate_up_proj, m.experts.down_proj):
+                assert w.untyped_storage().nbytes() == w.numel() * w.element_size()
+            assert m.fuse_shared() == (want > 0) and m.fused == want
     ids = torch.randint(0, 320, (24,), generator=torch.Generator().manual_seed(4)).tolist()
     torch.testing.assert_close(frugal_logits(fused, ids), frugal_logits(apart, ids),
                                atol=1e-5, rtol=1e-5)
+
+
+def test_an_expert_past_the_configs_is_refused(tmp_path):
+    """A checkpoint tensor of expert 8 where the config has 8 experts is an error naming it, not
+    a write into the row the shared expert will take."""
+    from safetensors.torch import load_file, save_file
+
+    write_model("glm4-moe", tmp_path)
+    (path,) = tmp_path.glob("*.safetensors")
+    tensors = load_file(path)
+    name = next(n for n in tensors if ".experts.7.down_proj" in n)
+    tensors[name.replace(".experts.7.", ".experts.8.")] = tensors[name].clone()
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"experts\.8\..*expert 8 in checkpoint, model has 8"):
+        LLM(str(tmp_path), dtype="float32", device="cpu", kv_cache_memory="8MiB")
 
 
 def test_grouped_routing_keeps_to_the_best_groups():
