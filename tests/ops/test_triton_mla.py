@@ -11,7 +11,7 @@ tri = pytest.importorskip("frugal.ops.triton.mla_decode")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def run(lens, heads, lat, rope, dtype, page_size=16, seed=0):
+def run(lens, heads, lat, rope, dtype, page_size=16, seed=0, max_seq_len=None):
     g = torch.Generator().manual_seed(seed)
     batch = len(lens)
     pages_each = max(-(-n // page_size) for n in lens) or 1
@@ -25,7 +25,7 @@ def run(lens, heads, lat, rope, dtype, page_size=16, seed=0):
                                   torch.arange(batch + 1, dtype=torch.int32), seq_lens, scale, 1,
                                   max(lens), lat, num_decodes=batch)
     got = tri.mla_decode(q.to(DEVICE), cache.to(DEVICE), table.to(DEVICE),
-                         seq_lens.to(DEVICE), scale, max(lens), lat)
+                         seq_lens.to(DEVICE), scale, max_seq_len or max(lens), lat)
     assert got.shape == (batch, heads, lat) and got.dtype == dtype
     return got.float().cpu(), ref
 
@@ -34,6 +34,15 @@ def run(lens, heads, lat, rope, dtype, page_size=16, seed=0):
                                         ([0, 33], 16)])
 def test_mla_decode_matches_torch_ref(lens, heads):
     got, ref = run(lens, heads, 32, 16, torch.float32)
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("max_seq_len", [2048, 65536])
+def test_contexts_far_shorter_than_the_launch(max_seq_len):
+    """A launch sized for a longer context (a CUDA graph's max_model_len: 32 and 264 splits of
+    the one request) cuts each request's own context at run time (split_len): 100, 7 and 0
+    keys, the splits past them store no output, the merge reads none."""
+    got, ref = run([100, 7, 0], 16, 32, 16, torch.float32, max_seq_len=max_seq_len)
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
 
 
@@ -46,8 +55,9 @@ def test_merge_of_splits(splits):
     lse = torch.randn(3, splits, 5, generator=g) * 4
     lse[0, -1] = float("-inf")  # (the last split of request 0 past its end)
     lse[2, :, 1] = float("-inf")  # (request 2, head 1: nothing)
-    part[lse == float("-inf")] = 0.0
+    lse[1, 0, 2] = float("-inf")  # (a split that saw only masked keys: DSA's -1 positions)
     want = (part * torch.softmax(lse, 1).nan_to_num(0.0)[..., None]).sum(1)
+    part[lse == float("-inf")] = float("nan")  # (never written: never read)
     got = tri.merge(part.to(DEVICE), lse.to(DEVICE), torch.float32).cpu()
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert not got[2, 1].any()

@@ -34,25 +34,45 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_BLOCK_H = 64
 BLOCK_N = 64  # keys an iteration takes
 NUM_WARPS: int | None = None  # None: 8 for a latent of 256 or more, else 4
-# The fewest keys a split takes, and the programs splits may add up to (about two waves of the
-# H200's 132 SMs dense, one sparse): dense; sparse (its 2,048 positions at one request came in
-# 8 splits, 8 programs for 132 SMs, 41.6 us; in 32, one wave)
-MIN_SPLIT_KEYS = (256, 64)
+# Splits: the launch has up to SPLIT_PROGRAMS programs (about two waves of the H200's 132 SMs
+# dense, one sparse), and each program cuts its request's context at run time (split_len), so
+# a CUDA graph captured for the longest context still spreads a short one: a split takes
+# about sqrt(SPLIT_SCALE x programs' (request, head block) pairs x keys) keys, whole blocks of
+# BLOCK_N and at least min_split (MIN_SPLIT_KEYS). Fewer, longer splits cost a longer serial
+# loop, more cost their partial outputs (64 heads x 512 fp32 a split: 128 KiB, as much as 111
+# cached rows) and the merge. On an H100, one layer's decode + merge, 64 heads, splits cut on
+# the host (a cache read from L2): one request of 576 keys 19.5 us in 3 splits, 11.8 in 9; of
+# 8,192 keys 26.4 in 32, 20.7 in 64, 33.8 in 128; 4 requests of 8,192 keys 41.6 in 32 a
+# request, 56.8 in 66; 16 of 2,048 44.6 in 8, 55.4 in 17 (the rule picks 9, 64, 32 and 8)
+MIN_SPLIT_KEYS = (64, 64)
 SPLIT_PROGRAMS = (264, 132)
-NUM_STAGES: int | None = None  # None: Triton's default
+SPLIT_SCALE = 2
+NUM_STAGES: int | None = 2  # (2 against Triton's default 3: as fast or faster at every shape)
 
 
-# (the step's page-table width and longest context change from step to step: one variant)
-@triton.jit(do_not_specialize=["spt", "num_requests", "num_selected"])
+@triton.jit
+def split_len(seq_len, num_splits, pairs, min_split, SCALE: tl.constexpr,
+              BLOCK_N: tl.constexpr):
+    """Keys a split of a seq_len context takes (see SPLIT_SCALE): whole BLOCK_N blocks, at
+    least min_split, few enough that num_splits splits cover the context."""
+    spread = tl.sqrt((SCALE * pairs * seq_len).to(tl.float32)).to(tl.int32)
+    keys = tl.maximum(tl.maximum(spread, tl.cdiv(seq_len, num_splits)), min_split)
+    return tl.cdiv(keys, BLOCK_N) * BLOCK_N
+
+
+# (the step's page-table width and longest context change from step to step: one variant;
+# slb is splits x heads, the splits by that context)
+@triton.jit(do_not_specialize=["spt", "num_requests", "num_selected", "min_split", "slb"])
 def _mla_decode(q_ptr, cache_ptr, page_table_ptr, seq_lens_ptr, out_ptr, lse_ptr, scale,
-                num_heads, keys_per_split, sqt, sqh, spt, srow, sob, sos, soh, slb, sls,
+                num_heads, min_split, sqt, sqh, spt, srow, sob, sos, soh, slb, sls,
                 sel_ptr, cu_ptr, num_requests, num_selected, ssel, kv_scale_ptr, row_scale_ptr,
                 PAGE_SIZE: tl.constexpr, LAT: tl.constexpr, ROPE: tl.constexpr,
                 SPARSE: tl.constexpr, FP8: tl.constexpr, F32_DOT: tl.constexpr,
                 BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SCALE_ROW: tl.constexpr,
-                PDL: tl.constexpr):
+                SPLIT_SCALE: tl.constexpr, PDL: tl.constexpr):
     """FP8: a static cache, its one scale at kv_scale_ptr. SCALE_ROW > 0: 8-bit rows with their
-    own scale, slot s's at row_scale_ptr + s * SCALE_ROW (on its scores and its weight)."""
+    own scale, slot s's at row_scale_ptr + s * SCALE_ROW (on its scores and its weight). A
+    split past its request's context stores only its log-sum-exp (-inf)."""
     enter(PDL)
     b = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -64,8 +84,13 @@ def _mla_decode(q_ptr, cache_ptr, page_table_ptr, seq_lens_ptr, out_ptr, lse_ptr
     else:
         seq_len = tl.load(seq_lens_ptr + b)
         table_row = b
-    start = split * keys_per_split
-    end = tl.minimum(start + keys_per_split, seq_len)
+    per_split = split_len(seq_len, tl.num_programs(2), tl.num_programs(0) * tl.num_programs(1),
+                          min_split, SPLIT_SCALE, BLOCK_N)
+    start = split * per_split
+    end = tl.minimum(start + per_split, seq_len)
+    if start >= end:  # (no key here: the merge reads no output of this split)
+        tl.store(lse_ptr + b * slb + split * sls + heads, float("-inf"), mask=h_ok)
+        return
     lat = tl.arange(0, LAT)
     rope = tl.arange(0, ROPE)
     q_row = q_ptr + b * sqt + heads[:, None] * sqh
@@ -143,22 +168,24 @@ def _merge(part_ptr, lse_ptr, out_ptr, splits, spb, sps, sph, slb, sls, sob, soh
     top = tl.max(lse, axis=0)
     top = tl.where(top > float("-inf"), top, 0.0)
     total = tl.sum(tl.exp(lse - top), axis=0)
+    # (the splits that saw keys are the first ones: a short context's others stored no output)
+    live = tl.max(tl.where(lse > float("-inf"), every + 1, 0), axis=0)
     acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    for c0 in range(0, splits, CHUNK):
+    for c0 in range(0, live, CHUNK):
         s = c0 + tl.arange(0, CHUNK)
-        ok = s < splits
-        w = tl.exp(tl.load(lse_row + s * sls, mask=ok, other=float("-inf")) - top)
+        w = tl.exp(tl.load(lse_row + s * sls, mask=s < live, other=float("-inf")) - top)
         part = tl.load(part_ptr + b * spb + s[:, None] * sps + head * sph + d[None, :],
-                       mask=ok[:, None], other=0.0)
-        acc += tl.sum(tl.where(w[:, None] > 0, part * w[:, None], 0.0), axis=0)
+                       mask=(w > 0)[:, None], other=0.0)
+        acc += tl.sum(part * w[:, None], axis=0)
     out = tl.where(total > 0, acc / tl.where(total > 0, total, 1.0), 0.0)
     tl.store(out_ptr + b * sob + head * soh + d, out.to(out_ptr.dtype.element_ty))
 
 
 def merge(part: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The splits' partial outputs part [B, splits, heads, LAT] fp32 and their log-sum-exps lse
-    [B, splits, heads] (-inf: the split saw no key) into [B, heads, LAT] in dtype, one launch
-    (torch: softmax of lse over the splits, weighted sum of part, 0 where every lse is -inf)."""
+    [B, splits, heads] (-inf: the split saw no key; those come after every split that saw one,
+    and their part is not read) into [B, heads, LAT] in dtype, one launch (torch: softmax of
+    lse over the splits, weighted sum of part, 0 where every lse is -inf)."""
     batch, splits, heads, lat = part.shape
     out = torch.empty(batch, heads, lat, dtype=dtype, device=part.device)
     block_d = min(128, lat)
@@ -200,18 +227,18 @@ def mla_decode(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor,
     block_h = min(MAX_BLOCK_H, max(16, next_power_of_2(num_heads)))
     if selection is not None:
         max_seq_len = selection.shape[1]
-    # splits: enough programs for the GPU's SMs at a small batch, each of MIN_SPLIT_KEYS at least
+    # splits: up to SPLIT_PROGRAMS programs; each cuts its context at run time (split_len)
     sparse = selection is not None
-    want = max(1, min(cdiv(max(max_seq_len, 1), MIN_SPLIT_KEYS[sparse]),
-                      cdiv(SPLIT_PROGRAMS[sparse], batch * cdiv(num_heads, block_h))))
-    keys_per_split = cdiv(cdiv(max(max_seq_len, 1), want), BLOCK_N) * BLOCK_N
-    splits = cdiv(max(max_seq_len, 1), keys_per_split)
+    pairs = batch * cdiv(num_heads, block_h)
+    min_split = MIN_SPLIT_KEYS[sparse]
+    splits = max(1, min(cdiv(max(max_seq_len, 1), min_split),
+                        cdiv(SPLIT_PROGRAMS[sparse], pairs)))
     out = torch.empty(batch, splits, num_heads, kv_lora_rank, dtype=torch.float32,
                       device=q.device)
     lse = torch.empty(batch, splits, num_heads, dtype=torch.float32, device=q.device)
     grid = (batch, cdiv(num_heads, block_h), splits)
     launch_pdl = pdl(q.device)
-    _mla_decode[grid](q, cache, page_table, seq_lens, out, lse, scale, num_heads, keys_per_split,
+    _mla_decode[grid](q, cache, page_table, seq_lens, out, lse, scale, num_heads, min_split,
                       q.stride(0), q.stride(1), page_table.stride(0), cache.stride(1),
                       out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
                       selection if sparse else seq_lens, cu_seqlens_q if sparse else seq_lens,
@@ -222,7 +249,8 @@ def mla_decode(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor,
                       FP8=cache.element_size() == 1 and not own,
                       SCALE_ROW=row_scales.stride(1) if own else 0,
                       F32_DOT=_INTERPRET or q.dtype == torch.float32, BLOCK_H=block_h,
-                      BLOCK_N=BLOCK_N, PDL=launch_pdl, launch_pdl=launch_pdl > 0,
+                      BLOCK_N=BLOCK_N, SPLIT_SCALE=SPLIT_SCALE, PDL=launch_pdl,
+                      launch_pdl=launch_pdl > 0,
                       num_warps=NUM_WARPS or (8 if kv_lora_rank >= 256 else 4),
                       **({} if NUM_STAGES is None else {"num_stages": NUM_STAGES}))
     return merge(out, lse, q.dtype)
