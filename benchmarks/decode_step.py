@@ -53,10 +53,12 @@ def main() -> None:
     p.add_argument("--batch", default="1,16,64")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--split-below", default=str(attention._SPLIT_BELOW))
+    p.add_argument("--disable-shared-experts-fusion", action="store_true")
     a = p.parse_args()
     sizes = [int(s) for s in a.batch.split(",")]
     engine = LLMEngine(EngineConfig(model=a.model, load_format="dummy",
                                     quantization=a.quantization, cuda_graph_max_bs=max(sizes),
+                                    shared_experts_fusion=not a.disable_shared_experts_fusion,
                                     scheduler=SchedulerConfig(max_num_seqs=max(sizes)),
                                     overlap_schedule=False))  # (no token left pending below)
     vocab = engine.runner.model_config.vocab_size

@@ -71,13 +71,13 @@ def sdpa(n: int):
 
 
 def main() -> None:
+    global KV_HEADS
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--sweep", action="store_true", help="time the launch variants (SWEEP)")
     p.add_argument("--kv-heads", type=int, default=KV_HEADS, help="of the 32 query heads")
     p.add_argument("--shapes", default="", help="only the shapes whose names contain this")
     p.add_argument("--bf16-only", action="store_true", help="sweep the bf16 cache alone")
     a = p.parse_args()
-    global KV_HEADS
     KV_HEADS = a.kv_heads
     shapes = [(name, r) for name, r in SHAPES if a.shapes in name]
     print(f"{torch.cuda.get_device_name()} | {HEADS}/{KV_HEADS} heads, d={DIM}, page {PAGE}, "
