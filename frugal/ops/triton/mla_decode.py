@@ -55,7 +55,7 @@ def split_len(seq_len, num_splits, pairs, min_split, SCALE: tl.constexpr,
               BLOCK_N: tl.constexpr):
     """Keys a split of a seq_len context takes (see SPLIT_SCALE): whole BLOCK_N blocks, at
     least min_split, few enough that num_splits splits cover the context."""
-    spread = tl.sqrt((SCALE * pairs * seq_len).to(tl.float32)).to(tl.int32)
+    spread = tl.sqrt(seq_len.to(tl.float32) * (SCALE * pairs)).to(tl.int32)
     keys = tl.maximum(tl.maximum(spread, tl.cdiv(seq_len, num_splits)), min_split)
     return tl.cdiv(keys, BLOCK_N) * BLOCK_N
 
