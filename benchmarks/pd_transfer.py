@@ -87,14 +87,15 @@ def main() -> None:
         movers, routes = _mapped_mover(decode_pool, meta, args.device), {
             "mapped": "the prefill pool mapped here (no probe: NIXL not installed)"}
     names = list(movers)
-    print("\n| tokens | MiB | " + " | ".join(f"{n} ms | {n} GB/s" for n in names)
+    print("\n| tokens | MiB | " + " | ".join(f"{n} ms | {n} GB/s | {n} start ms" for n in names)
           + " | device copy GB/s | checksums equal |")
-    print("|---|---|" + "---|---|" * len(names) + "---|---|")
+    print("|---|---|" + "---|---|---|" * len(names) + "---|---|")
     rows = []
     for n in lengths:
         src, dst, count = _pages(args, n)
         nbytes = count * decode_pool.chunk_bytes * args.layers * args.parts
         times, ok = {name: [] for name in names}, True
+        starts = {name: [] for name in names}  # (host time of the start call alone)
         want = remote_sums(src)
         for name, (start_move, finished, _) in movers.items():
             for r in range(args.repeats + 1):
@@ -102,18 +103,22 @@ def main() -> None:
                 _sync(args.device)
                 start = time.perf_counter()
                 start_move(f"r{n}-{r}", dst, src)
+                starts[name].append(time.perf_counter() - start)
                 while not finished():
                     progress()
                 _sync(args.device)
                 times[name].append(time.perf_counter() - start)
                 ok = ok and decode_pool.checksums(dst) == want
         took = {name: statistics.median(t[1:]) for name, t in times.items()}
+        began = {name: statistics.median(t[1:]) for name, t in starts.items()}
         copy = _device_copy(args, decode_pool, src, dst)
         print(f"| {n} | {nbytes / 2**20:.1f} | " + " | ".join(
-            f"{took[x] * 1e3:.2f} | {nbytes / took[x] / 1e9:.1f}" for x in names)
+            f"{took[x] * 1e3:.2f} | {nbytes / took[x] / 1e9:.1f} | {began[x] * 1e3:.3f}"
+            for x in names)
             + f" | {nbytes / copy / 1e9:.1f} | {ok} |")
         rows += [{"model": args.model, "tokens": n, "gb_per_s": nbytes / took[x] / 1e9,
-                  "transport": movers[x][2], "checksums_equal": ok} for x in names]
+                  "transport": movers[x][2], "checksums_equal": ok,
+                  "start_ms": began[x] * 1e3} for x in names]
         rows.append({"model": args.model, "tokens": n, "transport": "device copy",
                      "gb_per_s": nbytes / copy / 1e9})
     movers.clear()  # (a mapping let go before the prefill process ends)

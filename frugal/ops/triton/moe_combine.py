@@ -13,6 +13,8 @@ from frugal.ops.triton.launch import enter, pdl
 from frugal.ops.triton.sizes import cdiv, next_power_of_2
 from frugal.ops.triton.split_k import MAX_BLOCKS
 
+BLOCK, NUM_WARPS = 1024, 4  # combine's outputs a program and its warps
+
 
 @triton.jit
 def _combine(out_ptr, res_ptr, dst_ptr, H, TOP_K: tl.constexpr, RESIDUAL: tl.constexpr,
@@ -98,10 +100,10 @@ def combine(out: torch.Tensor, top_k: int, residual: torch.Tensor | None,
         return dst
     if residual is not None:
         residual = residual.contiguous()
-    block = min(1024, next_power_of_2(hidden))
+    block = min(BLOCK, next_power_of_2(hidden))
     launch_pdl = pdl(out.device)
     _combine[(slots // top_k, cdiv(hidden, block))](
         out, residual if residual is not None else out, dst, hidden, TOP_K=top_k,
-        RESIDUAL=residual is not None, BLOCK=block, PDL=launch_pdl, num_warps=4,
+        RESIDUAL=residual is not None, BLOCK=block, PDL=launch_pdl, num_warps=NUM_WARPS,
         launch_pdl=launch_pdl > 0)
     return dst
