@@ -80,8 +80,8 @@ def test_decodes_of_any_context_compile_nothing_after_warm_up(case, tmp_path, mo
     """Once warm_up ran, steps with decodes of other contexts (not a multiple of 16, wider page
     tables, the MLA decode split over keys where warm_up's contexts are one split; DSA: past
     index_topk) compile nothing: their lengths reach the kernels as arguments that Triton must
-    not specialize on. (Splits of 16 keys at least instead of 256, and the radix top-k from 32
-    positions instead of 8,192: both at short contexts.)"""
+    not specialize on. (Splits of 16 keys at least instead of 64, so a short context's launch
+    has more of them, and the radix top-k from 32 positions instead of 8,192.)"""
     from frugal.ops.triton import dsa, mla_decode
     from frugal.worker.memory import warm_up
     monkeypatch.setattr(mla_decode, "MIN_SPLIT_KEYS", (16, 16))

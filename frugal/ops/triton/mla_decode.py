@@ -154,26 +154,31 @@ def _mla_decode(q_ptr, cache_ptr, page_table_ptr, seq_lens_ptr, out_ptr, lse_ptr
 
 @triton.jit(do_not_specialize=["splits", "spb", "slb"])  # (splits: 1 at short contexts)
 def _merge(part_ptr, lse_ptr, out_ptr, splits, spb, sps, sph, slb, sls, sob, soh,
-           SPLITS_PAD: tl.constexpr, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr,
-           PDL: tl.constexpr):
+           CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     """out[b, head, d-block] = Σ_split partial · exp(lse - top) / Σ_split exp(lse - top), in
-    out's dtype (0 where no split saw a key): program (b, head, d-block), CHUNK splits a step."""
+    out's dtype (0 where no split saw a key): program (b, head, d-block), CHUNK splits a step.
+    A first pass over the log-sum-exps finds top and the last split that saw keys (a short
+    context's are the first ones); the second reads the partials of those, where the weight is
+    not 0 (a split that stored no output has -inf)."""
     enter(PDL)
     b = tl.program_id(0)
     head = tl.program_id(1)
     d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
-    every = tl.arange(0, SPLITS_PAD)
     lse_row = lse_ptr + b * slb + head
-    lse = tl.load(lse_row + every * sls, mask=every < splits, other=float("-inf"))
-    top = tl.max(lse, axis=0)
+    top = tl.full((), float("-inf"), tl.float32)
+    live = tl.full((), 0, tl.int32)
+    for c0 in range(0, splits, CHUNK):
+        s = c0 + tl.arange(0, CHUNK)
+        lse = tl.load(lse_row + s * sls, mask=s < splits, other=float("-inf"))
+        top = tl.maximum(top, tl.max(lse, axis=0))
+        live = tl.maximum(live, tl.max(tl.where(lse > float("-inf"), s + 1, 0), axis=0))
     top = tl.where(top > float("-inf"), top, 0.0)
-    total = tl.sum(tl.exp(lse - top), axis=0)
-    # (the splits that saw keys are the first ones: a short context's others stored no output)
-    live = tl.max(tl.where(lse > float("-inf"), every + 1, 0), axis=0)
+    total = tl.zeros((), dtype=tl.float32)
     acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
     for c0 in range(0, live, CHUNK):
         s = c0 + tl.arange(0, CHUNK)
         w = tl.exp(tl.load(lse_row + s * sls, mask=s < live, other=float("-inf")) - top)
+        total += tl.sum(w, axis=0)
         part = tl.load(part_ptr + b * spb + s[:, None] * sps + head * sph + d[None, :],
                        mask=(w > 0)[:, None], other=0.0)
         acc += tl.sum(part * w[:, None], axis=0)
@@ -183,20 +188,18 @@ def _merge(part_ptr, lse_ptr, out_ptr, splits, spb, sps, sph, slb, sls, sob, soh
 
 def merge(part: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The splits' partial outputs part [B, splits, heads, LAT] fp32 and their log-sum-exps lse
-    [B, splits, heads] (-inf: the split saw no key; those come after every split that saw one,
-    and their part is not read) into [B, heads, LAT] in dtype, one launch (torch: softmax of
-    lse over the splits, weighted sum of part, 0 where every lse is -inf)."""
+    [B, splits, heads] (-inf: the split saw no key, and its part is not read) into
+    [B, heads, LAT] in dtype, one launch whatever the splits (torch: softmax of lse over the
+    splits, weighted sum of part, 0 where every lse is -inf)."""
     batch, splits, heads, lat = part.shape
     out = torch.empty(batch, heads, lat, dtype=dtype, device=part.device)
     block_d = min(128, lat)
-    splits_pad = max(16, next_power_of_2(splits))
     launch_pdl = pdl(part.device)
     _merge[(batch, heads, lat // block_d)](part, lse, out, splits, part.stride(0),
                                            part.stride(1), part.stride(2), lse.stride(0),
                                            lse.stride(1), out.stride(0), out.stride(1),
-                                           SPLITS_PAD=splits_pad, CHUNK=min(16, splits_pad),
-                                           BLOCK_D=block_d, PDL=launch_pdl, num_warps=4,
-                                           launch_pdl=launch_pdl > 0)
+                                           CHUNK=16, BLOCK_D=block_d, PDL=launch_pdl,
+                                           num_warps=4, launch_pdl=launch_pdl > 0)
     return out
 
 
