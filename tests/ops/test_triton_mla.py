@@ -40,7 +40,7 @@ def test_mla_decode_matches_torch_ref(lens, heads):
 @pytest.mark.parametrize("max_seq_len", [2048, 65536])
 def test_contexts_far_shorter_than_the_launch(max_seq_len):
     """A launch sized for a longer context (a CUDA graph's max_model_len: 32 and 264 splits of
-    the one request) cuts each request's own context at run time (split_len): 100, 7 and 0
+    the one request) cuts each request's own context at run time: 100, 7 and 0
     keys, the splits past them store no output, the merge reads none."""
     got, ref = run([100, 7, 0], 16, 32, 16, torch.float32, max_seq_len=max_seq_len)
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)

@@ -22,6 +22,7 @@ import triton.language as tl
 
 from frugal.ops import torch_ref
 from frugal.ops.torch_ref.kv_quant import row_scaled, scale_view
+from frugal.ops.triton.decode_split import split_len
 from frugal.ops.triton.launch import enter, pdl
 from frugal.ops.triton.sizes import cdiv, next_power_of_2
 from frugal.ops.triton.token_rows import page_slot, token_request
@@ -34,30 +35,20 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_BLOCK_H = 64
 BLOCK_N = 64  # keys an iteration takes
 NUM_WARPS: int | None = None  # None: 8 for a latent of 256 or more, else 4
-# Splits: the launch has up to SPLIT_PROGRAMS programs (about two waves of the H200's 132 SMs
-# dense, one sparse), and each program cuts its request's context at run time (split_len), so
-# a CUDA graph captured for the longest context still spreads a short one: a split takes
-# about sqrt(SPLIT_SCALE x programs' (request, head block) pairs x keys) keys, whole blocks of
-# BLOCK_N and at least min_split (MIN_SPLIT_KEYS). Fewer, longer splits cost a longer serial
-# loop, more cost their partial outputs (64 heads x 512 fp32 a split: 128 KiB, as much as 111
-# cached rows) and the merge. On an H100, one layer's decode + merge, 64 heads, splits cut on
-# the host (a cache read from L2): one request of 576 keys 19.5 us in 3 splits, 11.8 in 9; of
-# 8,192 keys 26.4 in 32, 20.7 in 64, 33.8 in 128; 4 requests of 8,192 keys 41.6 in 32 a
-# request, 56.8 in 66; 16 of 2,048 44.6 in 8, 55.4 in 17 (the rule picks 9, 64, 32 and 8)
+# Splits: the launch has up to SPLIT_PROGRAMS programs (about two waves of the H200's 132 SMs dense,
+# one sparse), and each program cuts its request's context at run time (as decode_split.split_len
+# cuts it), so a CUDA graph captured for the longest context still spreads a short one: a split
+# takes about sqrt(SPLIT_SCALE x programs' (request, head block) pairs x keys) keys, whole blocks of
+# BLOCK_N and at least min_split (MIN_SPLIT_KEYS). Fewer, longer splits cost a longer serial loop,
+# more cost their partial outputs (64 heads x 512 fp32 a split: 128 KiB, as much as 111 cached rows)
+# and the merge. On an H100, one layer's decode + merge, 64 heads, splits cut on the host (a cache
+# read from L2): one request of 576 keys 19.5 us in 3 splits, 11.8 in 9; of 8,192 keys 26.4 in 32,
+# 20.7 in 64, 33.8 in 128; 4 requests of 8,192 keys 41.6 in 32 a request, 56.8 in 66; 16 of 2,048
+# 44.6 in 8, 55.4 in 17 (the rule picks 9, 64, 32 and 8)
 MIN_SPLIT_KEYS = (64, 64)
 SPLIT_PROGRAMS = (264, 132)
 SPLIT_SCALE = 2
 NUM_STAGES: int | None = 2  # (2 against Triton's default 3: as fast or faster at every shape)
-
-
-@triton.jit
-def split_len(seq_len, num_splits, pairs, min_split, SCALE: tl.constexpr,
-              BLOCK_N: tl.constexpr):
-    """Keys a split of a seq_len context takes (see SPLIT_SCALE): whole BLOCK_N blocks, at
-    least min_split, few enough that num_splits splits cover the context."""
-    spread = tl.sqrt(seq_len.to(tl.float32) * (SCALE * pairs)).to(tl.int32)
-    keys = tl.maximum(tl.maximum(spread, tl.cdiv(seq_len, num_splits)), min_split)
-    return tl.cdiv(keys, BLOCK_N) * BLOCK_N
 
 
 # (the step's page-table width and longest context change from step to step: one variant;
@@ -84,8 +75,11 @@ def _mla_decode(q_ptr, cache_ptr, page_table_ptr, seq_lens_ptr, out_ptr, lse_ptr
     else:
         seq_len = tl.load(seq_lens_ptr + b)
         table_row = b
-    per_split = split_len(seq_len, tl.num_programs(2), tl.num_programs(0) * tl.num_programs(1),
-                          min_split, SPLIT_SCALE, BLOCK_N)
+    # (at least min_split and the spread, in whole blocks: decode_split's cut of the context)
+    pairs = tl.num_programs(0) * tl.num_programs(1)
+    spread = tl.sqrt(seq_len.to(tl.float32) * (SPLIT_SCALE * pairs)).to(tl.int32)
+    least = tl.cdiv(tl.maximum(spread, min_split), BLOCK_N) * BLOCK_N
+    per_split = split_len(seq_len, tl.num_programs(2), BLOCK_N, least)
     start = split * per_split
     end = tl.minimum(start + per_split, seq_len)
     if start >= end:  # (no key here: the merge reads no output of this split)
@@ -230,7 +224,7 @@ def mla_decode(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor,
     block_h = min(MAX_BLOCK_H, max(16, next_power_of_2(num_heads)))
     if selection is not None:
         max_seq_len = selection.shape[1]
-    # splits: up to SPLIT_PROGRAMS programs; each cuts its context at run time (split_len)
+    # splits: up to SPLIT_PROGRAMS programs; each cuts its context at run time (_mla_decode)
     sparse = selection is not None
     pairs = batch * cdiv(num_heads, block_h)
     min_split = MIN_SPLIT_KEYS[sparse]
