@@ -110,6 +110,9 @@ def test_index_scores_count_the_top_k_first_pass(chunks, monkeypatch):
     work = topk.work_area(8, DEVICE)
     got = tri.index_scores(*to(DEVICE, q, w, cache, table, cu, seq_lens), 70, work).cpu()
     work = work.cpu()
+    visible = [70, 1, 2, 3, 4, 5, 0, 0]
+    got = torch.stack([torch.cat([row[:v], torch.full((70 - v,), float("-inf"))])
+                       for row, v in zip(got, visible)])  # (past what a token sees: unread)
     bits = got.view(torch.int32).long() & 0xFFFFFFFF
     keys = torch.where(bits >> 31 == 1, bits ^ 0xFFFFFFFF, bits ^ 0x80000000)
     for t in range(8):
@@ -117,7 +120,33 @@ def test_index_scores_count_the_top_k_first_pass(chunks, monkeypatch):
         want = torch.bincount((keys[t][finite] >> 24), minlength=256)
         assert torch.equal(work[t, :256].long(), want), t
     assert int(work[:, :256].sum()) == int(torch.isfinite(got).sum()) == 70 + 1 + 2 + 3 + 4 + 5
+    assert work[:, topk.DEAD.value].tolist() == [70 - v for v in visible]  # (the dead tails)
+    work[:, topk.DEAD.value] = 0
     assert not work[:, 256:].any()
+
+
+@pytest.mark.parametrize("capture", [False, True])
+def test_index_topk_in_a_graph_sized_for_longer_contexts(capture, monkeypatch):
+    """In a CUDA graph max_seq_len bounds the contexts (here 8x the longest) and the radix
+    select runs whatever the step's scores (faked capture on the CPU: over RADIX_MAX); the
+    score kernel then leaves every block past a token's context unwritten (NaN-filled here,
+    which the top-k would take first if it read them) and selects what torch_ref does."""
+    monkeypatch.setattr(tri, "RADIX_MIN", 64)
+    monkeypatch.setattr(tri, "RADIX_MAX", 0 if capture else 1 << 30)
+    monkeypatch.setattr(tri, "BLOCK_N", 16)
+    monkeypatch.setattr(tri, "capturing", lambda x: capture)
+    empty = torch.empty
+    monkeypatch.setattr(tri.torch, "empty", lambda *a, **k: empty(*a, **k).fill_(float("nan"))
+                        if k.get("dtype") == torch.float32 else empty(*a, **k))
+    lens, new = [100, 7, 40], [1, 1, 2]
+    g, cache, table, cu, seq_lens = batch(lens, new, 24 + 16, seed=4)
+    wide = torch.zeros(len(lens), 8 * table.shape[1], dtype=torch.int32)
+    wide[:, :table.shape[1]] = table
+    q, w = torch.randn(4, 16, 16, generator=g), torch.randn(4, 16, generator=g)
+    got = tri.index_topk(*to(DEVICE, q, w), cache.to(DEVICE)[..., 24:],
+                         *to(DEVICE, wide, cu, seq_lens), 8, 800)
+    ref = torch_ref.index_topk(q, w, cache[..., 24:], wide, cu, seq_lens, 8, 800)
+    assert torch.equal(got.cpu().sort(-1).values, ref.sort(-1).values)
 
 
 @pytest.mark.parametrize("lens,new,k", [([40, 7, 100], [1, 1, 1], 16), ([60, 90], [3, 20], 32),

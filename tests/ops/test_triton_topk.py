@@ -62,6 +62,31 @@ def test_a_first_pass_counted_elsewhere(monkeypatch):
     assert levels == [1, 2, 3, 0, 1, 2, 3]
 
 
+@pytest.mark.parametrize("size", [512, 2048])
+def test_dead_tails_are_not_read(size, monkeypatch):
+    """A work area's dead tail (column DEAD) cuts each row: the scores past it, the largest of
+    the row here, are never chosen; a row cut to fewer than k scores gets -1s after them, a row
+    cut to none only -1s; the selection is the uncut row's top-k of what is left."""
+    monkeypatch.setattr(tri, "block", lambda scores: size)
+    g = torch.Generator().manual_seed(11)
+    rows, n, k = 4, 5000, 100
+    scores = torch.randn(rows, n, generator=g)
+    lengths = [5000, 1300, 60, 0]
+    work = tri.work_area(rows, "cpu")
+    for r, length in enumerate(lengths):
+        scores[r, length:] = 1e6 + torch.arange(n - length)  # (would win if read)
+        work[r, tri.DEAD.value] = n - length
+        keys = scores[r, :length].view(torch.int32).long() & 0xFFFFFFFF
+        keys = torch.where(keys >> 31 == 1, keys ^ 0xFFFFFFFF, keys ^ 0x80000000)
+        work[r, :256] = torch.bincount(keys >> 24, minlength=256)  # (the first pass)
+    got = tri.top_positions(scores.to(DEVICE), k, work=work.to(DEVICE)).cpu()
+    for r, length in enumerate(lengths):
+        want = scores[r, :length].topk(min(k, length)).indices.sort().values
+        taken = got[r][got[r] >= 0]
+        assert torch.equal(taken.sort().values, want.int()), r
+        assert bool((got[r, len(taken):] == -1).all())
+
+
 def check(rows, n, k, masked, ties):
     g = torch.Generator().manual_seed(n + k)
     scores = torch.randn(rows, n, generator=g) * 5

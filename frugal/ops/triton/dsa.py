@@ -1,6 +1,7 @@
 """DeepSeek Sparse Attention on the GPU: the indexer's scores as one Triton kernel, their top-k
 (ops.triton.topk's radix select for rows of RADIX_MIN positions or more while the step's scores
-are at most RADIX_MAX, its first pass counted by the score kernel; torch.topk otherwise), and
+are at most RADIX_MAX or a CUDA graph is captured, its first pass counted by the score kernel,
+which also cuts each row at what its token sees; torch.topk otherwise), and
 MLA over the selected positions (mla_decode's kernel, SPARSE).
 
 The score kernel takes one new token and CHUNKS blocks of BLOCK_N of its request's positions a
@@ -25,7 +26,7 @@ from frugal.ops.triton.mla_decode import mla_decode
 from frugal.ops.triton.mla_decode import supported as mla_supported
 from frugal.ops.triton.sizes import cdiv
 from frugal.ops.triton.token_rows import page_slot, token_request
-from frugal.ops.triton.topk import count_first_bytes, top_positions, work_area
+from frugal.ops.triton.topk import DEAD, count_first_bytes, top_positions, work_area
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 BLOCK_N = 128  # positions of a score block (64-256 measured: 128 by up to 8 %)
@@ -46,11 +47,17 @@ def _score_kernel(q_ptr, w_ptr, keys_ptr, key_scales_ptr, page_table_ptr, cu_ptr
     """Token t's scores over CHUNKS · BLOCK_N positions. Token t of request b (token_request)
     sees the positions before seq_lens[b] - (cu[b + 1] - t) and its own; a row past the step's
     tokens (cu[num_requests] and on) sees none. FIRST_PASS: the radix top-k's first pass over
-    them too, into the token's row of the work area (topk.count_first_bytes)."""
+    them too, into the token's row of the work area (topk.count_first_bytes), and its dead tail
+    (num_cols - visible); programs past what the token sees then store nothing and return."""
     t = tl.program_id(0)
     b = token_request(cu_ptr, num_requests, t)
     end = tl.load(cu_ptr + b + 1)
     visible = tl.where(t < end, tl.load(seq_lens_ptr + b) - (end - t) + 1, 0)
+    if FIRST_PASS:
+        if tl.program_id(1) == 0:
+            tl.store(work_ptr + t * s_work + DEAD, num_cols - tl.minimum(visible, num_cols))
+        if tl.program_id(1) * CHUNKS * BLOCK_N >= visible:
+            return
     heads = tl.arange(0, HEADS)
     dims = tl.arange(0, DIM)
     q = tl.load(q_ptr + t * sqt + heads[:, None] * sqh + dims[None, :])
@@ -87,7 +94,8 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
                  max_seq_len: int, work: torch.Tensor | None = None) -> torch.Tensor:
     """[num_tokens, max_seq_len] fp32 index scores (-inf where a token sees no position).
     work: a topk.work_area of num_tokens rows that the radix top-k's first pass is counted
-    into (then top_positions(scores, k, work=work))."""
+    into (then top_positions(scores, k, work=work)), with each row's dead tail; the blocks of
+    BLOCK_N · CHUNKS positions past what a token sees are then left unwritten."""
     num_tokens, heads, dim = q.shape
     # (rows padded to 16 scores: their stride, a multiple of 16 at any context, is one variant)
     out = torch.empty(num_tokens, cdiv(max_seq_len, 16) * 16, dtype=torch.float32,
@@ -107,6 +115,11 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
     return out
 
 
+def capturing(x: torch.Tensor) -> bool:
+    """Whether x's device is capturing a CUDA graph."""
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def index_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
                page_table: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
                topk: int, max_seq_len: int) -> torch.Tensor:
@@ -114,7 +127,9 @@ def index_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
     if not supported(q.shape[1], q.shape[2]):
         return torch_ref.index_topk(q, weights, keys, page_table, cu_seqlens_q, seq_lens, topk,
                                     max_seq_len)
-    radix = max_seq_len >= RADIX_MIN and q.shape[0] * max_seq_len <= RADIX_MAX
+    # (in a CUDA graph max_seq_len bounds the contexts served: the radix select's rows cost
+    # the contexts' own lengths, torch.topk's that bound)
+    radix = max_seq_len >= RADIX_MIN and (q.shape[0] * max_seq_len <= RADIX_MAX or capturing(q))
     work = work_area(q.shape[0], q.device) if radix else None
     scores = index_scores(q, weights, keys, page_table, cu_seqlens_q, seq_lens, max_seq_len,
                           work)

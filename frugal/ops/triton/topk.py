@@ -18,10 +18,13 @@ operations per bin a thread owns, so its cost grows with the bins. Three passes 
 (torch.topk: 53); at 64 such rows 846 against 222-335 µs (torch.topk: 140).
 
 Programs: (rows, cdiv(n, block)), block = 512-2,048 scores by the step's size (fewer, larger
-programs for more scores: measured best); a [rows, 4 · 256 + 2] int32 work area holds the four
-histograms and the two place counters; a row's first program also writes its -1s. The first
+programs for more scores: measured best); a [rows, 4 · 256 + 3] int32 work area holds the four
+histograms, the two place counters and the row's dead tail: how many positions at its end hold
+no candidate and are not read (0 from work_area: the whole row is read); a row's first program
+also writes its -1s, and the programs wholly inside the dead tail return at once. The first
 pass may run inside the kernel that makes the scores (count_first_bytes; the DSA indexer's),
-which saves a launch and a read of the row.
+which saves a launch and a read of the row, and writes the dead tail: in a CUDA graph sized for
+the longest context served, a short context's row then costs its own length, not the graph's.
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ import triton.language as tl
 from frugal.ops.triton.sizes import cdiv
 
 LEVELS, BINS = 4, 256  # bytes of a key, bins of a byte
-WORK = LEVELS * BINS + 2
+DEAD = tl.constexpr(LEVELS * BINS + 2)  # the work area's column of the row's dead tail
+WORK = DEAD.value + 1
 
 
 def block(scores: int) -> int:
@@ -94,9 +98,12 @@ def count_first_bytes(scores, work):
 def _histogram(scores_ptr, work_ptr, n, k, s_row, s_work, LEVEL: tl.constexpr,
                BLOCK: tl.constexpr):
     row = tl.program_id(0)
+    work = work_ptr + row * s_work
+    n = n - tl.load(work + DEAD)
+    if tl.program_id(1) * BLOCK >= n:
+        return
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     key = _key(tl.load(scores_ptr + row * s_row + offs, mask=offs < n, other=float("-inf")))
-    work = work_ptr + row * s_work
     live = key != 0
     if LEVEL > 0:
         prefix, need, found = _prefix(work, k, LEVEL)
@@ -107,9 +114,12 @@ def _histogram(scores_ptr, work_ptr, n, k, s_row, s_work, LEVEL: tl.constexpr,
 @triton.jit(do_not_specialize=["n"])
 def _select(scores_ptr, work_ptr, out_ptr, n, k, s_row, s_work, s_out, BLOCK: tl.constexpr):
     row = tl.program_id(0)
+    work = work_ptr + row * s_work
+    n = n - tl.load(work + DEAD)
+    if tl.program_id(1) > 0 and tl.program_id(1) * BLOCK >= n:
+        return
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     key = _key(tl.load(scores_ptr + row * s_row + offs, mask=offs < n, other=float("-inf")))
-    work = work_ptr + row * s_work
     threshold, need, found = _prefix(work, k, 4)
     above = tl.where(found, key > threshold, key != 0)
     at = (key == threshold) & (key != 0) & found
@@ -130,7 +140,8 @@ def _select(scores_ptr, work_ptr, out_ptr, n, k, s_row, s_work, s_out, BLOCK: tl
 
 def work_area(rows: int, device: torch.device | str) -> torch.Tensor:
     """A zeroed [rows, WORK] int32 work area: the kernel that makes the scores may count its
-    first pass into it (count_first_bytes) before top_positions(..., work=) runs the rest."""
+    first pass into it (count_first_bytes) and write each row's dead tail (column DEAD) before
+    top_positions(..., work=) runs the rest."""
     return torch.zeros(rows, WORK, dtype=torch.int32, device=device)
 
 
@@ -140,7 +151,9 @@ def top_positions(scores: torch.Tensor, k: int, out: torch.Tensor | None = None,
     first), 1 ≤ k ≤ n. Returns [rows, k] int32 (into `out` if given: rows of unit stride): the
     positions of each row's k largest finite scores in no order, -1 past a row's finite ones.
     work: a work_area whose first histogram holds every score of its row already (counted
-    where the scores were made); None: the first pass runs here."""
+    where the scores were made), its column DEAD how many scores at the row's end to leave
+    unread (they may be garbage; the -1s then start sooner); None: the first pass runs here,
+    over whole rows."""
     rows, n = scores.shape
     if not 1 <= k <= n or scores.stride(1) != 1:
         raise ValueError(f"top_positions: k = {k} of rows of {n} scores, stride "
