@@ -67,7 +67,7 @@ def map_peer(offered: dict, pool_bytes: int, device: torch.device, where: str
 class _Copy:
     """A copy in flight: when it started, whether it has ended, what went wrong (None: it
     ended well), what to run once it has ended well, and the tensors its launch reads and
-    writes through until then (a GPU copy's page lists and source)."""
+    writes through until then (a GPU copy's page lists, here and on the host, and source)."""
 
     started: float
     ended: Callable[[], bool]
@@ -107,13 +107,16 @@ class Copies:
         device = self._local.device
         if self._cuda:
             self._stream.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(self._stream):  # (one host copy: lists convert slowly)
-                d, s = torch.from_numpy(np.array([local_pages, remote_pages], dtype=np.int64)
-                                        ).to(device)
+            # (one array: lists convert slowly; pinned, so that the copy to the device does
+            # not wait on the host for this stream, which waits for the steps in flight)
+            host = torch.from_numpy(np.array([local_pages, remote_pages], dtype=np.int64)
+                                    ).pin_memory()
+            with torch.cuda.stream(self._stream):
+                d, s = host.to(device, non_blocking=True)
                 self._copy(self._local, d, src, s)
                 event = torch.cuda.Event()
                 event.record(self._stream)
-            copy = _Copy(time.monotonic(), event.query, lambda: None, then, (d, s, src))
+            copy = _Copy(time.monotonic(), event.query, lambda: None, then, (d, s, src, host))
         else:
             try:
                 self._copy(self._local, torch.tensor(local_pages, dtype=torch.int64), src,

@@ -104,7 +104,8 @@ def _serve_cuda_pool(pipe) -> None:
 @pytest.mark.gpu
 def test_cuda_ipc_pages_from_another_process():
     """A GPU pool of another process mapped through CUDA IPC and read by the Triton page copy
-    on its own stream; the same process's own pool is refused (CUDA IPC cannot open it)."""
+    on its own stream, queued after the work in flight without the host waiting for it; the
+    same process's own pool is refused (CUDA IPC cannot open it)."""
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()
     child = ctx.Process(target=_serve_cuda_pool, args=(there,), daemon=True)
@@ -114,7 +115,11 @@ def test_cuda_ipc_pages_from_another_process():
         pool = KVPool(*SHAPE[:-1], "cuda")
         remote = mapping.attach(desc, pool.num_bytes, pool.storage.device)
         copies = direct.Copies(pool)
+        torch.cuda._sleep(2_000_000_000)  # (~1 s of a step in flight on the current stream)
+        began = time.monotonic()
         copies.start("g", [9, 4, 0, 1], remote, [0, 11, 3, 4], lambda: None)
+        assert time.monotonic() - began < 0.2  # (queued after it, not waited for on the host)
+        assert copies.done() == []
         while not copies.done():
             time.sleep(0.0005)
         assert pool.checksums([9, 4, 0, 1]) == [sums[0], sums[11], sums[3], sums[4]]
