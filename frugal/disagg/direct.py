@@ -79,7 +79,9 @@ class _Copy:
 class Copies:
     """Page copies in flight from mapped peers' pools into one pool (engine thread only). On a
     GPU each is one launch on a stream of its own, queued after the steps launched so far
-    (pages just given to a request may still be written by one), its end an event; on a CPU
+    (pages just given to a request may still be written by one) without the host waiting for
+    them, its end an event (the kernel is compiled here: a module loaded mid-serving would
+    wait for the whole GPU); on a CPU
     the engine thread copies at once (memcpy speed: a thread of its own would wait for the
     GIL between pages while the engine loop runs)."""
 
@@ -91,6 +93,24 @@ class Copies:
         self._copy = ops.load("triton" if self._cuda else "torch_ref").copy_pages
         self._stream = torch.cuda.Stream(storage.device) if self._cuda else None
         self._copies: dict[str, _Copy] = {}
+        if self._cuda:  # (the copy kernel compiled now: loading it later waits for the GPU)
+            with torch.cuda.stream(self._stream):
+                _, d, s = self._lists([0], [0])
+                self._copy(self._local, d, self._local, s)
+
+    def _lists(self, local_pages: list[int], remote_pages: list[int]
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(the pinned host array, the local and remote page lists on the device), copied on
+        the current stream. One array (lists convert slowly), pinned (a pageable copy would
+        wait on the host for the stream, and the copy stream waits for the steps in flight),
+        its rows padded to an even length (both lists 16-byte aligned at any length: one
+        compiled variant of the copy kernel, the one compiled at start-up)."""
+        n = len(local_pages)
+        host = np.zeros((2, n + n % 2), dtype=np.int64)
+        host[0, :n], host[1, :n] = local_pages, remote_pages
+        host = torch.from_numpy(host).pin_memory()
+        d, s = host.to(self._local.device, non_blocking=True)[:, :n]
+        return host, d, s
 
     def __contains__(self, key: str) -> bool:
         return key in self._copies
@@ -107,12 +127,8 @@ class Copies:
         device = self._local.device
         if self._cuda:
             self._stream.wait_stream(torch.cuda.current_stream(device))
-            # (one array: lists convert slowly; pinned, so that the copy to the device does
-            # not wait on the host for this stream, which waits for the steps in flight)
-            host = torch.from_numpy(np.array([local_pages, remote_pages], dtype=np.int64)
-                                    ).pin_memory()
             with torch.cuda.stream(self._stream):
-                d, s = host.to(device, non_blocking=True)
+                host, d, s = self._lists(local_pages, remote_pages)
                 self._copy(self._local, d, src, s)
                 event = torch.cuda.Event()
                 event.record(self._stream)

@@ -104,8 +104,9 @@ def _serve_cuda_pool(pipe) -> None:
 @pytest.mark.gpu
 def test_cuda_ipc_pages_from_another_process():
     """A GPU pool of another process mapped through CUDA IPC and read by the Triton page copy
-    on its own stream, queued after the work in flight without the host waiting for it; the
-    same process's own pool is refused (CUDA IPC cannot open it)."""
+    on its own stream, queued after the work in flight without the host waiting for it (nor
+    for a kernel load: compiled when Copies was made); the same process's own pool is refused
+    (CUDA IPC cannot open it)."""
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()
     child = ctx.Process(target=_serve_cuda_pool, args=(there,), daemon=True)

@@ -12,7 +12,8 @@ from frugal.ops.torch_ref.pages import check_pools
 BLOCK = 2048  # words a program moves per iteration
 
 
-@triton.jit
+# (the pools' page counts: one variant whatever they are, compiled before serving)
+@triton.jit(do_not_specialize=["dst_num_pages", "src_num_pages"])
 def _copy_pages_kernel(dst, dst_pages, src, src_pages, dst_num_pages, src_num_pages, words,
                        BLOCK: tl.constexpr):
     """Program (i, c): chunk c of page pair i, `words` elements, BLOCK at a time."""
