@@ -125,16 +125,18 @@ def test_index_scores_count_the_top_k_first_pass(chunks, monkeypatch):
     assert not work[:, 256:].any()
 
 
-@pytest.mark.parametrize("capture", [False, True])
-def test_index_topk_in_a_graph_sized_for_longer_contexts(capture, monkeypatch):
+@pytest.mark.parametrize("bound", [False, True])
+def test_index_topk_in_a_graph_sized_for_longer_contexts(bound, monkeypatch):
     """In a CUDA graph max_seq_len bounds the contexts (here 8x the longest) and the radix
-    select runs whatever the step's scores (faked capture on the CPU: over RADIX_MAX); the
-    score kernel then leaves every block past a token's context unwritten (NaN-filled here,
-    which the top-k would take first if it read them) and selects what torch_ref does."""
+    select runs whatever the step's scores (bound: here over RADIX_MAX); the score kernel then
+    leaves every block past a token's context unwritten (NaN-filled here, which the top-k would
+    take first if it read them) and selects what torch_ref does."""
+    calls, real = [], tri.top_positions
+    monkeypatch.setattr(tri, "top_positions",
+                        lambda s, k, **kw: calls.append(s.shape) or real(s, k, **kw))
     monkeypatch.setattr(tri, "RADIX_MIN", 64)
-    monkeypatch.setattr(tri, "RADIX_MAX", 0 if capture else 1 << 30)
+    monkeypatch.setattr(tri, "RADIX_MAX", 0 if bound else 1 << 30)
     monkeypatch.setattr(tri, "BLOCK_N", 16)
-    monkeypatch.setattr(tri, "capturing", lambda x: capture)
     empty = torch.empty
     monkeypatch.setattr(tri.torch, "empty", lambda *a, **k: empty(*a, **k).fill_(float("nan"))
                         if k.get("dtype") == torch.float32 else empty(*a, **k))
@@ -144,9 +146,10 @@ def test_index_topk_in_a_graph_sized_for_longer_contexts(capture, monkeypatch):
     wide[:, :table.shape[1]] = table
     q, w = torch.randn(4, 16, 16, generator=g), torch.randn(4, 16, generator=g)
     got = tri.index_topk(*to(DEVICE, q, w), cache.to(DEVICE)[..., 24:],
-                         *to(DEVICE, wide, cu, seq_lens), 8, 800)
-    ref = torch_ref.index_topk(q, w, cache[..., 24:], wide, cu, seq_lens, 8, 800)
+                         *to(DEVICE, wide, cu, seq_lens), 8, 800, bound=bound)
+    ref = torch_ref.index_topk(q, w, cache[..., 24:], wide, cu, seq_lens, 8, 800, bound=bound)
     assert torch.equal(got.cpu().sort(-1).values, ref.sort(-1).values)
+    assert calls == [(4, 800)]
 
 
 @pytest.mark.parametrize("lens,new,k", [([40, 7, 100], [1, 1, 1], 16), ([60, 90], [3, 20], 32),

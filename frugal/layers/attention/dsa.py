@@ -60,8 +60,10 @@ class Indexer(nn.Module):
         q = self.wq_b(q_resid).view(-1, d.num_heads, d.head_dim)
         q = self._rotate(q, positions)
         weights = F.linear(x.float(), self.weights_proj.weight.float()) * self.scale
+        # (no host seq_lens: a CUDA graph's step, max_seq_len the longest context it serves)
         return ops.index_topk(q, weights, keys, meta.page_table, meta.cu_seqlens_q,
-                              meta.seq_lens, d.topk, meta.max_seq_len)
+                              meta.seq_lens, d.topk, meta.max_seq_len,
+                              bound=meta.host_seq_lens is None)
 
     def _rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: [num_tokens, heads, head_dim], its first rope_dim dims rotated (pairs)."""

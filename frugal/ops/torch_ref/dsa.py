@@ -42,14 +42,15 @@ def index_key_rows(keys: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 
 def index_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
                page_table: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
-               topk: int, max_seq_len: int) -> torch.Tensor:
+               topk: int, max_seq_len: int, bound: bool = False) -> torch.Tensor:
     """Each new token's top-k positions by index score sum_h weights[t, h] * ReLU(q[t, h] .
     key(s)) over the positions s it can see (the request's first seq_len - num_new + i + 1).
 
     q: [num_tokens, heads, dim]; weights: [num_tokens, heads] fp32 (scales folded in); keys:
     the cache's index-key columns (see the module docstring; a column view is fine); the batch
     layout as paged_attention's. Returns [num_tokens, min(topk, max_seq_len)] int32, scores
-    computed in fp32, -1 where a token sees fewer positions."""
+    computed in fp32, -1 where a token sees fewer positions. bound: max_seq_len only bounds
+    the contexts, far past them maybe (a CUDA graph's step); the result is the same."""
     k = min(topk, max_seq_len)
     out = torch.full((q.shape[0], k), -1, dtype=torch.int32, device=q.device)
     page_size = keys.shape[1]

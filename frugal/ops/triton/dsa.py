@@ -1,6 +1,6 @@
 """DeepSeek Sparse Attention on the GPU: the indexer's scores as one Triton kernel, their top-k
 (ops.triton.topk's radix select for rows of RADIX_MIN positions or more while the step's scores
-are at most RADIX_MAX or a CUDA graph is captured, its first pass counted by the score kernel,
+are at most RADIX_MAX or a CUDA graph's step, its first pass counted by the score kernel,
 which also cuts each row at what its token sees; torch.topk otherwise), and
 MLA over the selected positions (mla_decode's kernel, SPARSE).
 
@@ -115,21 +115,16 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
     return out
 
 
-def capturing(x: torch.Tensor) -> bool:
-    """Whether x's device is capturing a CUDA graph."""
-    return x.is_cuda and torch.cuda.is_current_stream_capturing()
-
-
 def index_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
                page_table: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
-               topk: int, max_seq_len: int) -> torch.Tensor:
-    """torch_ref.index_topk's twin."""
+               topk: int, max_seq_len: int, bound: bool = False) -> torch.Tensor:
+    """torch_ref.index_topk's twin. With bound (a CUDA graph's step, in its capture and in the
+    run before it that compiles its kernels) the radix select runs whatever the step's scores:
+    its rows cost the contexts' own lengths, torch.topk's the bound."""
     if not supported(q.shape[1], q.shape[2]):
         return torch_ref.index_topk(q, weights, keys, page_table, cu_seqlens_q, seq_lens, topk,
                                     max_seq_len)
-    # (in a CUDA graph max_seq_len bounds the contexts served: the radix select's rows cost
-    # the contexts' own lengths, torch.topk's that bound)
-    radix = max_seq_len >= RADIX_MIN and (q.shape[0] * max_seq_len <= RADIX_MAX or capturing(q))
+    radix = max_seq_len >= RADIX_MIN and (bound or q.shape[0] * max_seq_len <= RADIX_MAX)
     work = work_area(q.shape[0], q.device) if radix else None
     scores = index_scores(q, weights, keys, page_table, cu_seqlens_q, seq_lens, max_seq_len,
                           work)
