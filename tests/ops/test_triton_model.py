@@ -93,14 +93,20 @@ def _same_outputs(graphs: LLM, eager: LLM, seed: int) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", ["deepseek-v3-rope16", "glm-5"])
-def test_mla_decode_graphs_replay_as_eager(case, tmp_path):
+@pytest.mark.parametrize("case", ["deepseek-v3-rope16", "glm-5", "glm-5-radix"])
+def test_mla_decode_graphs_replay_as_eager(case, tmp_path, monkeypatch):
     """Decode steps of an MLA model (and of GLM-5's sparse path: contexts past its top-k and
-    short of it) replayed from CUDA graphs give the eager steps' tokens and log-probabilities."""
+    short of it) replayed from CUDA graphs give the eager steps' tokens and log-probabilities.
+    glm-5-radix: the graphs' top-k by the radix select over rows cut at each context (a graph's
+    step takes it whatever its scores), the eager steps' by torch.topk."""
+    from frugal.ops.triton import dsa
     from tests.loader.test_hf_dir import save_random
     from tests.models.test_mla_vs_hf import write_model as write_mla
 
-    if case == "glm-5":
+    if case == "glm-5-radix":
+        monkeypatch.setattr(dsa, "RADIX_MIN", 32)
+        monkeypatch.setattr(dsa, "RADIX_MAX", 0)
+    if case.startswith("glm-5"):
         from tests.models.test_dsa_vs_hf import config
         save_random(config(qk_rope_head_dim=16), tmp_path)
     else:
