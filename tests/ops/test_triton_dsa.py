@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from frugal.ops import torch_ref
+from tests.ops.test_triton_topk import radix_keys
 
 tri = pytest.importorskip("frugal.ops.triton.dsa")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -113,8 +114,7 @@ def test_index_scores_count_the_top_k_first_pass(chunks, monkeypatch):
     visible = [70, 1, 2, 3, 4, 5, 0, 0]
     got = torch.stack([torch.cat([row[:v], torch.full((70 - v,), float("-inf"))])
                        for row, v in zip(got, visible)])  # (past what a token sees: unread)
-    bits = got.view(torch.int32).long() & 0xFFFFFFFF
-    keys = torch.where(bits >> 31 == 1, bits ^ 0xFFFFFFFF, bits ^ 0x80000000)
+    keys = radix_keys(got)
     for t in range(8):
         finite = torch.isfinite(got[t])
         want = torch.bincount((keys[t][finite] >> 24), minlength=256)

@@ -44,14 +44,19 @@ def test_bad_calls():
         tri.top_positions(scores, 4, work=tri.work_area(3, DEVICE))
 
 
+def radix_keys(scores):
+    """The 32-bit keys (as int64) the radix select orders fp32 scores by (topk._key, finite)."""
+    bits = scores.view(torch.int32).long() & 0xFFFFFFFF
+    return torch.where(bits >> 31 == 1, bits ^ 0xFFFFFFFF, bits ^ 0x80000000)
+
+
 def test_a_first_pass_counted_elsewhere(monkeypatch):
     """top_positions(work=) takes its first histogram as given (it runs passes 1-3 only):
     counted by the same byte rule (here in torch), it selects what the full run does."""
     g = torch.Generator().manual_seed(5)
     scores = torch.randn(3, 3000, generator=g) * 5
     scores[1, ::3] = float("-inf")
-    bits = scores.view(torch.int32).long() & 0xFFFFFFFF
-    keys = torch.where(bits >> 31 == 1, bits ^ 0xFFFFFFFF, bits ^ 0x80000000)
+    keys = radix_keys(scores)
     work = tri.work_area(3, "cpu")
     for r in range(3):
         work[r, :256] = torch.bincount(keys[r][torch.isfinite(scores[r])] >> 24, minlength=256)
@@ -76,9 +81,7 @@ def test_dead_tails_are_not_read(size, monkeypatch):
     for r, length in enumerate(lengths):
         scores[r, length:] = 1e6 + torch.arange(n - length)  # (would win if read)
         work[r, tri.DEAD.value] = n - length
-        keys = scores[r, :length].view(torch.int32).long() & 0xFFFFFFFF
-        keys = torch.where(keys >> 31 == 1, keys ^ 0xFFFFFFFF, keys ^ 0x80000000)
-        work[r, :256] = torch.bincount(keys >> 24, minlength=256)  # (the first pass)
+        work[r, :256] = torch.bincount(radix_keys(scores[r, :length]) >> 24, minlength=256)
     got = tri.top_positions(scores.to(DEVICE), k, work=work.to(DEVICE)).cpu()
     for r, length in enumerate(lengths):
         want = scores[r, :length].topk(min(k, length)).indices.sort().values
